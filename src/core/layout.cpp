@@ -1,0 +1,89 @@
+// Byte layouts (SPEC section 3): names, dense geometries, validation, transport rows.
+#include "pcpkv/layout.h"
+
+#include "pcpkv/error.h"
+
+namespace pcpkv {
+
+const char* to_string(KvFormat f) {
+  switch (f) {
+    case KvFormat::kBf16: return "bf16";
+    case KvFormat::kFp8: return "fp8";
+    case KvFormat::kFp8DsMla: return "fp8_ds_mla";
+  }
+  return "?";
+}
+
+const char* to_string(DsMlaScale s) { return s == DsMlaScale::kPow2 ? "pow2" : "raw"; }
+
+KvFormat parse_kv_format(const std::string& s, const char* field) {
+  if (s == "bf16") return KvFormat::kBf16;
+  if (s == "fp8" || s == "fp8_e4m3") return KvFormat::kFp8;
+  if (s == "fp8_ds_mla") return KvFormat::kFp8DsMla;
+  PCPKV_FAIL("--{}: unknown kv cache format '{}'; known: bf16, fp8, fp8_ds_mla", field, s);
+}
+
+DsMlaScale parse_ds_mla_scale(const std::string& s, const char* field) {
+  if (s == "pow2") return DsMlaScale::kPow2;
+  if (s == "raw") return DsMlaScale::kRaw;
+  PCPKV_FAIL("--{}: unknown fp8_ds_mla scale rule '{}'; known: pow2, raw", field, s);
+}
+
+MlaCacheGeometry dense_mla_geometry(KvFormat f, int64_t num_blocks, int32_t block_size) {
+  MlaCacheGeometry g;
+  g.num_blocks = num_blocks;
+  g.block_size = block_size;
+  g.row_stride = mla_row_bytes(f);
+  g.block_stride = g.row_stride * block_size;
+  return g;
+}
+
+IndexerCacheGeometry dense_indexer_geometry(int64_t num_blocks, int32_t block_size) {
+  IndexerCacheGeometry g;
+  g.num_blocks = num_blocks;
+  g.block_size = block_size;
+  g.block_stride = int64_t{block_size} * kIndexerSlotBytes;
+  return g;
+}
+
+namespace {
+bool is_pow2(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+}  // namespace
+
+void validate_geometry(const MlaCacheGeometry& g, KvFormat f) {
+  PCPKV_CHECK(g.num_blocks >= 1, "mla cache: num_blocks = {} must be >= 1", g.num_blocks);
+  PCPKV_CHECK(is_pow2(g.block_size), "mla cache: block_size = {} must be a power of two", g.block_size);
+  PCPKV_CHECK(g.row_stride >= mla_row_bytes(f), "mla cache: row_stride = {} B is smaller than a {} row ({} B)",
+              g.row_stride, to_string(f), mla_row_bytes(f));
+  // fp32 tile scales and bf16 values need their natural alignment; 16 B keeps rows vector-aligned.
+  PCPKV_CHECK(g.row_stride % 16 == 0, "mla cache: row_stride = {} B must be a multiple of 16", g.row_stride);
+  PCPKV_CHECK(g.block_stride >= g.row_stride * g.block_size,
+              "mla cache: block_stride = {} B is smaller than block_size * row_stride = {} B", g.block_stride,
+              g.row_stride * g.block_size);
+  PCPKV_CHECK(g.block_stride % 16 == 0, "mla cache: block_stride = {} B must be a multiple of 16", g.block_stride);
+}
+
+void validate_geometry(const IndexerCacheGeometry& g) {
+  PCPKV_CHECK(g.num_blocks >= 1, "indexer cache: num_blocks = {} must be >= 1", g.num_blocks);
+  PCPKV_CHECK(is_pow2(g.block_size), "indexer cache: block_size = {} must be a power of two", g.block_size);
+  PCPKV_CHECK(g.block_stride >= int64_t{g.block_size} * kIndexerSlotBytes,
+              "indexer cache: block_stride = {} B is smaller than block_size * 132 = {} B", g.block_stride,
+              int64_t{g.block_size} * kIndexerSlotBytes);
+  PCPKV_CHECK(g.block_stride % 16 == 0, "indexer cache: block_stride = {} B must be a multiple of 16",
+              g.block_stride);
+}
+
+TransportRowLayout transport_row_layout(const CacheFormat& fmt) {
+  TransportRowLayout l;
+  l.mla_bytes = mla_row_bytes(fmt.kv_format);
+  if (fmt.has_indexer) {
+    l.index_data_offset = l.mla_bytes;
+    l.index_scale_offset = l.mla_bytes + kIndexHeadDim;
+    l.row_bytes = l.mla_bytes + kIndexHeadDim + 4 + 12;  // 720 / 800 / 1296
+  } else {
+    l.row_bytes = l.mla_bytes;  // 576 / 656 / 1152, all multiples of 16
+  }
+  return l;
+}
+
+}  // namespace pcpkv

@@ -1,0 +1,219 @@
+// PCP batch plan (SPEC section 4): DualChunkSwap split, decode replication, padding, slot mappings.
+#include "pcpkv/plan.h"
+
+#include <algorithm>
+#include <numeric>
+#include <unordered_map>
+
+#include "pcpkv/error.h"
+
+namespace pcpkv {
+namespace {
+
+bool is_pow2(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::vector<int64_t> dual_chunk_swap_tokens(int64_t L, int32_t P, int32_t r) {
+  PCPKV_CHECK(P >= 1, "pcp_world = {} must be >= 1", P);
+  PCPKV_CHECK(r >= 0 && r < P, "pcp rank {} is out of range [0, {})", r, P);
+  PCPKV_CHECK(L >= 0, "prefill length {} must be >= 0", L);
+  std::vector<int64_t> out;
+  if (L == 0) return out;
+  const int64_t chunk = ceil_div(L, 2 * int64_t{P});
+  for (int64_t idx : {int64_t{r}, int64_t{2 * P - 1 - r}}) {
+    const int64_t begin = idx * chunk;
+    const int64_t end = std::min((idx + 1) * chunk, L);
+    for (int64_t t = begin; t < end; ++t) out.push_back(t);
+  }
+  return out;
+}
+
+int64_t PcpPlan::num_written_slots() const {
+  return std::count_if(gathered_slot_mapping.begin(), gathered_slot_mapping.end(), [](int64_t s) { return s >= 0; });
+}
+
+PcpPlan make_plan(const PlanConfig& c) {
+  PCPKV_CHECK(c.pcp_world >= 1, "--pcp: pcp_world = {} must be >= 1", c.pcp_world);
+  PCPKV_CHECK(c.pcp_world <= 1024, "--pcp: pcp_world = {} is larger than 1024", c.pcp_world);
+  PCPKV_CHECK(is_pow2(c.block_size), "--block-size: {} must be a power of two", c.block_size);
+  PCPKV_CHECK(!c.requests.empty(), "plan: the batch has no requests");
+  PCPKV_CHECK(c.extra_blocks >= 0, "plan: extra_blocks = {} must be >= 0", c.extra_blocks);
+  for (size_t i = 0; i < c.requests.size(); ++i) {
+    const RequestSpec& q = c.requests[i];
+    PCPKV_CHECK(q.context_len >= 0, "requests[{}].context_len = {} must be >= 0", i, q.context_len);
+    if (q.kind == RequestKind::kDecode)
+      PCPKV_CHECK(q.num_new_tokens == 1, "requests[{}]: a decode has num_new_tokens = 1, got {}", i,
+                  q.num_new_tokens);
+    else
+      PCPKV_CHECK(q.num_new_tokens >= 1, "requests[{}]: a prefill needs num_new_tokens >= 1, got {}", i,
+                  q.num_new_tokens);
+  }
+
+  PcpPlan p;
+  p.pcp_world = c.pcp_world;
+  p.block_size = c.block_size;
+  p.reserve_null_block = c.reserve_null_block;
+  p.requests = c.requests;
+  const int64_t B = c.block_size;
+
+  // Blocks per request cover positions [0, context_len + num_new_tokens); independent of pcp_world, so a
+  // PCP-1 plan over the same requests and seed has the same block tables (the single-rank reference).
+  std::vector<int64_t> need(c.requests.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < c.requests.size(); ++i) {
+    need[i] = ceil_div(c.requests[i].context_len + c.requests[i].num_new_tokens, B);
+    total += need[i];
+  }
+  const int64_t first = c.reserve_null_block ? 1 : 0;
+  p.num_blocks = first + total + c.extra_blocks;
+  std::vector<int32_t> ids(static_cast<size_t>(p.num_blocks - first));
+  std::iota(ids.begin(), ids.end(), static_cast<int32_t>(first));
+  if (c.shuffle_blocks) {
+    uint64_t state = c.seed ^ 0x5bd1e995ull;
+    for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[splitmix64(state) % i]);
+  }
+  size_t next = 0;
+  p.block_tables.resize(c.requests.size());
+  for (size_t i = 0; i < c.requests.size(); ++i)
+    for (int64_t b = 0; b < need[i]; ++b) p.block_tables[i].push_back(ids[next++]);
+
+  // Global order: requests in order, each request's new tokens contiguous.
+  std::vector<int64_t> request_start(c.requests.size());
+  for (size_t i = 0; i < c.requests.size(); ++i) {
+    request_start[i] = static_cast<int64_t>(p.global_slots.size());
+    const RequestSpec& q = c.requests[i];
+    for (int64_t t = 0; t < q.num_new_tokens; ++t) {
+      const int64_t pos = q.context_len + t;
+      const int64_t block = p.block_tables[i][static_cast<size_t>(pos / B)];
+      p.global_positions.push_back(pos);
+      p.global_slots.push_back(block * B + pos % B);
+      p.global_request.push_back(static_cast<int32_t>(i));
+    }
+  }
+
+  // Local order per rank: requests in order; a decode's token on every rank (slot only on rank 0);
+  // a prefill's DualChunkSwap tokens of this rank.
+  p.ranks.resize(static_cast<size_t>(c.pcp_world));
+  for (int32_t r = 0; r < c.pcp_world; ++r) {
+    RankPlan& rp = p.ranks[static_cast<size_t>(r)];
+    for (size_t i = 0; i < c.requests.size(); ++i) {
+      const RequestSpec& q = c.requests[i];
+      if (q.kind == RequestKind::kDecode) {
+        const int64_t g = request_start[i];
+        rp.global_index.push_back(g);
+        rp.positions.push_back(p.global_positions[static_cast<size_t>(g)]);
+        rp.slot_mapping.push_back(r == 0 ? p.global_slots[static_cast<size_t>(g)] : -1);
+        ++rp.num_decode_tokens;
+      } else {
+        for (int64_t t : dual_chunk_swap_tokens(q.num_new_tokens, c.pcp_world, r)) {
+          const int64_t g = request_start[i] + t;
+          rp.global_index.push_back(g);
+          rp.positions.push_back(p.global_positions[static_cast<size_t>(g)]);
+          rp.slot_mapping.push_back(p.global_slots[static_cast<size_t>(g)]);
+          ++rp.num_prefill_tokens;
+        }
+      }
+    }
+    rp.num_local_tokens = static_cast<int64_t>(rp.global_index.size());
+    p.max_local_tokens = std::max(p.max_local_tokens, rp.num_local_tokens);
+  }
+  for (RankPlan& rp : p.ranks) {
+    rp.global_index.resize(static_cast<size_t>(p.max_local_tokens), -1);
+    rp.positions.resize(static_cast<size_t>(p.max_local_tokens), 0);
+    rp.slot_mapping.resize(static_cast<size_t>(p.max_local_tokens), -1);
+    p.gathered_slot_mapping.insert(p.gathered_slot_mapping.end(), rp.slot_mapping.begin(), rp.slot_mapping.end());
+  }
+  validate_plan(p);
+  return p;
+}
+
+void validate_slot_mapping(const int64_t* slots, int64_t n, int64_t num_slots, const std::string& name,
+                           int64_t null_block_size) {
+  PCPKV_CHECK(n >= 0, "{}: length {} must be >= 0", name, n);
+  PCPKV_CHECK(n == 0 || slots != nullptr, "{}: null pointer for {} entries", name, n);
+  std::unordered_map<int64_t, int64_t> seen;
+  seen.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = slots[i];
+    if (s == -1) continue;
+    PCPKV_CHECK(s >= 0 && s < num_slots, "{}[{}] = {} is out of range [0, {}) (or -1 to skip)", name, i, s,
+                num_slots);
+    PCPKV_CHECK(s >= null_block_size, "{}[{}] = {} lies in the null block 0 (slots [0, {})), which is never written",
+                name, i, s, null_block_size);
+    auto [it, inserted] = seen.emplace(s, i);
+    PCPKV_CHECK(inserted, "{}[{}] = {} duplicates {}[{}]", name, i, s, name, it->second);
+  }
+}
+
+void validate_plan(const PcpPlan& p) {
+  PCPKV_CHECK(p.pcp_world >= 1, "plan: pcp_world = {} must be >= 1", p.pcp_world);
+  PCPKV_CHECK(is_pow2(p.block_size), "plan: block_size = {} must be a power of two", p.block_size);
+  PCPKV_CHECK(static_cast<int64_t>(p.ranks.size()) == p.pcp_world, "plan: {} rank plans for pcp_world = {}",
+              p.ranks.size(), p.pcp_world);
+  const int64_t N = p.num_global_tokens();
+  PCPKV_CHECK(static_cast<int64_t>(p.global_positions.size()) == N && static_cast<int64_t>(p.global_request.size()) == N,
+              "plan: global tensors disagree in length ({} slots, {} positions, {} request ids)", N,
+              p.global_positions.size(), p.global_request.size());
+  const int64_t null_slots = p.reserve_null_block ? p.block_size : 0;
+  validate_slot_mapping(p.global_slots.data(), N, p.num_slots(), "global_slots", null_slots);
+  PCPKV_CHECK(static_cast<int64_t>(p.gathered_slot_mapping.size()) == p.pcp_world * p.max_local_tokens,
+              "plan: gathered_slot_mapping has {} entries, expected pcp_world * max_local_tokens = {}",
+              p.gathered_slot_mapping.size(), p.pcp_world * p.max_local_tokens);
+  for (int32_t r = 0; r < p.pcp_world; ++r) {
+    const RankPlan& rp = p.ranks[static_cast<size_t>(r)];
+    const auto M = static_cast<size_t>(p.max_local_tokens);
+    PCPKV_CHECK(rp.positions.size() == M && rp.slot_mapping.size() == M && rp.global_index.size() == M,
+                "plan: rank {} vectors are not padded to max_local_tokens = {}", r, M);
+    PCPKV_CHECK(rp.num_local_tokens == rp.num_prefill_tokens + rp.num_decode_tokens &&
+                    rp.num_local_tokens <= p.max_local_tokens,
+                "plan: rank {} counts disagree ({} local, {} prefill, {} decode)", r, rp.num_local_tokens,
+                rp.num_prefill_tokens, rp.num_decode_tokens);
+    for (size_t i = 0; i < M; ++i) {
+      const int64_t g = rp.global_index[i];
+      if (static_cast<int64_t>(i) >= rp.num_local_tokens) {
+        PCPKV_CHECK(g == -1 && rp.slot_mapping[i] == -1, "plan: rank {} padding row {} has global index {} / slot {}",
+                    r, i, g, rp.slot_mapping[i]);
+        continue;
+      }
+      PCPKV_CHECK(g >= 0 && g < N, "plan: rank {} row {} has global index {} outside [0, {})", r, i, g, N);
+      PCPKV_CHECK(rp.positions[i] == p.global_positions[static_cast<size_t>(g)],
+                  "plan: rank {} row {} position {} != global position {}", r, i, rp.positions[i],
+                  p.global_positions[static_cast<size_t>(g)]);
+      const int64_t s = rp.slot_mapping[i];
+      PCPKV_CHECK(s == -1 || s == p.global_slots[static_cast<size_t>(g)],
+                  "plan: rank {} row {} slot {} != global slot {}", r, i, s, p.global_slots[static_cast<size_t>(g)]);
+      PCPKV_CHECK(p.gathered_slot_mapping[static_cast<size_t>(r) * M + i] == s,
+                  "plan: gathered_slot_mapping[{}] = {} != rank {} slot_mapping[{}] = {}", static_cast<size_t>(r) * M + i,
+                  p.gathered_slot_mapping[static_cast<size_t>(r) * M + i], r, i, s);
+    }
+  }
+  // Every global slot written exactly once over the gathered mapping.
+  validate_slot_mapping(p.gathered_slot_mapping.data(), static_cast<int64_t>(p.gathered_slot_mapping.size()),
+                        p.num_slots(), "gathered_slot_mapping", null_slots);
+  PCPKV_CHECK(p.num_written_slots() == N, "plan: {} slots written over all ranks, expected one per token ({})",
+              p.num_written_slots(), N);
+}
+
+std::string describe(const PcpPlan& p) {
+  std::string s = fmt::format("PCP {} | {} tokens ({} requests) | block_size {} | {} blocks | max_local_tokens {}\n",
+                              p.pcp_world, p.num_global_tokens(), p.requests.size(), p.block_size, p.num_blocks,
+                              p.max_local_tokens);
+  for (int32_t r = 0; r < p.pcp_world; ++r) {
+    const RankPlan& rp = p.ranks[static_cast<size_t>(r)];
+    s += fmt::format("  rank {}: {} local tokens ({} prefill, {} decode), {} padding\n", r, rp.num_local_tokens,
+                     rp.num_prefill_tokens, rp.num_decode_tokens, p.max_local_tokens - rp.num_local_tokens);
+  }
+  return s;
+}
+
+}  // namespace pcpkv

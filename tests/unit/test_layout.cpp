@@ -1,0 +1,92 @@
+// Byte layouts (SPEC section 3): row sizes, offsets in 64 bits, strides, staging geometry.
+#include <gtest/gtest.h>
+
+#include "pcpkv/error.h"
+#include "pcpkv/layout.h"
+
+namespace pcpkv {
+namespace {
+
+TEST(Layout, RowSizes) {
+  EXPECT_EQ(mla_row_bytes(KvFormat::kBf16), 1152);
+  EXPECT_EQ(mla_row_bytes(KvFormat::kFp8), 576);
+  EXPECT_EQ(mla_row_bytes(KvFormat::kFp8DsMla), 656);
+  EXPECT_EQ(kDsMlaScaleOffset, 512);
+  EXPECT_EQ(kDsMlaKpeOffset, 528);
+  EXPECT_EQ(kDsMlaKpeOffset + 64 * 2, 656);
+}
+
+TEST(Layout, TransportRows) {
+  CacheFormat f;
+  f.kv_format = KvFormat::kFp8;
+  EXPECT_EQ(transport_row_layout(f).row_bytes, 720);
+  EXPECT_EQ(transport_row_layout(f).index_data_offset, 576);
+  EXPECT_EQ(transport_row_layout(f).index_scale_offset, 704);
+  f.kv_format = KvFormat::kFp8DsMla;
+  EXPECT_EQ(transport_row_layout(f).row_bytes, 800);
+  EXPECT_EQ(transport_row_layout(f).index_data_offset, 656);
+  EXPECT_EQ(transport_row_layout(f).index_scale_offset, 784);
+  f.kv_format = KvFormat::kBf16;
+  EXPECT_EQ(transport_row_layout(f).row_bytes, 1296);
+  f.has_indexer = false;
+  EXPECT_EQ(transport_row_layout(f).row_bytes, 1152);
+  EXPECT_EQ(transport_row_layout(f).index_data_offset, -1);
+  f.kv_format = KvFormat::kFp8DsMla;
+  EXPECT_EQ(transport_row_layout(f).row_bytes, 656);
+}
+
+TEST(Layout, MlaOffsetsUse64Bits) {
+  MlaCacheGeometry g = dense_mla_geometry(KvFormat::kFp8DsMla, 200000, 64);  // 12.8M slots, 8.4 GB
+  EXPECT_EQ(g.bytes(), int64_t{200000} * 64 * 656);
+  const int64_t slot = int64_t{199999} * 64 + 63;
+  EXPECT_EQ(g.row_offset(slot), slot * 656);
+  EXPECT_GT(g.row_offset(slot), int64_t{1} << 32);
+  // Padded strides.
+  g.row_stride = 672;
+  g.block_stride = 64 * 672 + 4096;
+  EXPECT_EQ(g.row_offset(64 * 3 + 5), 3 * (64 * 672 + 4096) + 5 * 672);
+  EXPECT_NO_THROW(validate_geometry(g, KvFormat::kFp8DsMla));
+}
+
+TEST(Layout, IndexerOffsets) {
+  // vLLM DeepseekV32IndexerCache: block b holds B rows of 128 B, then B fp32 scales.
+  IndexerCacheGeometry g = dense_indexer_geometry(10, 64);
+  EXPECT_EQ(g.block_stride, 64 * 132);
+  EXPECT_EQ(g.data_offset(64 * 2 + 3), 2 * 64 * 132 + 3 * 128);
+  EXPECT_EQ(g.scale_offset(64 * 2 + 3), 2 * 64 * 132 + 64 * 128 + 3 * 4);
+  g.block_stride = 64 * 132 + 64;  // padded
+  EXPECT_EQ(g.scale_offset(64 * 2 + 3), 2 * (64 * 132 + 64) + 64 * 128 + 12);
+  EXPECT_NO_THROW(validate_geometry(g));
+  IndexerCacheGeometry big = dense_indexer_geometry(1 << 20, 64);
+  EXPECT_EQ(big.scale_offset((int64_t{1} << 26) - 1), int64_t{(1 << 20) - 1} * 64 * 132 + 64 * 128 + 63 * 4);
+}
+
+TEST(Layout, BadGeometries) {
+  MlaCacheGeometry g = dense_mla_geometry(KvFormat::kFp8DsMla, 4, 64);
+  g.row_stride = 576;
+  EXPECT_THROW(validate_geometry(g, KvFormat::kFp8DsMla), Error);
+  g = dense_mla_geometry(KvFormat::kFp8, 4, 48);
+  EXPECT_THROW(validate_geometry(g, KvFormat::kFp8), Error);
+  g = dense_mla_geometry(KvFormat::kFp8, 4, 64);
+  g.block_stride -= 16;
+  EXPECT_THROW(validate_geometry(g, KvFormat::kFp8), Error);
+  IndexerCacheGeometry ig = dense_indexer_geometry(4, 64);
+  ig.block_stride = 64 * 132 - 4;
+  EXPECT_THROW(validate_geometry(ig), Error);
+  try {
+    parse_kv_format("fp4");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "--kv-format: unknown kv cache format 'fp4'; known: bf16, fp8, fp8_ds_mla");
+  }
+}
+
+TEST(Layout, StagingGeometry) {
+  StagingGeometry s{2, 8, 4100, 800};
+  EXPECT_EQ(s.bytes(), int64_t{2} * 2 * 8 * 4100 * 800);
+  EXPECT_EQ(s.row_offset(1, 1, 7, 4099), s.bytes() - 800);
+  EXPECT_EQ(s.row_offset(0, 0, 3, 5), (3 * 4100 + 5) * 800);
+}
+
+}  // namespace
+}  // namespace pcpkv
