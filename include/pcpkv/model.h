@@ -45,9 +45,9 @@ struct ModelConfig {
   bool indexer_hadamard = false;        // DeepSeek reference's 128-point Hadamard (vLLM: off)
   int64_t num_hidden_layers = 0;
   int64_t first_k_dense_replace = 0;
-  // IndexShare (GLM-5.2): an indexer on layer l iff index_topk_freq <= 1 or
-  // (l >= index_skip_topk_offset and (l - index_skip_topk_offset) % index_topk_freq == 0);
-  // indexer_types, when non-empty, lists per layer "full"/"shared" and wins.
+  // IndexShare (GLM-5.2, vLLM's schedule): layer l has an indexer iff index_topk_freq <= 1 or
+  // max(l - index_skip_topk_offset + 1, 0) % index_topk_freq == 0 (freq 4, offset 3: 21 of 78 layers);
+  // indexer_types (or index_topk_pattern "F"/"S"), when present, lists per layer "full"/"shared" and wins.
   int64_t index_topk_freq = 1;
   int64_t index_skip_topk_offset = 0;
   std::vector<std::string> indexer_types;
