@@ -51,8 +51,9 @@ struct PublishSetup {
   int32_t repeats = 1;            // run the publication this many times (timing); results from the last
 };
 
-/// One timed stage: name ("dispatch", "all-gather", "fence", ...), milliseconds summed over ranks run
-/// back to back (CPU) or measured per launch (CUDA), bytes moved (read + written).
+/// One timed stage: name ("dispatch", "all-gather", "fence", ...), milliseconds (CPU: wall clock of the stage
+/// while the rank threads run it concurrently between host barriers, mean over repeats; CUDA: measured per
+/// launch), bytes moved (read + written, summed over ranks; PERF.md's byte model).
 struct Stage {
   std::string name;
   double ms = 0.0;

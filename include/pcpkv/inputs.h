@@ -55,6 +55,8 @@ struct RankInputs {
   std::vector<int64_t> slot_mapping;
 };
 RankInputs rank_inputs(const GlobalInputs& in, const PcpPlan& plan, int32_t rank);
+/// Same, into *out, reusing its vectors' storage (repeated publications avoid fresh page faults).
+void rank_inputs(const GlobalInputs& in, const PcpPlan& plan, int32_t rank, RankInputs* out);
 
 /// safetensors I/O (https://github.com/huggingface/safetensors format: u64 header size, JSON header,
 /// data). load_inputs checks every tensor's name, dtype and shape against model/plan and throws

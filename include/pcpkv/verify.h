@@ -27,10 +27,18 @@ struct GuardReport {
 GuardReport check_untouched(const PublishResult& r, int32_t rank, const PcpPlan& plan, const CacheFormat& fmt);
 
 /// FP8 bound check of rank r's cache against fp64 math of the SPEC section 2 formulas on the same
-/// inputs (RMSNorm, RoPE, LayerNorm in double). Per value the bound is
-///   |dequant - exact| <= 2^-4 * |exact| + 2^-10 * scale      (E4M3: 3 mantissa bits, subnormal step)
-/// plus 2^-8 * |exact| when the path rounds to bf16 first (collect) and for bf16 values; saturated
-/// values (|exact| > 448 * scale, static fp8 only) are counted apart and not against the bound.
+/// inputs (RMSNorm, RoPE, LayerNorm in double), for every slot the plan writes. Per value:
+///   E4M3 values (scale s = tile scale, k_scale or indexer scale):
+///     |dequant - exact| <= 2^-4 * |exact| + 2^-10 * s    (3 mantissa bits; half the subnormal step 2^-9 s)
+///     plus 2^-8 * |exact| when the path rounds to bf16 first (collect);
+///   bf16 values (k_pe of fp8_ds_mla rows, all of bf16 rows; rounding to bf16 first changes nothing):
+///     |dequant - exact| <= 2^-8 * |exact| + 2^-16 * amax  (amax = max |exact| of the token's 512 kv_c / 64 k_pe;
+///     the absolute term covers fp32 RoPE cancellation, which a purely relative bound would flag).
+/// Saturated values (|exact| > 448 * s, static fp8 only) are counted apart and not against the bound.
+/// Scales are checked too (a wrong scale widens the bound): power-of-two scales (ds_mla pow2, indexer UE8M0)
+/// must lie in [l, 2l] for l = the SPEC lower bound from the exact amax (max(amax/448, 1e-4), resp.
+/// max(amax, 1e-4)/448), raw scales within 2^-7 of max(amax/448, FLT_MIN), both widened by 2^-7; a scale
+/// outside counts as one value over the bound. Why the bound holds: src/core/verify.cpp.
 struct Fp8Report {
   int64_t num_values = 0;
   int64_t num_over_bound = 0;

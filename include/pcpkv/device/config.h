@@ -8,6 +8,13 @@
 #define PCPKV_HD inline
 #endif
 
+// Loop unrolling hint for device compilation; host compilers that do not know it stay quiet.
+#if defined(__CUDACC__)
+#define PCPKV_UNROLL _Pragma("unroll")
+#else
+#define PCPKV_UNROLL
+#endif
+
 #if defined(__CUDA_ARCH__)
 #define PCPKV_ON_DEVICE 1
 #else

@@ -26,13 +26,13 @@ constexpr int kLeaf = 8;  // elements per reduction leaf
 
 PCPKV_HD float leaf_sumsq(const float* x) {
   float s = 0.0f;
-#pragma unroll
+PCPKV_UNROLL
   for (int k = 0; k < kLeaf; ++k) s = fp32::fma(x[k], x[k], s);
   return s;
 }
 PCPKV_HD float leaf_sum(const float* x) {
   float s = 0.0f;
-#pragma unroll
+PCPKV_UNROLL
   for (int k = 0; k < kLeaf; ++k) s = fp32::add(s, x[k]);
   return s;
 }

@@ -1,0 +1,67 @@
+// pcpkv/inputs_io.h: the safetensors files `pcpkv run` reads (--inputs) and writes (--save).
+//
+// Tensor names (every file; load_inputs in inputs.h reads them):
+//   q_c        BF16 [N, q_lora_rank]   q_a_proj output, global token order
+//   kv         BF16 [N, 512]           kv_a_proj_with_mqa output, first 512
+//   k_pe       BF16 [N, 64]            kv_a_proj_with_mqa output, last 64
+//   index_k    BF16 [N, 128]           indexer wk output (indexer layers)
+//   positions  I64  [N]                must equal the plan's global positions
+//   q_norm_w   BF16|F32 [q_lora_rank]; kv_norm_w BF16|F32 [512]; index_ln_w, index_ln_b BF16|F32 [128]
+// Optional, describing the batch (read by read_inputs_batch; written by save_run):
+//   requests      I64 [R, 3]   per request: kind (0 prefill, 1 decode), num_new_tokens, context_len
+//   slot_mapping  I64 [N]      global slot of each new token (in [0, num_slots), not in the null block)
+// Written by save_run only (outputs, for other tools to check):
+//   block_tables           I32 [R, max_blocks_per_request], -1 padded
+//   gathered_slot_mapping  I64 [pcp_world, max_local_tokens]
+//   mla_cache              U8  [num_blocks, block_size, row_stride] (row_stride = the row's bytes when
+//                              dense; [num_blocks, block_stride] when blocks are padded)
+//   index_cache            U8  [num_blocks, block_stride] (vLLM's [num_blocks, block_size * 132] when dense)
+// plus __metadata__ with the geometry (block_size, strides, kv_format, ds_mla_scale, k_scale, ...).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pcpkv/backend.h"
+#include "pcpkv/inputs.h"
+#include "pcpkv/layout.h"
+#include "pcpkv/model.h"
+#include "pcpkv/plan.h"
+
+namespace pcpkv {
+
+/// What an inputs file says about its batch, read before the plan is built.
+struct InputsBatch {
+  int64_t num_tokens = 0;  // rows of 'kv' (N)
+  bool has_index_k = false;
+  std::vector<RequestSpec> requests;  // empty when the file has no 'requests' tensor
+  std::vector<int64_t> slot_mapping;  // empty when the file has no 'slot_mapping' tensor; else [N]
+};
+
+/// Reads the header and the optional 'requests' / 'slot_mapping' tensors of an inputs file. Throws
+/// pcpkv::Error on a malformed file or a bad requests row ("requests[1]: kind = 7, expected 0 or 1").
+InputsBatch read_inputs_batch(const std::string& path);
+
+/// Replaces the plan's slots with `slots` ([num_global_tokens], global order, each >= 0), as an
+/// engine's captured slot mapping: checks every entry first (in range [0, num_slots), not in the null
+/// block, no duplicates; pcpkv::Error "slot_mapping[17] = 9000 is out of range [0, 8192)"), then
+/// rewrites global_slots, each rank's slot_mapping (decode copies on ranks > 0 stay -1) and the gathered
+/// mapping. The block tables are kept (they only size the cache).
+void apply_slot_mapping(PcpPlan& plan, const std::vector<int64_t>& slots, const std::string& origin);
+
+/// What save_run records besides the tensors.
+struct SaveInfo {
+  std::string transport;                        // whose rank-0 caches are saved
+  std::map<std::string, std::string> metadata;  // extra __metadata__ entries
+};
+
+/// Writes the inputs, the batch (requests, slot mapping, positions, block tables, gathered mapping) and
+/// rank 0's MLA and indexer-K caches of `result` (the cache region of each allocation, guards excluded) to
+/// `path` (see the tensor list above). The file appears atomically (temporary + rename). Throws
+/// pcpkv::Error when the file cannot be written.
+void save_run(const std::string& path, const ModelConfig& model, const PcpPlan& plan, const CacheFormat& fmt,
+              const GlobalInputs& in, const PublishResult& result, const SaveInfo& info);
+
+}  // namespace pcpkv

@@ -1,0 +1,241 @@
+// Tensor checks and the tensor -> contract translation of python/csrc/common.h.
+#include "common.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace pcpkv_torch {
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::ostringstream s;
+  s << t.scalar_type() << " " << t.sizes() << " strides " << t.strides() << " on " << t.device();
+  return s.str();
+}
+
+int64_t check_bf16_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t cols, const c10::Device& device) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": missing");
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols &&
+                        (t.stride(1) == 1 || cols == 1) && t.device() == device,
+                    name, ": expected bfloat16 [", rows, ", ", cols, "] with unit inner stride on ", device, ", got ",
+                    describe(t));
+  TORCH_CHECK_VALUE(rows <= 1 || t.stride(0) >= cols, name, ": row stride ", t.stride(0), " overlaps rows of ", cols);
+  return rows <= 1 ? cols : t.stride(0);
+}
+
+void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, at::ScalarType dtype,
+                 const c10::Device& device) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": missing");
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.sizes() == sizes && t.is_contiguous() && t.device() == device, name,
+                    ": expected contiguous ", dtype, " ", sizes, " on ", device, ", got ", describe(t));
+}
+
+void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device) {
+  check_dense(t, name, {n}, dtype, device);
+}
+
+pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& ds_mla_scale, double k_scale,
+                               bool has_indexer) {
+  return translate_errors([&] {
+    pcpkv::CacheFormat f;
+    f.kv_format = pcpkv::parse_kv_format(kv_format, "kv_format");
+    f.ds_mla_scale = pcpkv::parse_ds_mla_scale(ds_mla_scale, "ds_mla_scale");
+    f.k_scale = static_cast<float>(k_scale);
+    f.has_indexer = has_indexer;
+    PCPKV_CHECK(std::isfinite(f.k_scale) && f.k_scale > 0.0f, "k_scale = {} must be finite and > 0", k_scale);
+    return f;
+  });
+}
+
+pcpkv::MlaCacheGeometry mla_geometry_of(const at::Tensor& c, pcpkv::KvFormat fmt, const char* name) {
+  const int64_t row = pcpkv::mla_row_bytes(fmt);
+  TORCH_CHECK_VALUE(c.defined() && c.scalar_type() == at::kByte && c.dim() == 3 && c.size(2) == row &&
+                        c.stride(2) == 1,
+                    name, ": expected a uint8 [num_blocks, block_size, ", row, "] ", pcpkv::to_string(fmt),
+                    " cache with unit inner stride, got ", describe(c));
+  pcpkv::MlaCacheGeometry g;
+  g.num_blocks = c.size(0);
+  g.block_size = static_cast<int32_t>(c.size(1));
+  g.row_stride = c.stride(1);
+  g.block_stride = c.stride(0);
+  translate_errors([&] { pcpkv::validate_geometry(g, fmt); });
+  return g;
+}
+
+pcpkv::IndexerCacheGeometry index_geometry_of(const at::Tensor& c, const char* name) {
+  TORCH_CHECK_VALUE(c.defined() && c.scalar_type() == at::kByte && c.dim() == 3 && c.size(2) == 132 &&
+                        c.stride(2) == 1 && (c.size(1) <= 1 || c.stride(1) == 132),
+                    name, ": expected a uint8 [num_blocks, block_size, 132] indexer cache (rows of one block ",
+                    "contiguous, block stride >= block_size * 132), got ", describe(c));
+  pcpkv::IndexerCacheGeometry g;
+  g.num_blocks = c.size(0);
+  g.block_size = static_cast<int32_t>(c.size(1));
+  g.block_stride = c.size(0) <= 1 ? c.size(1) * 132 : c.stride(0);
+  translate_errors([&] { pcpkv::validate_geometry(g); });
+  return g;
+}
+
+pcpkv::CacheTarget target_of(const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                             const pcpkv::CacheFormat& fmt, const char* op) {
+  pcpkv::CacheTarget t;
+  const std::string mla_name = std::string(op) + ": mla_cache";
+  t.mla = mla_geometry_of(mla_cache, fmt.kv_format, mla_name.c_str());
+  t.mla_base = static_cast<uint8_t*>(mla_cache.data_ptr());
+  if (fmt.has_indexer) {
+    TORCH_CHECK_VALUE(has(index_cache), op, ": index_cache is required on a layer with an indexer (has_indexer)");
+    const std::string name = std::string(op) + ": index_cache";
+    TORCH_CHECK_VALUE(index_cache->device() == mla_cache.device(), name, " is on ", index_cache->device(),
+                      " but mla_cache on ", mla_cache.device());
+    t.index = index_geometry_of(*index_cache, name.c_str());
+    t.index_base = static_cast<uint8_t*>(index_cache->data_ptr());
+  }
+  return t;
+}
+
+std::vector<pcpkv::CacheTarget> read_target_table(const at::Tensor& host, const char* name) {
+  TORCH_CHECK_VALUE(host.device().is_cpu() && host.scalar_type() == at::kByte && host.dim() == 2 &&
+                        host.size(1) == kTargetRecordBytes && host.is_contiguous(),
+                    name, ": expected a contiguous CPU uint8 [num_targets, ", kTargetRecordBytes,
+                    "] target table (pcpkv_torch.CacheTargets), got ", describe(host));
+  std::vector<pcpkv::CacheTarget> out(static_cast<size_t>(host.size(0)));
+  if (!out.empty()) std::memcpy(out.data(), host.data_ptr(), out.size() * sizeof(pcpkv::CacheTarget));
+  return out;
+}
+
+std::vector<uint8_t*> read_pointer_table(const at::Tensor& host, const char* name) {
+  TORCH_CHECK_VALUE(host.device().is_cpu() && (host.scalar_type() == at::kLong || host.scalar_type() == at::kUInt64) &&
+                        host.dim() == 1 && host.is_contiguous(),
+                    name, ": expected a contiguous CPU int64/uint64 [n] pointer table, got ", describe(host));
+  std::vector<uint8_t*> out(static_cast<size_t>(host.size(0)));
+  if (!out.empty()) std::memcpy(out.data(), host.data_ptr(), out.size() * sizeof(uint8_t*));
+  return out;
+}
+
+pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
+  const c10::Device dev = a.kv.device();
+  const int64_t T = a.kv.defined() && a.kv.dim() == 2 ? a.kv.size(0) : -1;
+  TORCH_CHECK_VALUE(T >= 0, "dispatch: kv: expected bfloat16 [num_tokens, 512], got ", describe(a.kv));
+  pcpkv::DispatchParams p;
+  p.num_tokens = T;
+  p.fmt = make_format(a.kv_format, a.ds_mla_scale, a.k_scale, a.has_indexer);
+  p.kv_stride = check_bf16_rows(a.kv, "dispatch: kv", T, 512, dev);
+  p.kv = static_cast<const uint16_t*>(a.kv.data_ptr());
+  p.k_pe_stride = check_bf16_rows(a.k_pe, "dispatch: k_pe", T, 64, dev);
+  p.k_pe = static_cast<const uint16_t*>(a.k_pe.data_ptr());
+  check_vector(a.positions, "dispatch: positions", T, at::kLong, dev);
+  p.positions = a.positions.data_ptr<int64_t>();
+  check_vector(a.kv_norm_w, "dispatch: kv_norm_w", 512, at::kFloat, dev);
+  p.kv_norm_w = a.kv_norm_w.data_ptr<float>();
+  TORCH_CHECK_VALUE(a.rope_cos_sin.scalar_type() == at::kFloat && a.rope_cos_sin.dim() == 2 &&
+                        a.rope_cos_sin.size(1) == 64 && a.rope_cos_sin.is_contiguous() &&
+                        a.rope_cos_sin.device() == dev,
+                    "dispatch: rope_cos_sin: expected contiguous float32 [num_positions, 64] on ", dev, ", got ",
+                    describe(a.rope_cos_sin));
+  p.rope_cos_sin = a.rope_cos_sin.data_ptr<float>();
+  p.rope_num_positions = a.rope_cos_sin.size(0);
+  p.q_eps = static_cast<float>(a.q_eps);
+  p.kv_eps = static_cast<float>(a.kv_eps);
+  p.index_eps = static_cast<float>(a.index_eps);
+  p.mla_rope = a.mla_rope_interleaved ? pcpkv::RopeStyle::kInterleaved : pcpkv::RopeStyle::kNeox;
+  p.index_rope = a.index_rope_interleaved ? pcpkv::RopeStyle::kInterleaved : pcpkv::RopeStyle::kNeox;
+  p.index_hadamard = a.index_hadamard;
+
+  TORCH_CHECK_VALUE(has(a.q_c) == has(a.q_c_out), "dispatch: q_c and q_c_out go together (q_c ",
+                    has(a.q_c) ? "given" : "missing", ", q_c_out ", has(a.q_c_out) ? "given" : "missing", ")");
+  if (has(a.q_c)) {
+    TORCH_CHECK_VALUE(a.q_c->dim() == 2, "dispatch: q_c: expected bfloat16 [num_tokens, q_lora_rank], got ",
+                      describe(*a.q_c));
+    const int64_t r = a.q_c->size(1);
+    p.q_lora_rank = r;
+    p.q_c_stride = check_bf16_rows(*a.q_c, "dispatch: q_c", T, r, dev);
+    p.q_c = static_cast<const uint16_t*>(a.q_c->data_ptr());
+    check_dense(*a.q_c_out, "dispatch: q_c_out", {T, r}, at::kBFloat16, dev);
+    p.q_c_out = static_cast<uint16_t*>(a.q_c_out->data_ptr());
+    TORCH_CHECK_VALUE(has(a.q_norm_w), "dispatch: q_norm_w is required with q_c");
+    check_vector(*a.q_norm_w, "dispatch: q_norm_w", r, at::kFloat, dev);
+    p.q_norm_w = a.q_norm_w->data_ptr<float>();
+  }
+  if (a.has_indexer) {
+    TORCH_CHECK_VALUE(has(a.index_k) && has(a.index_ln_w) && has(a.index_ln_b),
+                      "dispatch: index_k, index_ln_w and index_ln_b are required when has_indexer=True");
+    p.index_k_stride = check_bf16_rows(*a.index_k, "dispatch: index_k", T, 128, dev);
+    p.index_k = static_cast<const uint16_t*>(a.index_k->data_ptr());
+    check_vector(*a.index_ln_w, "dispatch: index_ln_w", 128, at::kFloat, dev);
+    check_vector(*a.index_ln_b, "dispatch: index_ln_b", 128, at::kFloat, dev);
+    p.index_ln_w = a.index_ln_w->data_ptr<float>();
+    p.index_ln_b = a.index_ln_b->data_ptr<float>();
+  } else {
+    TORCH_CHECK_VALUE(!has(a.index_k) && !has(a.index_k_out),
+                      "dispatch: index_k / index_k_out given but has_indexer=False");
+  }
+  if (has(a.kv_c_out)) {
+    check_dense(*a.kv_c_out, "dispatch: kv_c_out", {T, 512}, at::kBFloat16, dev);
+    p.kv_c_out = static_cast<uint16_t*>(a.kv_c_out->data_ptr());
+  }
+  if (has(a.k_pe_out)) {
+    check_dense(*a.k_pe_out, "dispatch: k_pe_out", {T, 64}, at::kBFloat16, dev);
+    p.k_pe_out = static_cast<uint16_t*>(a.k_pe_out->data_ptr());
+  }
+  if (has(a.index_k_out)) {
+    check_dense(*a.index_k_out, "dispatch: index_k_out", {T, 128}, at::kBFloat16, dev);
+    p.index_k_out = static_cast<uint16_t*>(a.index_k_out->data_ptr());
+  }
+  if (has(a.topk_fill)) {
+    TORCH_CHECK_VALUE(a.topk_fill->dim() == 2 && a.topk_fill->size(0) == T,
+                      "dispatch: topk_fill: expected int32 [num_tokens, topk_width], got ", describe(*a.topk_fill));
+    check_dense(*a.topk_fill, "dispatch: topk_fill", {T, a.topk_fill->size(1)}, at::kInt, dev);
+    p.topk_fill = a.topk_fill->data_ptr<int32_t>();
+    p.topk_width = a.topk_fill->size(1);
+  }
+  if (has(a.slot_mapping)) {
+    check_vector(*a.slot_mapping, "dispatch: slot_mapping", T, at::kLong, dev);
+    p.slot_mapping = a.slot_mapping->data_ptr<int64_t>();
+  }
+  return p;
+}
+
+pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tensor& slot_mapping,
+                                         const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                                         c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
+                                         bool has_indexer) {
+  pcpkv::CombineParams p;
+  p.fmt = make_format(std::string(kv_format), std::string(ds_mla_scale), k_scale, has_indexer);
+  p.target = target_of(mla_cache, index_cache, p.fmt, "combine");
+  const c10::Device dev = mla_cache.device();
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kByte && rows.dim() == 3 && rows.is_contiguous() && rows.device() == dev,
+                    "combine: rows: expected contiguous uint8 [num_src_ranks, max_local_tokens, row_bytes] on ", dev,
+                    ", got ", describe(rows));
+  p.rows = rows.data_ptr<uint8_t>();
+  p.num_src_ranks = static_cast<int32_t>(rows.size(0));
+  p.max_local_tokens = rows.size(1);
+  p.row_bytes = rows.size(2);
+  check_vector(slot_mapping, "combine: slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  return p;
+}
+
+pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor& k_pe,
+                                       const std::optional<at::Tensor>& index_k, const at::Tensor& slot_mapping,
+                                       const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                                       c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale) {
+  pcpkv::InsertParams p;
+  p.fmt = make_format(std::string(kv_format), std::string(ds_mla_scale), k_scale, has(index_k));
+  p.target = target_of(mla_cache, index_cache, p.fmt, "insert");
+  const c10::Device dev = mla_cache.device();
+  const int64_t T = kv_c.dim() == 2 ? kv_c.size(0) : -1;
+  check_dense(kv_c, "insert: kv_c", {T, 512}, at::kBFloat16, dev);
+  check_dense(k_pe, "insert: k_pe", {T, 64}, at::kBFloat16, dev);
+  check_vector(slot_mapping, "insert: slot_mapping", T, at::kLong, dev);
+  p.num_tokens = T;
+  p.kv_c = static_cast<const uint16_t*>(kv_c.data_ptr());
+  p.k_pe = static_cast<const uint16_t*>(k_pe.data_ptr());
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  if (has(index_k)) {
+    check_dense(*index_k, "insert: index_k", {T, 128}, at::kBFloat16, dev);
+    p.index_k = static_cast<const uint16_t*>(index_k->data_ptr());
+  }
+  return p;
+}
+
+}  // namespace pcpkv_torch

@@ -1,0 +1,98 @@
+// python/csrc/common.h: tensor -> pcpkv contract helpers shared by the CPU and CUDA op implementations.
+//
+// Every check raises a Python ValueError (TORCH_CHECK_VALUE) naming the argument, its expected and its
+// actual dtype/shape/device, before anything is launched or written. pcpkv::Error from the library is
+// translated the same way (translate_errors).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pcpkv/dispatch.h"
+#include "pcpkv/error.h"
+#include "pcpkv/layout.h"
+
+namespace pcpkv_torch {
+
+/// Runs fn; pcpkv::FenceTimeout becomes RuntimeError, any other pcpkv::Error a ValueError (same message).
+template <class Fn>
+auto translate_errors(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const pcpkv::FenceTimeout& e) {
+    TORCH_CHECK(false, "pcpkv: ", e.what());
+  } catch (const pcpkv::Error& e) {
+    TORCH_CHECK_VALUE(false, "pcpkv: ", e.what());
+  }
+}
+
+std::string describe(const at::Tensor& t);
+
+/// A [rows, cols] bf16 tensor with unit inner stride on `device`; returns its row stride in elements.
+int64_t check_bf16_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t cols, const c10::Device& device);
+/// A contiguous tensor of exactly `sizes` and `dtype` on `device` (an output the kernel writes densely).
+void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, at::ScalarType dtype,
+                 const c10::Device& device);
+/// A 1-d contiguous tensor of n elements of `dtype` on `device`.
+void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device);
+
+/// Parses the format arguments of an op into a CacheFormat (ValueError on a bad name or k_scale).
+pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& ds_mla_scale, double k_scale,
+                               bool has_indexer);
+
+/// Geometry of a paged MLA cache tensor: uint8 [num_blocks, block_size, row_bytes(fmt)], inner stride 1,
+/// any row stride >= row_bytes and block stride >= block_size * row stride (padding allowed).
+pcpkv::MlaCacheGeometry mla_geometry_of(const at::Tensor& cache, pcpkv::KvFormat fmt, const char* name);
+/// Geometry of an indexer-K cache tensor: uint8 [num_blocks, block_size, 132] whose block stride (stride 0)
+/// is >= block_size * 132; bytes follow SPEC section 3 within each block (not interleaved per token).
+pcpkv::IndexerCacheGeometry index_geometry_of(const at::Tensor& cache, const char* name);
+
+/// A CacheTarget over local cache tensors (index cache only when fmt.has_indexer).
+pcpkv::CacheTarget target_of(const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                             const pcpkv::CacheFormat& fmt, const char* op);
+
+/// Bytes of one CacheTarget record in a target table (uint8 [num_targets, kTargetRecordBytes]).
+constexpr int64_t kTargetRecordBytes = static_cast<int64_t>(sizeof(pcpkv::CacheTarget));
+
+/// Host-side view of a target table tensor (CPU, uint8 [D, kTargetRecordBytes]): a copy of the records.
+std::vector<pcpkv::CacheTarget> read_target_table(const at::Tensor& host_table, const char* name);
+/// Host-side view of a pointer table (CPU, int64/uint64 [D]): the pointers.
+std::vector<uint8_t*> read_pointer_table(const at::Tensor& host_table, const char* name);
+
+template <class T>
+T* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? static_cast<T*>(t->data_ptr()) : nullptr;
+}
+inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+/// The dispatch parameters the CPU and CUDA implementations share; tables are filled by the caller.
+struct DispatchArgs {
+  at::Tensor kv, k_pe, positions, kv_norm_w, rope_cos_sin;
+  std::optional<at::Tensor> q_c, q_norm_w, index_k, index_ln_w, index_ln_b, slot_mapping;
+  std::optional<at::Tensor> q_c_out, kv_c_out, k_pe_out, index_k_out, topk_fill;
+  std::string kv_format, ds_mla_scale;
+  double k_scale = 1.0;
+  bool has_indexer = true;
+  double q_eps = 1e-6, kv_eps = 1e-6, index_eps = 1e-6;
+  bool mla_rope_interleaved = true, index_rope_interleaved = false, index_hadamard = false;
+};
+/// Checks every tensor of a dispatch (dtype, shape, device) and fills the contract (no tables yet).
+pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a);
+
+/// Checks the tensors of a combine (staging rows -> local caches) and fills the contract.
+pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tensor& slot_mapping,
+                                         const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                                         c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
+                                         bool has_indexer);
+/// Checks the tensors of an insert (collect path) and fills the contract; has_indexer = index_k given.
+pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor& k_pe,
+                                       const std::optional<at::Tensor>& index_k, const at::Tensor& slot_mapping,
+                                       const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                                       c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale);
+
+}  // namespace pcpkv_torch

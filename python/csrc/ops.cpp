@@ -1,0 +1,309 @@
+// python/csrc/ops.cpp: the `pcpkv` torch library: schemas (TORCH_LIBRARY), the host-only setup ops
+// (rope_table, make_plan, make_cache_targets) and the CPU implementations, which call pcpkv's CPU reference
+// (pcpkv/cpu.h) on host memory. The CUDA implementations live in ops_cuda.cpp; fake (meta) kernels for
+// torch.compile are registered in Python (pcpkv_torch/_fake.py). Docstrings: pcpkv_torch/ops.py.
+#include <Python.h>
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "common.h"
+#include "pcpkv/cpu.h"
+#include "pcpkv/device/fence_kernel.h"
+#include "pcpkv/plan.h"
+#include "pcpkv/rope.h"
+
+// An importable module, so that `import pcpkv_torch._C` loads this library (and its registrations)
+// without pybind11: everything is reached through torch.ops.pcpkv.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+namespace pcpkv_torch {
+namespace {
+
+int cpu_threads() { return std::max(1, std::min(at::get_num_threads(), 16)); }
+
+// ---- host-only setup ops ----------------------------------------------------------------------------
+
+at::Tensor rope_table(int64_t num_positions, c10::string_view scaling, double theta, double factor,
+                      int64_t original_max_position_embeddings, double beta_fast, double beta_slow, double mscale,
+                      double mscale_all_dim) {
+  pcpkv::RopeConfig c;
+  const std::string s(scaling);
+  TORCH_CHECK_VALUE(s == "default" || s == "deepseek_yarn" || s == "yarn",
+                    "rope_table: scaling = '", s, "'; expected 'default' or 'deepseek_yarn'");
+  c.scaling = s == "default" ? pcpkv::RopeScaling::kDefault : pcpkv::RopeScaling::kDeepseekYarn;
+  c.theta = theta;
+  c.factor = factor;
+  c.original_max_position_embeddings = original_max_position_embeddings;
+  c.beta_fast = beta_fast;
+  c.beta_slow = beta_slow;
+  c.mscale = mscale;
+  c.mscale_all_dim = mscale_all_dim;
+  const pcpkv::RopeTable t = translate_errors([&] { return pcpkv::make_rope_table(c, num_positions); });
+  at::Tensor out = at::empty({t.num_positions, pcpkv::kRopeDim}, at::kFloat);
+  std::memcpy(out.data_ptr(), t.cos_sin.data(), t.cos_sin.size() * sizeof(float));
+  return out;
+}
+
+template <class T>
+at::Tensor to_tensor(const std::vector<T>& v, at::ScalarType dtype = at::kLong) {
+  at::Tensor out = at::empty({static_cast<int64_t>(v.size())}, at::kLong);
+  int64_t* p = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<int64_t>(v[i]);
+  return dtype == at::kLong ? out : out.to(dtype);
+}
+
+using PlanTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                             at::Tensor, at::Tensor, int64_t>;
+
+PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_decode, at::IntArrayRef num_new_tokens,
+                    at::IntArrayRef context_lens, int64_t extra_blocks, bool reserve_null_block, bool shuffle_blocks,
+                    int64_t seed) {
+  TORCH_CHECK_VALUE(is_decode.size() == num_new_tokens.size() && context_lens.size() == num_new_tokens.size(),
+                    "make_plan: is_decode (", is_decode.size(), "), num_new_tokens (", num_new_tokens.size(),
+                    ") and context_lens (", context_lens.size(), ") must have one entry per request");
+  pcpkv::PlanConfig cfg;
+  cfg.pcp_world = static_cast<int32_t>(pcp_world);
+  cfg.block_size = static_cast<int32_t>(block_size);
+  cfg.extra_blocks = extra_blocks;
+  cfg.reserve_null_block = reserve_null_block;
+  cfg.shuffle_blocks = shuffle_blocks;
+  cfg.seed = static_cast<uint64_t>(seed);
+  for (size_t i = 0; i < num_new_tokens.size(); ++i) {
+    pcpkv::RequestSpec r;
+    r.kind = is_decode[i] ? pcpkv::RequestKind::kDecode : pcpkv::RequestKind::kPrefill;
+    r.num_new_tokens = num_new_tokens[i];
+    r.context_len = context_lens[i];
+    cfg.requests.push_back(r);
+  }
+  const pcpkv::PcpPlan plan = translate_errors([&] { return pcpkv::make_plan(cfg); });
+  const int64_t P = plan.pcp_world, M = plan.max_local_tokens;
+  at::Tensor positions = at::empty({P, M}, at::kLong), slots = at::empty({P, M}, at::kLong),
+             global_index = at::empty({P, M}, at::kLong), counts = at::empty({P, 3}, at::kLong);
+  for (int64_t r = 0; r < P; ++r) {
+    const pcpkv::RankPlan& rp = plan.ranks[static_cast<size_t>(r)];
+    std::memcpy(positions[r].data_ptr(), rp.positions.data(), static_cast<size_t>(M) * 8);
+    std::memcpy(slots[r].data_ptr(), rp.slot_mapping.data(), static_cast<size_t>(M) * 8);
+    std::memcpy(global_index[r].data_ptr(), rp.global_index.data(), static_cast<size_t>(M) * 8);
+    int64_t* c = counts[r].data_ptr<int64_t>();
+    c[0] = rp.num_local_tokens;
+    c[1] = rp.num_prefill_tokens;
+    c[2] = rp.num_decode_tokens;
+  }
+  size_t max_blocks = 0;
+  for (const auto& bt : plan.block_tables) max_blocks = std::max(max_blocks, bt.size());
+  at::Tensor tables = at::full({static_cast<int64_t>(plan.block_tables.size()), static_cast<int64_t>(max_blocks)}, -1,
+                               at::kInt);
+  for (size_t i = 0; i < plan.block_tables.size(); ++i)
+    std::copy(plan.block_tables[i].begin(), plan.block_tables[i].end(),
+              tables[static_cast<int64_t>(i)].data_ptr<int32_t>());
+  return {positions,
+          slots,
+          global_index,
+          counts,
+          to_tensor(plan.gathered_slot_mapping),
+          to_tensor(plan.global_positions),
+          to_tensor(plan.global_slots),
+          to_tensor(plan.global_request),
+          tables,
+          plan.num_blocks};
+}
+
+at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& index_ptrs, int64_t num_blocks,
+                              int64_t block_size, int64_t row_stride, int64_t block_stride, int64_t index_block_stride,
+                              c10::string_view kv_format, bool has_indexer) {
+  const pcpkv::CacheFormat fmt = make_format(std::string(kv_format), "pow2", 1.0, has_indexer);
+  const std::vector<uint8_t*> mla = read_pointer_table(mla_ptrs, "make_cache_targets: mla_ptrs");
+  const std::vector<uint8_t*> idx = read_pointer_table(index_ptrs, "make_cache_targets: index_ptrs");
+  TORCH_CHECK_VALUE(!has_indexer || idx.size() == mla.size(), "make_cache_targets: ", mla.size(),
+                    " MLA pointers but ", idx.size(), " indexer pointers");
+  at::Tensor out = at::zeros({static_cast<int64_t>(mla.size()), kTargetRecordBytes}, at::kByte);
+  auto* rec = reinterpret_cast<pcpkv::CacheTarget*>(out.data_ptr());
+  translate_errors([&] {
+    for (size_t d = 0; d < mla.size(); ++d) {
+      pcpkv::CacheTarget t;
+      t.mla_base = mla[d];
+      t.mla.num_blocks = num_blocks;
+      t.mla.block_size = static_cast<int32_t>(block_size);
+      t.mla.row_stride = row_stride;
+      t.mla.block_stride = block_stride;
+      if (has_indexer) {
+        t.index_base = idx[d];
+        t.index.num_blocks = num_blocks;
+        t.index.block_size = static_cast<int32_t>(block_size);
+        t.index.block_stride = index_block_stride;
+      }
+      pcpkv::validate_cache_target(t, fmt, fmt::format("make_cache_targets: target {}", d).c_str());
+      rec[d] = t;
+    }
+  });
+  return out;
+}
+
+// ---- CPU implementations ------------------------------------------------------------------------------
+
+void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor& positions,
+                  const at::Tensor& kv_norm_w, const at::Tensor& rope_cos_sin, const std::optional<at::Tensor>& q_c,
+                  const std::optional<at::Tensor>& q_norm_w, const std::optional<at::Tensor>& index_k,
+                  const std::optional<at::Tensor>& index_ln_w, const std::optional<at::Tensor>& index_ln_b,
+                  const std::optional<at::Tensor>& slot_mapping, const std::optional<at::Tensor>& targets,
+                  const std::optional<at::Tensor>& targets_host, const std::optional<at::Tensor>& row_dests,
+                  const std::optional<at::Tensor>& row_dests_host, const std::optional<at::Tensor>& q_c_out,
+                  const std::optional<at::Tensor>& kv_c_out, const std::optional<at::Tensor>& k_pe_out,
+                  const std::optional<at::Tensor>& index_k_out, const std::optional<at::Tensor>& topk_fill,
+                  at::TensorList /*written*/, c10::string_view kv_format, c10::string_view ds_mla_scale,
+                  double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
+                  bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard) {
+  (void)targets_host;
+  (void)row_dests_host;
+  DispatchArgs a{kv,          k_pe,     positions, kv_norm_w, rope_cos_sin, q_c,
+                 q_norm_w,    index_k,  index_ln_w, index_ln_b, slot_mapping, q_c_out,
+                 kv_c_out,    k_pe_out, index_k_out, topk_fill, std::string(kv_format), std::string(ds_mla_scale),
+                 k_scale,     has_indexer, q_eps,   kv_eps,    index_eps,    mla_rope_interleaved,
+                 index_rope_interleaved, index_hadamard};
+  pcpkv::DispatchParams p = make_dispatch_params(a);
+  std::vector<pcpkv::CacheTarget> tv;
+  std::vector<uint8_t*> dv;
+  if (has(targets)) {
+    tv = read_target_table(*targets, "dispatch: targets");
+    p.targets = tv.data();
+    p.num_targets = static_cast<int32_t>(tv.size());
+  }
+  if (has(row_dests)) {
+    dv = read_pointer_table(*row_dests, "dispatch: row_dests");
+    p.row_dests = dv.data();
+    p.num_row_dests = static_cast<int32_t>(dv.size());
+    p.row_bytes = pcpkv::transport_row_layout(p.fmt).row_bytes;
+  }
+  translate_errors([&] { pcpkv::cpu_dispatch(p, cpu_threads()); });
+}
+
+void combine_cpu(const at::Tensor& rows, const at::Tensor& slot_mapping, const at::Tensor& mla_cache,
+                 const std::optional<at::Tensor>& index_cache, c10::string_view kv_format,
+                 c10::string_view ds_mla_scale, double k_scale, bool has_indexer) {
+  const pcpkv::CombineParams p = make_combine_params(rows, slot_mapping, mla_cache, index_cache, kv_format,
+                                                     ds_mla_scale, k_scale, has_indexer);
+  translate_errors([&] { pcpkv::cpu_combine(p, cpu_threads()); });
+}
+
+void insert_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::optional<at::Tensor>& index_k,
+                const at::Tensor& slot_mapping, const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale) {
+  const pcpkv::InsertParams p = make_insert_params(kv_c, k_pe, index_k, slot_mapping, mla_cache, index_cache, kv_format,
+                                                   ds_mla_scale, k_scale);
+  translate_errors([&] { pcpkv::cpu_insert(p, cpu_threads()); });
+}
+
+// The SPEC section 5 fence for the ranks [first_rank, first_rank + epochs.size(0)) hosted by this call, over
+// host pads (the same protocol as pcpkv::HostFence and the device fence): arrive for every hosted rank,
+// then wait for every hosted rank, so that one call may host all W ranks of a single process.
+void fence_cpu(const at::Tensor& pad_table, const at::Tensor& epochs, const at::Tensor& claim, const at::Tensor& error,
+               int64_t first_rank, int64_t world, int64_t num_barriers, int64_t barrier_idx, int64_t timeout_us,
+               at::TensorList /*written*/) {
+  (void)claim;
+  const std::vector<uint8_t*> pads = read_pointer_table(pad_table, "fence: pad_table");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(pads.size()) == world, "fence: pad_table has ", pads.size(),
+                    " entries but world = ", world);
+  TORCH_CHECK_VALUE(epochs.device().is_cpu() && epochs.scalar_type() == at::kLong && epochs.dim() == 2 &&
+                        epochs.size(1) == num_barriers && epochs.is_contiguous(),
+                    "fence: epochs: expected contiguous CPU int64 [num_local_ranks, num_barriers=", num_barriers,
+                    "], got ", describe(epochs));
+  const int64_t n = epochs.size(0);
+  TORCH_CHECK_VALUE(first_rank >= 0 && n >= 1 && first_rank + n <= world, "fence: ranks [", first_rank, ", ",
+                    first_rank + n, ") are not inside [0, world=", world, ")");
+  TORCH_CHECK_VALUE(barrier_idx >= 0 && barrier_idx < num_barriers, "fence: barrier_idx = ", barrier_idx,
+                    " is out of range [0, ", num_barriers, ")");
+  TORCH_CHECK_VALUE(error.device().is_cpu() && error.scalar_type() == at::kByte &&
+                        error.numel() == static_cast<int64_t>(sizeof(pcpkv::FenceError)) && error.is_contiguous(),
+                    "fence: error: expected a contiguous CPU uint8 [", sizeof(pcpkv::FenceError), "], got ",
+                    describe(error));
+  for (size_t r = 0; r < pads.size(); ++r)
+    TORCH_CHECK_VALUE(pads[r] != nullptr && reinterpret_cast<uintptr_t>(pads[r]) % 8 == 0, "fence: pad_table[", r,
+                      "] is null or not 8-byte aligned");
+  auto slot = [&](int64_t owner, uint64_t parity, int64_t src) {
+    auto* pad = reinterpret_cast<uint64_t*>(pads[static_cast<size_t>(owner)]);
+    return std::atomic_ref<uint64_t>(pad[(barrier_idx * 2 + static_cast<int64_t>(parity)) * world + src]);
+  };
+  int64_t* ep = epochs.data_ptr<int64_t>();
+  std::vector<uint64_t> e(static_cast<size_t>(n));
+  for (int64_t b = 0; b < n; ++b) {
+    e[b] = static_cast<uint64_t>(ep[b * num_barriers + barrier_idx]) + 1;
+    ep[b * num_barriers + barrier_idx] = static_cast<int64_t>(e[b]);
+    for (int64_t peer = 0; peer < world; ++peer) slot(peer, e[b] & 1, first_rank + b).store(e[b], std::memory_order_release);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t me = first_rank + b;
+    for (int64_t peer = 0; peer < world; ++peer) {
+      uint32_t spins = 0;
+      uint64_t v;
+      while (static_cast<int64_t>((v = slot(me, e[b] & 1, peer).load(std::memory_order_acquire)) - e[b]) < 0) {
+        if (++spins > 64) std::this_thread::yield();
+        if ((spins & 1023u) == 0 && std::chrono::steady_clock::now() > deadline) {
+          pcpkv::FenceError err;
+          err.flag = pcpkv::kFenceErrorFlag;
+          err.waiting_rank = static_cast<int32_t>(me);
+          err.missing_rank = static_cast<int32_t>(peer);
+          err.barrier_idx = static_cast<int32_t>(barrier_idx);
+          err.epoch = e[b];
+          err.seen = v;
+          std::memcpy(error.data_ptr(), &err, sizeof(err));
+          translate_errors([&]() -> int {
+            throw pcpkv::FenceTimeout(fmt::format("fence: rank {} waited {} us at barrier {} for epoch {}, rank {} "
+                                                  "never arrived (its slot holds {})",
+                                                  me, timeout_us, barrier_idx, e[b], peer, v),
+                                      static_cast<int>(peer));
+          });
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pcpkv, m) {
+  m.def("rope_table(int num_positions, str scaling, float theta, float factor, int original_max_position_embeddings, "
+        "float beta_fast, float beta_slow, float mscale, float mscale_all_dim) -> Tensor",
+        &rope_table);
+  m.def("make_plan(int pcp_world, int block_size, int[] is_decode, int[] num_new_tokens, int[] context_lens, "
+        "int extra_blocks, bool reserve_null_block, bool shuffle_blocks, int seed) -> (Tensor positions, "
+        "Tensor slot_mapping, Tensor global_index, Tensor rank_counts, Tensor gathered_slot_mapping, "
+        "Tensor global_positions, Tensor global_slots, Tensor global_request, Tensor block_tables, int num_blocks)",
+        &make_plan);
+  m.def("make_cache_targets(Tensor mla_ptrs, Tensor index_ptrs, int num_blocks, int block_size, int row_stride, "
+        "int block_stride, int index_block_stride, str kv_format, bool has_indexer) -> Tensor",
+        &make_cache_targets);
+  m.def("dispatch(Tensor kv, Tensor k_pe, Tensor positions, Tensor kv_norm_w, Tensor rope_cos_sin, "
+        "Tensor? q_c, Tensor? q_norm_w, Tensor? index_k, Tensor? index_ln_w, Tensor? index_ln_b, "
+        "Tensor? slot_mapping, Tensor? targets, Tensor? targets_host, Tensor? row_dests, Tensor? row_dests_host, "
+        "Tensor(a!)? q_c_out, Tensor(b!)? kv_c_out, Tensor(c!)? k_pe_out, Tensor(d!)? index_k_out, "
+        "Tensor(e!)? topk_fill, Tensor(f!)[] written, str kv_format, str ds_mla_scale, float k_scale, "
+        "bool has_indexer, float q_eps, float kv_eps, float index_eps, bool mla_rope_interleaved, "
+        "bool index_rope_interleaved, bool index_hadamard) -> ()");
+  m.def("combine(Tensor rows, Tensor slot_mapping, Tensor(a!) mla_cache, Tensor(b!)? index_cache, str kv_format, "
+        "str ds_mla_scale, float k_scale, bool has_indexer) -> ()");
+  m.def("insert(Tensor kv_c, Tensor k_pe, Tensor? index_k, Tensor slot_mapping, Tensor(a!) mla_cache, "
+        "Tensor(b!)? index_cache, str kv_format, str ds_mla_scale, float k_scale) -> ()");
+  m.def("fence(Tensor pad_table, Tensor(a!) epochs, Tensor(b!) claim, Tensor(c!) error, int first_rank, int world, "
+        "int num_barriers, int barrier_idx, int timeout_us, Tensor(d!)[] written) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pcpkv, CPU, m) {
+  m.impl("dispatch", &dispatch_cpu);
+  m.impl("combine", &combine_cpu);
+  m.impl("insert", &insert_cpu);
+  m.impl("fence", &fence_cpu);
+}
+
+}  // namespace pcpkv_torch

@@ -1,0 +1,147 @@
+"""Python entry points of the ``torch.ops.pcpkv`` custom ops, with shapes, dtypes and errors.
+
+Conventions: T = local tokens of this rank (padding included), bf16 activations are the raw projections
+(q_a_proj output, kv_a_proj_with_mqa output split into kv [T, 512] and k_pe [T, 64], indexer wk output),
+row inner stride 1 (views of a wider projection are fine). Norm weights are float32 (bf16 checkpoint weights
+convert exactly; the wrappers convert). Every op runs on CPU tensors (pcpkv's CPU reference, bit-exact
+oracle) and CUDA tensors (asynchronous on the current stream, capturable in CUDA graphs). Bad arguments
+raise ValueError naming the argument and value before anything is written; on CUDA, slot and position
+*values* are not read on the host (that would synchronize): rows with a slot outside the caches or a
+position outside the rope table are skipped by the kernels, and validate_slots() checks them on demand.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .model import CacheFormat, RopeSpec
+from .tables import CacheTargets, FenceState, RowDests
+
+__all__ = ["rope_table", "dispatch", "combine", "insert", "fence", "validate_slots", "cuda_dispatch_impl"]
+
+Tensor = torch.Tensor
+
+
+def rope_table(rope: RopeSpec, num_positions: int, device=None) -> Tensor:
+    """cos/sin table float32 [num_positions, 64] = per position [cos(pos*f'_0..31) | sin(pos*f'_0..31)] *
+    mscale (SPEC section 1), computed in long double and rounded once (pcpkv::make_rope_table).
+    Raises ValueError if num_positions < 1 or the scaling is unknown."""
+    t = torch.ops.pcpkv.rope_table(num_positions, rope.scaling, rope.theta, rope.factor,
+                                   rope.original_max_position_embeddings, rope.beta_fast, rope.beta_slow, rope.mscale,
+                                   rope.mscale_all_dim)
+    return t if device is None else t.to(device)
+
+
+def _f32(w: Optional[Tensor]) -> Optional[Tensor]:
+    return None if w is None else w.to(torch.float32).contiguous()
+
+
+def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rope_cos_sin: Tensor, *,
+             fmt: CacheFormat, q_c: Optional[Tensor] = None, q_norm_w: Optional[Tensor] = None,
+             index_k: Optional[Tensor] = None, index_ln_w: Optional[Tensor] = None,
+             index_ln_b: Optional[Tensor] = None, slot_mapping: Optional[Tensor] = None,
+             targets: Optional[CacheTargets] = None, row_dests: Optional[RowDests] = None,
+             q_c_out: Optional[Tensor] = None, kv_c_out: Optional[Tensor] = None, k_pe_out: Optional[Tensor] = None,
+             index_k_out: Optional[Tensor] = None, topk_fill: Optional[Tensor] = None, q_eps: float = 1e-6,
+             kv_eps: float = 1e-6, index_eps: float = 1e-6, mla_rope_interleaved: bool = True,
+             index_rope_interleaved: bool = False, index_hadamard: bool = False,
+             written: Sequence[Tensor] = ()) -> None:
+    """The fused dispatch (SPEC section 2) of T local tokens, dual-mode: any combination of
+      * materialize: q_c_out [T, q_lora_rank] bf16 = RMSNorm(q_c); kv_c_out [T, 512], k_pe_out [T, 64],
+        index_k_out [T, 128] bf16 (normalized / roped, the "collect" path); topk_fill int32 [T, width] = -1;
+      * cache writes ("direct"): every token with slot_mapping[t] >= 0 writes its fmt row into every replica
+        of `targets` (CacheTargets; MLA row + indexer slot);
+      * transport rows ("staging"): token t's packed row (fmt.row_bytes bytes) goes to every destination of
+        `row_dests` (RowDests) at offset t * row_bytes, padding rows included.
+
+    Inputs: kv bf16 [T, 512], k_pe bf16 [T, 64], positions int64 [T] (rows of rope_cos_sin),
+    kv_norm_w [512], rope_cos_sin float32 [num_positions, 64] (rope_table()), q_c bf16 [T, q_lora_rank]
+    (q_lora_rank a multiple of 8, <= 4096) with q_norm_w [q_lora_rank] and q_c_out; index_k bf16 [T, 128]
+    with index_ln_w / index_ln_b [128] when fmt.has_indexer; slot_mapping int64 [T] (-1: no cache row).
+    Rope styles: MLA k_pe interleaved pairs (2i, 2i+1) by default; indexer NeoX (i, i+32) for DeepSeek-V3.2,
+    interleaved for GLM-5 (ModelSpec.dispatch_kwargs() gives the model's eps and styles). Rotation is in
+    place: interleaved output keeps the pair layout (HF transformers emits it de-interleaved, [even | odd]).
+    `written`: extra tensors the caller wants declared as mutated (torch.compile ordering).
+
+    Raises ValueError (nothing written) for a wrong dtype/shape/device, q_c without q_c_out, a missing indexer
+    input, a bad format, or a table whose geometry cannot hold fmt's rows; on CPU also for a slot out of
+    range or repeated, or a position outside the table."""
+    torch.ops.pcpkv.dispatch(
+        kv, k_pe, positions, _f32(kv_norm_w), rope_cos_sin, q_c, _f32(q_norm_w), index_k, _f32(index_ln_w),
+        _f32(index_ln_b), slot_mapping,
+        None if targets is None else targets.table, None if targets is None else targets.host,
+        None if row_dests is None else row_dests.table, None if row_dests is None else row_dests.host,
+        q_c_out, kv_c_out, k_pe_out, index_k_out, topk_fill,
+        list(written) + (targets.tensors if targets is not None else []) +
+        (row_dests.tensors if row_dests is not None else []),
+        fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale, fmt.has_indexer, q_eps, kv_eps, index_eps,
+        mla_rope_interleaved, index_rope_interleaved, index_hadamard)
+
+
+def combine(rows: Tensor, slot_mapping: Tensor, mla_cache: Tensor, index_cache: Optional[Tensor], *,
+            fmt: CacheFormat) -> None:
+    """Staging rows -> this rank's caches (SPEC section 5, "staging"): row i of rows uint8
+    [num_src_ranks, max_local_tokens, fmt.row_bytes] (contiguous; staging[buffer, ubatch]) with
+    slot_mapping[i] >= 0 (int64 [num_src_ranks * max_local_tokens], the plan's gathered_slot_mapping) is
+    copied byte for byte into mla_cache uint8 [num_blocks, block_size, fmt.mla_row_bytes] and, with an
+    indexer, index_cache uint8 [num_blocks, block_size, 132]. Raises ValueError on a bad argument (CPU: also a
+    slot out of range or repeated)."""
+    torch.ops.pcpkv.combine(rows, slot_mapping, mla_cache, index_cache, fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale,
+                            fmt.has_indexer)
+
+
+def insert(kv_c: Tensor, k_pe: Tensor, index_k: Optional[Tensor], slot_mapping: Tensor, mla_cache: Tensor,
+           index_cache: Optional[Tensor], *, fmt: CacheFormat) -> None:
+    """Collect path (SPEC section 5): quantize-and-insert gathered bf16 rows kv_c [N, 512], k_pe [N, 64],
+    index_k [N, 128] (None when the layer has no indexer; fmt.has_indexer must agree), contiguous, with
+    slot_mapping int64 [N], into the caches (shapes as in combine). Quantizes from the bf16 values, so the
+    bytes differ from the fused path's (each has its own CPU reference). Raises ValueError on a bad argument."""
+    if (index_k is not None) != fmt.has_indexer:
+        raise ValueError(f"insert: index_k is {'given' if index_k is not None else 'missing'} but "
+                         f"fmt.has_indexer = {fmt.has_indexer}")
+    torch.ops.pcpkv.insert(kv_c, k_pe, index_k, slot_mapping, mla_cache, index_cache, fmt.kv_format,
+                           fmt.ds_mla_scale, fmt.k_scale)
+
+
+def fence(state: FenceState, barrier_idx: int = 0, *, timeout_us: int = 10_000_000,
+          written: Sequence[Tensor] = ()) -> None:
+    """The SPEC section 5 fence for the ranks `state` hosts: e = ++epoch (on the device), release-store e into
+    every peer's pad slot [barrier_idx][e & 1][my_rank], then acquire-poll the own slots until all W ranks
+    arrived. After it, everything any rank wrote before its fence is visible. One call may host several
+    ranks (W logical ranks on one GPU: one block each, co-resident).
+
+    A wait longer than timeout_us ends the wait: on CUDA the kernel records the missing rank in state.error
+    (state.check() raises RuntimeError after synchronizing; graph replays keep running), on CPU it raises
+    RuntimeError at once. `written`: tensors peers wrote before the fence (declared mutated so torch.compile
+    keeps later reads after it). Raises ValueError for a bad barrier_idx or state."""
+    torch.ops.pcpkv.fence(state.pad_table, state.epochs, state.claim, state.error, state.first_rank, state.world,
+                          state.num_barriers, barrier_idx, timeout_us, list(written) + state.pads)
+
+
+def validate_slots(slot_mapping: Tensor, num_slots: int, name: str = "slot_mapping", null_block_size: int = 0):
+    """Host check (synchronizes when slot_mapping is on a GPU; not inside a graph capture): every entry -1 or
+    in [0, num_slots), none repeated, none in the null block [0, null_block_size). Raises ValueError naming
+    the first bad entry."""
+    s = slot_mapping.detach().to("cpu").tolist()
+    seen = {}
+    for i, v in enumerate(s):
+        if v == -1:
+            continue
+        if v < 0 or v >= num_slots:
+            raise ValueError(f"{name}[{i}] = {v} is out of range [0, {num_slots})")
+        if v < null_block_size:
+            raise ValueError(f"{name}[{i}] = {v} is in the null block [0, {null_block_size})")
+        if v in seen:
+            raise ValueError(f"{name}[{i}] = {v} duplicates {name}[{seen[v]}]")
+        seen[v] = i
+
+
+def cuda_dispatch_impl() -> str:
+    """Which CUDA dispatch kernel the ops use: "pcpkv" (the fused kernel of src/cuda/dispatch.cu) or
+    "reference" (this package's one-thread-per-token kernel; PCPKV_TORCH_DISPATCH=reference selects it).
+    "none" in a CPU-only build."""
+    if not hasattr(torch.ops.pcpkv, "cuda_dispatch_impl"):
+        return "none"
+    return torch.ops.pcpkv.cuda_dispatch_impl()

@@ -1,0 +1,66 @@
+"""The PCP batch plan (SPEC section 4) as tensors: pcpkv::make_plan through torch.ops.pcpkv.make_plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["Request", "PcpPlan", "make_plan"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a batch: a prefill of num_new_tokens >= 1 or a decode (num_new_tokens == 1); the first
+    new token has position context_len."""
+
+    num_new_tokens: int
+    context_len: int = 0
+    decode: bool = False
+
+
+@dataclass
+class PcpPlan:
+    """Per-rank local views (every [P, M] row padded to max_local_tokens M; padded rows have slot -1):
+      positions [P, M] int64, slot_mapping [P, M] int64 (-1: padding or a decode copy on a rank > 0),
+      global_index [P, M] int64 (-1 padding), num_local_tokens / num_prefill_tokens / num_decode_tokens [P],
+      gathered_slot_mapping [P * M] (rank-major: row r*M + i of a staging buffer lands in this slot),
+      global_positions / global_slots / global_request [N] (global token order), block_tables [R, max] int32
+      padded with -1, num_blocks (cache blocks incl. the null block 0 when reserved)."""
+
+    pcp_world: int
+    block_size: int
+    num_blocks: int
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    global_index: torch.Tensor
+    num_local_tokens: torch.Tensor
+    num_prefill_tokens: torch.Tensor
+    num_decode_tokens: torch.Tensor
+    gathered_slot_mapping: torch.Tensor
+    global_positions: torch.Tensor
+    global_slots: torch.Tensor
+    global_request: torch.Tensor
+    block_tables: torch.Tensor
+
+    @property
+    def max_local_tokens(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 64, extra_blocks: int = 0,
+              reserve_null_block: bool = True, shuffle_blocks: bool = True, seed: int = 0) -> PcpPlan:
+    """DualChunkSwap prefill split over pcp_world ranks, decodes replicated (only rank 0 writes), seeded block
+    tables (pcpkv::make_plan). Tensors are on the CPU. Raises ValueError naming the field (pcp_world < 1,
+    block_size not a power of two, an empty request, a decode with num_new_tokens != 1, ...)."""
+    r = torch.ops.pcpkv.make_plan(pcp_world, block_size, [int(q.decode) for q in requests],
+                                  [q.num_new_tokens for q in requests], [q.context_len for q in requests],
+                                  extra_blocks, reserve_null_block, shuffle_blocks, seed)
+    positions, slots, gidx, counts, gathered, gpos, gslots, greq, tables, num_blocks = r
+    return PcpPlan(pcp_world, block_size, int(num_blocks), positions, slots, gidx, counts[:, 0].clone(),
+                   counts[:, 1].clone(), counts[:, 2].clone(), gathered, gpos, gslots, greq, tables)

@@ -1,0 +1,80 @@
+"""Layout helpers and pointer tables: cache views and dequantization on hand-made bytes, staging/peer tables
+from tensors and from symmetric-memory handles (duck-typed: PyTorch's ``buffer_ptrs``, pcpkv's ``ptrs``)."""
+
+import pytest
+
+from helpers import pk, torch
+
+
+def test_dequantize_known_bytes():
+    cache = pk.allocate_mla_cache(2, 4, "fp8_ds_mla", row_pad=8, block_pad=16, fill=0)
+    v = pk.mla_cache_view(cache, "fp8_ds_mla")
+    v["kv_c"][1, 2, :] = torch.full((512,), 1.5).to(torch.float8_e4m3fn)
+    v["tile_scales"][1, 2, :] = torch.tensor([0.5, 2.0, 4.0, 0.25])
+    v["k_pe"][1, 2, :] = torch.arange(64, dtype=torch.bfloat16)
+    kv_c, k_pe = pk.dequantize_mla(cache, "fp8_ds_mla", slots=[6])
+    assert kv_c[0, :128].eq(0.75).all() and kv_c[0, 128:256].eq(3.0).all() and kv_c[0, 384:].eq(0.375).all()
+    assert torch.equal(k_pe[0], torch.arange(64, dtype=torch.float32))
+    ic = pk.allocate_indexer_cache(2, 4, block_pad=12, fill=0)
+    data, scales = pk.indexer_cache_view(ic)
+    data[1, 3] = torch.full((128,), -2.0).to(torch.float8_e4m3fn)
+    scales[1, 3] = 2.0 ** -5
+    # SPEC section 3: block b's scale of row o lies at b*stride + B*128 + o*4
+    raw = torch.as_strided(ic, (ic.untyped_storage().nbytes(),), (1,), 0)
+    stride = 4 * 132 + 12
+    assert raw[stride + 4 * 128 + 3 * 4: stride + 4 * 128 + 4 * 4].view(torch.float32).item() == 2.0 ** -5
+    assert pk.dequantize_indexer(ic, slots=[7]).eq(-2.0 ** -4).all()
+    with pytest.raises(ValueError, match="kv_format"):
+        pk.allocate_mla_cache(1, 4, "int8")
+    with pytest.raises(ValueError, match="power of two"):
+        pk.allocate_indexer_cache(1, 6)
+
+
+def test_plan_tensors():
+    plan = pk.make_plan(4, [pk.Request(8, 0), pk.Request(1, 3, decode=True)], block_size=4, seed=1)
+    M = plan.max_local_tokens
+    assert torch.equal(plan.gathered_slot_mapping, plan.slot_mapping.reshape(-1))
+    # DualChunkSwap, P=4, L=8: chunk 1; rank r owns tokens r and 7-r (positions stay global)
+    for r in range(4):
+        pos = plan.positions[r][plan.global_index[r] >= 0].tolist()
+        assert pos[:2] == [r, 7 - r]
+    # the decode is replicated; only rank 0's copy writes
+    assert int((plan.slot_mapping >= 0).sum()) == 9 and plan.num_decode_tokens.tolist() == [1, 1, 1, 1]
+    assert plan.block_tables.shape[0] == 2 and M == 3
+
+
+class FakeTorchSymmMem:
+    def __init__(self, ptrs):
+        self.buffer_ptrs = ptrs
+
+
+def test_peer_pointers_and_tables():
+    bufs = [torch.zeros(4096, dtype=torch.uint8) for _ in range(3)]
+    ptrs = pk.peer_pointers(FakeTorchSymmMem([b.data_ptr() for b in bufs]), offset_bytes=256)
+    assert ptrs == [b.data_ptr() + 256 for b in bufs]
+    assert pk.peer_pointers([1, 2]) == [1, 2]
+    t = pk.pointer_table([2 ** 64 - 8, 16])  # uint64 bit patterns survive as int64
+    assert t.tolist() == [-8, 16]
+    fmt = pk.CacheFormat("fp8", k_scale=0.5, has_indexer=False)
+    mla = [pk.allocate_mla_cache(3, 4, "fp8", fill=0) for _ in range(3)]
+    targets = pk.CacheTargets.from_pointers([m.data_ptr() for m in mla], None, like_mla=mla[0], like_index=None,
+                                            fmt=fmt, tensors=mla)
+    assert len(targets) == 3 and targets.host.shape[1] == 72
+    with pytest.raises(ValueError, match="null"):
+        pk.CacheTargets.from_pointers([0], None, like_mla=mla[0], like_index=None, fmt=fmt)
+
+
+def test_model_spec_from_hf_config_dicts():
+    glm = pk.ModelSpec.from_hf_config({"model_type": "glm_moe_dsa", "q_lora_rank": 2048, "rms_norm_eps": 1e-5,
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": 8e6},
+                                        "index_topk_freq": 4, "index_skip_topk_offset": 3, "num_hidden_layers": 78})
+    assert glm.indexer_rope_interleave and glm.rope == pk.RopeSpec("default", 8e6)
+    assert sum(glm.layer_has_indexer(i) for i in range(78)) == 21  # the public GLM-5.2 count
+    ds = pk.ModelSpec.from_hf_config({"model_type": "deepseek_v32", "q_lora_rank": 1536,
+                                       "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32,
+                                                        "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1,
+                                                        "original_max_position_embeddings": 4096},
+                                       "rope_theta": 10000})
+    assert not ds.indexer_rope_interleave and ds.rope.scaling == "deepseek_yarn" and ds.rope.factor == 40
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        pk.ModelSpec.from_hf_config({"q_lora_rank": 8, "kv_lora_rank": 256})

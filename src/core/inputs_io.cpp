@@ -1,0 +1,194 @@
+// Inputs files: load_inputs (inputs.h), read_inputs_batch, apply_slot_mapping and save_run (inputs_io.h).
+#include "pcpkv/inputs_io.h"
+
+#include <algorithm>
+
+#include "pcpkv/device/codec.h"
+#include "pcpkv/error.h"
+#include "pcpkv/safetensors.h"
+
+namespace pcpkv {
+namespace {
+
+// A norm weight stored as BF16 (checkpoint dtype, converts exactly) or F32.
+std::vector<float> read_weight(const SafetensorsReader& r, const std::string& name, int64_t len) {
+  const StTensorInfo& t = r.get(name);
+  if (t.dtype == StDtype::kBF16) {
+    const auto bits = r.read_as<uint16_t>(name, StDtype::kBF16, {len});
+    std::vector<float> out(bits.size());
+    for (size_t i = 0; i < bits.size(); ++i) out[i] = codec::bf16_to_float(bits[i]);
+    return out;
+  }
+  PCPKV_CHECK(t.dtype == StDtype::kF32, "{}: tensor '{}' (file offset {}): expected BF16 or F32 [{}], got {} {}",
+              r.path(), name, r.data_start() + t.begin, len, to_string(t.dtype), shape_string(t.shape));
+  return r.read_as<float>(name, StDtype::kF32, {len});
+}
+
+std::string kind_name(RequestKind k) { return k == RequestKind::kPrefill ? "prefill" : "decode"; }
+
+}  // namespace
+
+GlobalInputs load_inputs(const std::string& path, const ModelConfig& model, const PcpPlan& plan, bool has_indexer) {
+  const SafetensorsReader r(path);
+  const int64_t n = plan.num_global_tokens();
+  const int64_t q = model.q_lora_rank;
+  GlobalInputs in;
+  in.num_tokens = n;
+  in.q_lora_rank = q;
+  in.q_c = r.read_as<uint16_t>("q_c", StDtype::kBF16, {n, q});
+  in.kv = r.read_as<uint16_t>("kv", StDtype::kBF16, {n, kKvLoraRank});
+  in.k_pe = r.read_as<uint16_t>("k_pe", StDtype::kBF16, {n, kRopeDims});
+  if (has_indexer) {
+    PCPKV_CHECK(r.has("index_k"),
+                "{}: tensor 'index_k' is missing, but an indexer layer (--layer indexer) needs it; use --layer "
+                "shared for a layer without an indexer",
+                path);
+    in.index_k = r.read_as<uint16_t>("index_k", StDtype::kBF16, {n, kIndexHeadDim});
+  }
+  in.positions = r.read_as<int64_t>("positions", StDtype::kI64, {n});
+  for (int64_t i = 0; i < n; ++i) {
+    PCPKV_CHECK(in.positions[i] == plan.global_positions[i],
+                "{}: positions[{}] = {}, but the batch's requests give position {} (request {}, {})", path, i,
+                in.positions[i], plan.global_positions[i], plan.global_request[i],
+                kind_name(plan.requests[plan.global_request[i]].kind));
+  }
+  in.weights.q_norm_w = read_weight(r, "q_norm_w", q);
+  in.weights.kv_norm_w = read_weight(r, "kv_norm_w", kKvLoraRank);
+  if (has_indexer) {
+    in.weights.index_ln_w = read_weight(r, "index_ln_w", kIndexHeadDim);
+    in.weights.index_ln_b = read_weight(r, "index_ln_b", kIndexHeadDim);
+  }
+  return in;
+}
+
+InputsBatch read_inputs_batch(const std::string& path) {
+  const SafetensorsReader r(path);
+  InputsBatch b;
+  const StTensorInfo& kv = r.get("kv");
+  PCPKV_CHECK(kv.shape.size() == 2, "{}: tensor 'kv': expected 2 dimensions [N, 512], got {} {}", path,
+              to_string(kv.dtype), shape_string(kv.shape));
+  b.num_tokens = kv.shape[0];
+  b.has_index_k = r.has("index_k");
+  if (r.has("requests")) {
+    const auto rows = r.read_as<int64_t>("requests", StDtype::kI64, {-1, 3});
+    const size_t num_requests = rows.size() / 3;
+    PCPKV_CHECK(num_requests >= 1, "{}: tensor 'requests' has no rows", path);
+    int64_t total = 0;
+    for (size_t i = 0; i < num_requests; ++i) {
+      const int64_t kind = rows[3 * i], num_new = rows[3 * i + 1], context = rows[3 * i + 2];
+      PCPKV_CHECK(kind == 0 || kind == 1, "{}: requests[{}]: kind = {}, expected 0 (prefill) or 1 (decode)", path, i,
+                  kind);
+      PCPKV_CHECK(num_new >= 1, "{}: requests[{}]: num_new_tokens = {} must be >= 1", path, i, num_new);
+      PCPKV_CHECK(context >= 0, "{}: requests[{}]: context_len = {} must be >= 0", path, i, context);
+      b.requests.push_back({kind == 0 ? RequestKind::kPrefill : RequestKind::kDecode, num_new, context});
+      total += num_new;
+    }
+    PCPKV_CHECK(total == b.num_tokens, "{}: tensor 'requests' adds up to {} new tokens, but tensor 'kv' has {} rows",
+                path, total, b.num_tokens);
+  }
+  if (r.has("slot_mapping")) b.slot_mapping = r.read_as<int64_t>("slot_mapping", StDtype::kI64, {b.num_tokens});
+  return b;
+}
+
+void apply_slot_mapping(PcpPlan& plan, const std::vector<int64_t>& slots, const std::string& origin) {
+  const int64_t n = plan.num_global_tokens();
+  PCPKV_CHECK(static_cast<int64_t>(slots.size()) == n, "{}: slot_mapping has {} entries, the batch has {} tokens",
+              origin, slots.size(), n);
+  // Every new token of the batch must land somewhere: the plan writes each exactly once.
+  for (int64_t i = 0; i < n; ++i) {
+    PCPKV_CHECK(slots[i] >= 0, "{}: slot_mapping[{}] = {}: every new token needs a slot (>= 0)", origin, i, slots[i]);
+    PCPKV_CHECK(slots[i] < plan.num_slots(),
+                "{}: slot_mapping[{}] = {} is out of range [0, {}) (the cache has {} blocks of {} slots)", origin, i,
+                slots[i], plan.num_slots(), plan.num_blocks, plan.block_size);
+  }
+  validate_slot_mapping(slots.data(), n, plan.num_slots(), origin + ": slot_mapping",
+                        plan.reserve_null_block ? plan.block_size : 0);
+  plan.global_slots = slots;
+  for (int32_t r = 0; r < plan.pcp_world; ++r) {
+    RankPlan& rp = plan.ranks[r];
+    for (size_t i = 0; i < rp.slot_mapping.size(); ++i) {
+      const int64_t g = rp.global_index[i];
+      if (g < 0) continue;  // padding stays -1
+      const bool decode_copy = plan.requests[plan.global_request[g]].kind == RequestKind::kDecode && r != 0;
+      rp.slot_mapping[i] = decode_copy ? -1 : slots[g];
+      plan.gathered_slot_mapping[r * plan.max_local_tokens + static_cast<int64_t>(i)] = rp.slot_mapping[i];
+    }
+  }
+}
+
+void save_run(const std::string& path, const ModelConfig& model, const PcpPlan& plan, const CacheFormat& fmt,
+              const GlobalInputs& in, const PublishResult& result, const SaveInfo& info) {
+  PCPKV_CHECK(!result.mla_alloc.empty(), "--save {}: the result holds no replica", path);
+  const int64_t n = in.num_tokens;
+  const int64_t q = in.q_lora_rank;
+  SafetensorsWriter w;
+  w.add("q_c", StDtype::kBF16, {n, q}, in.q_c);
+  w.add("kv", StDtype::kBF16, {n, kKvLoraRank}, in.kv);
+  w.add("k_pe", StDtype::kBF16, {n, kRopeDims}, in.k_pe);
+  if (!in.index_k.empty()) w.add("index_k", StDtype::kBF16, {n, kIndexHeadDim}, in.index_k);
+  w.add("positions", StDtype::kI64, {n}, in.positions);
+  w.add("q_norm_w", StDtype::kF32, {q}, in.weights.q_norm_w);
+  w.add("kv_norm_w", StDtype::kF32, {kKvLoraRank}, in.weights.kv_norm_w);
+  if (!in.weights.index_ln_w.empty()) {
+    w.add("index_ln_w", StDtype::kF32, {kIndexHeadDim}, in.weights.index_ln_w);
+    w.add("index_ln_b", StDtype::kF32, {kIndexHeadDim}, in.weights.index_ln_b);
+  }
+
+  const auto num_requests = static_cast<int64_t>(plan.requests.size());
+  std::vector<int64_t> requests;
+  for (const RequestSpec& r : plan.requests) {
+    requests.insert(requests.end(), {r.kind == RequestKind::kPrefill ? 0 : 1, r.num_new_tokens, r.context_len});
+  }
+  w.add("requests", StDtype::kI64, {num_requests, 3}, requests);
+  w.add("slot_mapping", StDtype::kI64, {n}, plan.global_slots);
+  size_t max_blocks = 0;
+  for (const auto& t : plan.block_tables) max_blocks = std::max(max_blocks, t.size());
+  std::vector<int32_t> tables(plan.block_tables.size() * max_blocks, -1);
+  for (size_t r = 0; r < plan.block_tables.size(); ++r) {
+    std::copy(plan.block_tables[r].begin(), plan.block_tables[r].end(), tables.begin() + r * max_blocks);
+  }
+  w.add("block_tables", StDtype::kI32, {num_requests, static_cast<int64_t>(max_blocks)}, tables);
+  w.add("gathered_slot_mapping", StDtype::kI64, {plan.pcp_world, plan.max_local_tokens}, plan.gathered_slot_mapping);
+
+  const MlaCacheGeometry& mg = result.mla_geometry;
+  const auto& mla_alloc = result.mla_alloc[0];
+  PCPKV_CHECK(
+      result.mla_cache_offset >= 0 && result.mla_cache_offset + mg.bytes() <= static_cast<int64_t>(mla_alloc.size()),
+      "--save {}: MLA cache [{}, +{}) lies outside its allocation of {} bytes", path, result.mla_cache_offset,
+      mg.bytes(), mla_alloc.size());
+  const bool dense_rows = mg.block_stride == int64_t{mg.block_size} * mg.row_stride;
+  std::vector<int64_t> mla_shape = dense_rows ? std::vector<int64_t>{mg.num_blocks, mg.block_size, mg.row_stride}
+                                              : std::vector<int64_t>{mg.num_blocks, mg.block_stride};
+  w.add("mla_cache", StDtype::kU8, mla_shape, mla_alloc.data() + result.mla_cache_offset, mg.bytes());
+  const IndexerCacheGeometry& ig = result.index_geometry;
+  if (fmt.has_indexer) {
+    const auto& index_alloc = result.index_alloc.at(0);
+    PCPKV_CHECK(result.index_cache_offset >= 0 &&
+                    result.index_cache_offset + ig.bytes() <= static_cast<int64_t>(index_alloc.size()),
+                "--save {}: indexer cache [{}, +{}) lies outside its allocation of {} bytes", path,
+                result.index_cache_offset, ig.bytes(), index_alloc.size());
+    w.add("index_cache", StDtype::kU8, {ig.num_blocks, ig.block_stride}, index_alloc.data() + result.index_cache_offset,
+          ig.bytes());
+  }
+
+  w.set_metadata("format", "pcpkv-run");
+  w.set_metadata("model", model.name);
+  w.set_metadata("model_type", model.model_type);
+  w.set_metadata("kv_format", to_string(fmt.kv_format));
+  w.set_metadata("ds_mla_scale", to_string(fmt.ds_mla_scale));
+  w.set_metadata("k_scale", fmt::format("{}", fmt.k_scale));
+  w.set_metadata("has_indexer", fmt.has_indexer ? "true" : "false");
+  w.set_metadata("pcp_world", std::to_string(plan.pcp_world));
+  w.set_metadata("block_size", std::to_string(plan.block_size));
+  w.set_metadata("num_blocks", std::to_string(plan.num_blocks));
+  w.set_metadata("reserve_null_block", plan.reserve_null_block ? "true" : "false");
+  w.set_metadata("mla_row_bytes", std::to_string(mla_row_bytes(fmt.kv_format)));
+  w.set_metadata("mla_row_stride", std::to_string(mg.row_stride));
+  w.set_metadata("mla_block_stride", std::to_string(mg.block_stride));
+  if (fmt.has_indexer) w.set_metadata("index_block_stride", std::to_string(ig.block_stride));
+  w.set_metadata("caches_of", fmt::format("rank 0, transport {}", info.transport));
+  for (const auto& [k, v] : info.metadata) w.set_metadata(k, v);
+  w.write(path);
+}
+
+}  // namespace pcpkv

@@ -1,0 +1,714 @@
+// The fused dispatch kernel (SPEC section 2, 3): Q RMSNorm, KV RMSNorm, k_pe RoPE, indexer LayerNorm +
+// RoPE (+ Hadamard), quantization into the cache format, cache writes into every target ("direct") and/or
+// transport rows into every row destination ("staging"), materialized bf16 outputs ("collect"), and the
+// top-k -1 fill. Bytes equal cpu_dispatch's (pcpkv/cpu.h) exactly.
+//
+// Work split. A persistent grid of 128-thread CTAs walks the tokens of up to 8 ranks (one launch serves
+// all logical ranks of a GPU). Per token:
+//   all 128 threads   2 q_c leaves (8 bf16 = one 16-byte load each) per thread, 4 when q_lora_rank > 2048
+//   threads 0..63     kv leaf t (kv_c tile t / 16 for fp8_ds_mla)
+//   warp 2, lanes 0..7   k_pe leaf
+//   warp 3, lanes 0..15  index_k leaf
+// Every load of a token is issued before its first reduction; the "prefetch" variant also issues the next
+// token's loads before processing the current one. Sums follow token_math.h's canonical order: leaf sums
+// in-thread, shfl_xor butterflies across lanes, then warps pairwise through shared memory.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "cuda/check.h"
+#include "cuda/kernel_util.cuh"
+#include "cuda/launch.h"
+#include "pcpkv/cpu.h"
+#include "pcpkv/error.h"
+#include "pcpkv/layout.h"
+
+namespace pcpkv::cuda_detail {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps per token: see the work split above
+constexpr int kMaxRanks = 8;
+constexpr int kMaxTargets = 64;  // per launch, all ranks together
+constexpr int kMaxDests = 64;
+
+/// What the kernel needs of a CacheTarget, with the power-of-two block sizes as shifts and masks.
+struct TargetLite {
+  uint8_t* mla_base;
+  int64_t row_stride;
+  int64_t block_stride;
+  uint8_t* index_base;
+  int64_t index_block_stride;
+  int64_t index_scale_base;  // block_size * 128: where the scales of a block start
+  int32_t block_shift;
+  int32_t block_mask;
+  int32_t index_block_shift;
+  int32_t index_block_mask;
+};
+
+struct RankArgs {
+  const uint16_t* q_c;
+  const uint16_t* kv;
+  const uint16_t* k_pe;
+  const uint16_t* index_k;
+  int64_t q_c_stride, kv_stride, k_pe_stride, index_k_stride;
+  const int64_t* positions;
+  const int64_t* slot_mapping;  // may be null when nothing is written to caches
+  uint16_t* q_c_out;
+  uint16_t* kv_c_out;
+  uint16_t* k_pe_out;
+  uint16_t* index_k_out;
+  int32_t* topk_fill;
+  const CacheTarget* targets;   // device table
+  uint8_t* const* row_dests;    // device table
+  int64_t token_begin;          // first work index of this rank in the launch
+  int64_t num_tokens;
+  int32_t num_targets, target_base;
+  int32_t num_row_dests, dest_base;
+  bool do_q;                    // Q RMSNorm (q_c_out set)
+  bool need_kv;                 // anything of kv / k_pe / index_k is produced
+};
+
+struct CommonArgs {
+  int32_t q_lora_rank;
+  int32_t num_q_leaves;
+  const float* q_norm_w;
+  const float* kv_norm_w;
+  const float* index_ln_w;
+  const float* index_ln_b;
+  const float* rope_cos_sin;
+  float q_eps, kv_eps, index_eps;
+  float k_scale;
+  int64_t topk_width;
+  int64_t row_bytes;
+  int32_t index_data_offset;
+  int32_t index_scale_offset;
+  int32_t load_align;    // alignment of every input row
+  int32_t store_align;   // alignment of every cache row / transport row / output row
+  bool topk_vec;         // topk rows 16-byte aligned: int4 stores
+  bool mla_rope_interleaved;
+  bool index_rope_interleaved;
+  bool hadamard;
+  bool has_indexer;
+  bool pow2;             // fp8_ds_mla scale rule
+};
+
+struct DispatchArgs {
+  CommonArgs c;
+  int32_t num_ranks;
+  int32_t total_targets;
+  int32_t total_dests;
+  int64_t total_tokens;
+  RankArgs r[kMaxRanks];
+};
+static_assert(sizeof(DispatchArgs) <= 4096, "kernel parameters must fit the classic 4 KB limit");
+
+template <int QL>
+struct TokenRegs {
+  uint4 q[QL];
+  uint4 x;       // kv leaf (threads 0..63), k_pe leaf (warp 2), index_k leaf (warp 3)
+  int64_t slot;  // threads 0..127
+  int64_t pos;   // warps 2, 3
+};
+
+__device__ __forceinline__ int find_rank(const DispatchArgs& a, int64_t g) {
+  int r = 0;
+#pragma unroll 1
+  while (r + 1 < a.num_ranks && g >= a.r[r + 1].token_begin) ++r;
+  return r;
+}
+
+// kAligned: every input row, output row and cache row is 16-byte aligned (the normal case); the generic
+// instances pick access widths at run time (smaller, slower code for unusual layouts).
+template <int QL, bool kAligned>
+__device__ __forceinline__ void load_token(const DispatchArgs& a, int64_t g, TokenRegs<QL>& v) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const RankArgs& ra = a.r[find_rank(a, g)];
+  const int64_t t = g - ra.token_begin;
+  const int la = kAligned ? 16 : a.c.load_align;
+#pragma unroll
+  for (int l = 0; l < QL; ++l) {
+    const int leaf = QL * tid + l;
+    v.q[l] = make_uint4(0, 0, 0, 0);
+    if (ra.do_q && leaf < a.c.num_q_leaves) v.q[l] = load16_ro(ra.q_c + t * ra.q_c_stride + 8 * leaf, la);
+  }
+  v.x = make_uint4(0, 0, 0, 0);
+  v.slot = -1;
+  v.pos = 0;
+  if (!ra.need_kv) return;
+  if (tid < 64) {
+    v.x = load16_ro(ra.kv + t * ra.kv_stride + 8 * tid, la);
+  } else if (warp == 2 && lane < 8) {
+    v.x = load16_ro(ra.k_pe + t * ra.k_pe_stride + 8 * lane, la);
+  } else if (warp == 3 && lane < 16 && a.c.has_indexer) {
+    v.x = load16_ro(ra.index_k + t * ra.index_k_stride + 8 * lane, la);
+  }
+  if (tid < 128 && ra.slot_mapping != nullptr) v.slot = __ldg(ra.slot_mapping + t);
+  if (warp == 2 || warp == 3) v.pos = __ldg(ra.positions + t);
+}
+
+/// cos/sin of the 8 dims of rope leaf `leaf` (elements 8*leaf .. 8*leaf+7 of a 64-dim rope section):
+/// interleaved pairs use angles 4*leaf .. 4*leaf+3 (c[0..4), s[0..4)); NeoX uses angles 8*(leaf&3)+k.
+__device__ __forceinline__ void load_rope(const float* cs, int leaf, bool interleaved, float (&c)[8], float (&s)[8]) {
+  if (interleaved) {
+    const float4 c4 = __ldg(reinterpret_cast<const float4*>(cs + 4 * leaf));
+    const float4 s4 = __ldg(reinterpret_cast<const float4*>(cs + 32 + 4 * leaf));
+    c[0] = c4.x; c[1] = c4.y; c[2] = c4.z; c[3] = c4.w;
+    s[0] = s4.x; s[1] = s4.y; s[2] = s4.z; s[3] = s4.w;
+    c[4] = c[5] = c[6] = c[7] = s[4] = s[5] = s[6] = s[7] = 0.0f;
+  } else {
+    const int base = 8 * (leaf & 3);
+    const float4 c0 = __ldg(reinterpret_cast<const float4*>(cs + base));
+    const float4 c1 = __ldg(reinterpret_cast<const float4*>(cs + base + 4));
+    const float4 s0 = __ldg(reinterpret_cast<const float4*>(cs + 32 + base));
+    const float4 s1 = __ldg(reinterpret_cast<const float4*>(cs + 32 + base + 4));
+    c[0] = c0.x; c[1] = c0.y; c[2] = c0.z; c[3] = c0.w; c[4] = c1.x; c[5] = c1.y; c[6] = c1.z; c[7] = c1.w;
+    s[0] = s0.x; s[1] = s0.y; s[2] = s0.z; s[3] = s0.w; s[4] = s1.x; s[5] = s1.y; s[6] = s1.z; s[7] = s1.w;
+  }
+}
+
+/// RoPE of one leaf (token_math.h rope64, each pair's products rounded, then the sum). NeoX pairs (i, i+32)
+/// live in lanes 4 apart: every lane of `mask` must call this (the exchange is a shuffle); only lanes with
+/// apply = true change x.
+__device__ __forceinline__ void rope_leaf(float (&x)[8], int leaf, bool interleaved, const float (&c)[8],
+                                          const float (&s)[8], unsigned mask, bool apply) {
+  if (interleaved) {
+    if (!apply) return;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) math::rope_pair(x[2 * m], x[2 * m + 1], c[m], s[m]);
+  } else {
+    float partner[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) partner[k] = __shfl_xor_sync(mask, x[k], 4);
+    if (!apply) return;
+    if ((leaf & 4) == 0) {  // first half: r0 = x0*c - x1*s
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x[k] = fp32::sub(fp32::mul(x[k], c[k]), fp32::mul(partner[k], s[k]));
+    } else {                // second half: r1 = x1*c + x0*s
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x[k] = fp32::add(fp32::mul(x[k], c[k]), fp32::mul(partner[k], s[k]));
+    }
+  }
+}
+
+/// token_math.h hadamard128 over 16 lanes x 8 values: stages h = 1, 2, 4 in-thread, 8..64 across lanes.
+__device__ __forceinline__ void hadamard_leaf(float (&x)[8], int lane16) {
+#pragma unroll
+  for (int h = 1; h < 8; h <<= 1) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if ((k & h) == 0) {
+        const float a = x[k], b = x[k + h];
+        x[k] = fp32::add(a, b);
+        x[k + h] = fp32::sub(a, b);
+      }
+  }
+#pragma unroll
+  for (int lh = 1; lh < 16; lh <<= 1) {
+    const bool lower = (lane16 & lh) == 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float other = __shfl_xor_sync(0xffffu, x[k], lh);
+      x[k] = lower ? fp32::add(x[k], other) : fp32::sub(other, x[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) x[k] = fp32::mul(x[k], math::kHadamard128Scale);
+}
+
+__device__ __forceinline__ uint8_t* mla_row(const TargetLite& tl, int64_t slot) {
+  return tl.mla_base + (slot >> tl.block_shift) * tl.block_stride + (slot & tl.block_mask) * tl.row_stride;
+}
+
+template <KvFormat F, int QL, bool kAligned>
+__device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, const TokenRegs<QL>& v,
+                                              const TargetLite* s_targets, uint8_t* const* s_dests,
+                                              float (*s_red)[6], int parity) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const CommonArgs& c = a.c;
+  const RankArgs& ra = a.r[find_rank(a, g)];
+  const int64_t t = g - ra.token_begin;
+  const int sa = kAligned ? 16 : c.store_align;
+
+  // Top-k fill first: plain stores that need nothing else.
+  if (ra.topk_fill != nullptr) {
+    int32_t* row = ra.topk_fill + t * c.topk_width;
+    if (c.topk_vec) {
+      for (int64_t i = 4 * tid; i < c.topk_width; i += 4 * kThreads)
+        *reinterpret_cast<int4*>(row + i) = make_int4(-1, -1, -1, -1);
+    } else {
+      for (int64_t i = tid; i < c.topk_width; i += kThreads) row[i] = -1;
+    }
+  }
+
+  // ---- Q and KV sums of squares: leaves in-thread, lanes by butterfly, warps through shared memory ----
+  float* red = s_red[parity];  // double-buffered by iteration parity: one barrier per token suffices
+  // Only the raw 16-byte vectors stay live across the barrier (registers decide occupancy); the values are
+  // unpacked again after it.
+  if (ra.do_q) {
+    float leaf_part[QL];
+#pragma unroll
+    for (int l = 0; l < QL; ++l) {
+      float qx[8];
+      unpack_bf16x8(v.q[l], qx);
+      const float p = math::leaf_sumsq(qx);
+      leaf_part[l] = p;
+    }
+    // The thread's QL consecutive leaves pairwise (QL is a power of two), then the lanes.
+#pragma unroll
+    for (int h = 1; h < QL; h <<= 1)
+#pragma unroll
+      for (int l = 0; l + h < QL; l += 2 * h) leaf_part[l] = fp32::add(leaf_part[l], leaf_part[l + h]);
+    const float part = lanes_sum<32>(leaf_part[0], 0xffffffffu);
+    if (lane == 0) red[warp] = part;
+  }
+  if (ra.need_kv && tid < 64) {
+    float kx[8];
+    unpack_bf16x8(v.x, kx);
+    const float p = lanes_sum<32>(math::leaf_sumsq(kx), 0xffffffffu);
+    if (lane == 0) red[4 + warp] = p;
+  }
+  __syncthreads();
+
+  // ---- Q output ----
+  if (ra.do_q) {
+    const float total = fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3]));
+    const float r = math::rms_inv(total, c.q_lora_rank, c.q_eps);
+#pragma unroll
+    for (int l = 0; l < QL; ++l) {
+      const int leaf = QL * tid + l;
+      if (leaf < c.num_q_leaves) {
+        float qx[8];
+        unpack_bf16x8(v.q[l], qx);
+        const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.q_norm_w + 8 * leaf));
+        const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.q_norm_w + 8 * leaf + 4));
+        const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        float y[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) y[k] = math::rms_apply(qx[k], r, w[k]);
+        uint32_t packed[4];
+        pack_bf16x8(y, packed);
+        store_bytes<16>(reinterpret_cast<uint8_t*>(ra.q_c_out + t * c.q_lora_rank + 8 * leaf), packed, sa);
+      }
+    }
+  }
+  if (!ra.need_kv) return;
+
+  // ---- KV: RMSNorm, encode the kv_c part of the MLA row ----
+  if (tid < 64) {
+    const float r = math::rms_inv(fp32::add(red[4], red[5]), static_cast<int>(kKvLoraRank), c.kv_eps);
+    float kx[8];
+    unpack_bf16x8(v.x, kx);
+    const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.kv_norm_w + 8 * tid));
+    const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.kv_norm_w + 8 * tid + 4));
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    float y[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) y[k] = math::rms_apply(kx[k], r, w[k]);
+    if (ra.kv_c_out != nullptr) {
+      uint32_t packed[4];
+      pack_bf16x8(y, packed);
+      store_bytes<16>(reinterpret_cast<uint8_t*>(ra.kv_c_out + t * kKvLoraRank + 8 * tid), packed, sa);
+    }
+    uint32_t words[4];
+    uint32_t scale_bits = 0;
+    if constexpr (F == KvFormat::kBf16) {
+      pack_bf16x8(y, words);
+    } else if constexpr (F == KvFormat::kFp8) {
+      divide_by_scale(y, c.k_scale);
+      uint32_t w2[2];
+      pack_e4m3x8(y, w2);
+      words[0] = w2[0];
+      words[1] = w2[1];
+    } else {
+      // 16 consecutive threads hold one 128-element tile (tile = tid / 16).
+      const float amax = lanes_max<16>(amax8(y), 0xffffffffu);
+      const float s = codec::ds_mla_tile_scale(amax, c.pow2);
+      scale_bits = __float_as_uint(s);
+      divide_by_scale(y, s);
+      uint32_t w2[2];
+      pack_e4m3x8(y, w2);
+      words[0] = w2[0];
+      words[1] = w2[1];
+    }
+    constexpr int kChunk = F == KvFormat::kBf16 ? 16 : 8;
+    const bool scale_writer = F == KvFormat::kFp8DsMla && (tid & 15) == 0;
+    const int scale_off = static_cast<int>(kDsMlaScaleOffset) + 4 * (tid >> 4);
+    if (v.slot >= 0)
+      for (int d = 0; d < ra.num_targets; ++d) {
+        uint8_t* row = mla_row(s_targets[ra.target_base + d], v.slot);
+        store_bytes<kChunk>(row + kChunk * tid, words, sa);
+        if (scale_writer) store_bytes<4>(row + scale_off, &scale_bits, sa);
+      }
+    for (int d = 0; d < ra.num_row_dests; ++d) {
+      uint8_t* row = s_dests[ra.dest_base + d] + t * c.row_bytes;
+      store_bytes<kChunk>(row + kChunk * tid, words, sa);
+      if (scale_writer) store_bytes<4>(row + scale_off, &scale_bits, sa);
+    }
+  } else if (warp == 2) {
+    // ---- k_pe: RoPE, then bf16 (bf16, fp8_ds_mla) or e4m3 / k_scale (fp8) ----
+    if (lane < 8) {
+      float rc[8], rs[8];
+      load_rope(c.rope_cos_sin + v.pos * kRopeDims, lane, c.mla_rope_interleaved, rc, rs);
+      float x[8];
+      unpack_bf16x8(v.x, x);
+      rope_leaf(x, lane, c.mla_rope_interleaved, rc, rs, 0xffu, true);
+      if (ra.k_pe_out != nullptr) {
+        uint32_t packed[4];
+        pack_bf16x8(x, packed);
+        store_bytes<16>(reinterpret_cast<uint8_t*>(ra.k_pe_out + t * kRopeDims + 8 * lane), packed, sa);
+      }
+      uint32_t words[4];
+      if constexpr (F == KvFormat::kFp8) {
+        divide_by_scale(x, c.k_scale);
+        uint32_t w2[2];
+        pack_e4m3x8(x, w2);
+        words[0] = w2[0];
+        words[1] = w2[1];
+      } else {
+        pack_bf16x8(x, words);
+      }
+      constexpr int kChunk = F == KvFormat::kFp8 ? 8 : 16;
+      constexpr int kBase = F == KvFormat::kBf16 ? 1024 : (F == KvFormat::kFp8 ? 512 : static_cast<int>(kDsMlaKpeOffset));
+      if (v.slot >= 0)
+        for (int d = 0; d < ra.num_targets; ++d)
+          store_bytes<kChunk>(mla_row(s_targets[ra.target_base + d], v.slot) + kBase + kChunk * lane, words, sa);
+      for (int d = 0; d < ra.num_row_dests; ++d)
+        store_bytes<kChunk>(s_dests[ra.dest_base + d] + t * c.row_bytes + kBase + kChunk * lane, words, sa);
+    }
+  } else if (warp == 3 && c.has_indexer) {
+    // ---- indexer K: LayerNorm, RoPE on dims [0, 64), optional Hadamard, UE8M0 quantization ----
+    if (lane < 16) {
+      // The rope loads go first: their latency overlaps the LayerNorm.
+      float rc[8] = {}, rs[8] = {};
+      if (lane < 8) load_rope(c.rope_cos_sin + v.pos * kRopeDims, lane, c.index_rope_interleaved, rc, rs);
+      float x[8];
+      unpack_bf16x8(v.x, x);
+      const float mu = math::mean_of(lanes_sum<16>(math::leaf_sum(x), 0xffffu), static_cast<int>(kIndexHeadDim));
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x[k] = fp32::sub(x[k], mu);
+      const float r = math::rms_inv(lanes_sum<16>(math::leaf_sumsq(x), 0xffffu), static_cast<int>(kIndexHeadDim),
+                                    c.index_eps);
+      const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane));
+      const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane + 4));
+      const float4 b0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_b + 8 * lane));
+      const float4 b1 = __ldg(reinterpret_cast<const float4*>(c.index_ln_b + 8 * lane + 4));
+      const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x[k] = math::ln_apply(x[k], r, w[k], b[k]);
+      rope_leaf(x, lane, c.index_rope_interleaved, rc, rs, 0xffffu, lane < 8);
+      if (c.hadamard) hadamard_leaf(x, lane);
+      if (ra.index_k_out != nullptr) {
+        uint32_t packed[4];
+        pack_bf16x8(x, packed);
+        store_bytes<16>(reinterpret_cast<uint8_t*>(ra.index_k_out + t * kIndexHeadDim + 8 * lane), packed, sa);
+      }
+      const float s = codec::indexer_scale(lanes_max<16>(amax8(x), 0xffffu));
+      divide_by_scale(x, s);
+      uint32_t words[2];
+      pack_e4m3x8(x, words);
+      const uint32_t scale_row[4] = {__float_as_uint(s), 0u, 0u, 0u};  // scale + the 12 zero pad bytes
+      if (v.slot >= 0)
+        for (int d = 0; d < ra.num_targets; ++d) {
+          const TargetLite& tl = s_targets[ra.target_base + d];
+          const int64_t blk = v.slot >> tl.index_block_shift, off = v.slot & tl.index_block_mask;
+          uint8_t* block = tl.index_base + blk * tl.index_block_stride;
+          store_bytes<8>(block + off * kIndexHeadDim + 8 * lane, words, sa);
+          if (lane == 0) store_bytes<4>(block + tl.index_scale_base + off * 4, scale_row, sa);
+        }
+      for (int d = 0; d < ra.num_row_dests; ++d) {
+        uint8_t* row = s_dests[ra.dest_base + d] + t * c.row_bytes;
+        store_bytes<8>(row + c.index_data_offset + 8 * lane, words, sa);
+        if (lane == 0) store_bytes<16>(row + c.index_scale_offset, scale_row, sa);
+      }
+    }
+  }
+}
+
+template <KvFormat F, int QL, bool kPrefetch, bool kAligned>
+__global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(const __grid_constant__ DispatchArgs a) {
+  __shared__ TargetLite s_targets[kMaxTargets];
+  __shared__ uint8_t* s_dests[kMaxDests];
+  __shared__ float s_red[2][6];
+  // Device tables -> shared memory once per CTA (the grid is persistent).
+  for (int i = threadIdx.x; i < a.total_targets; i += kThreads) {
+    int r = 0;
+    while (r + 1 < a.num_ranks && i >= a.r[r + 1].target_base) ++r;
+    const CacheTarget ct = a.r[r].targets[i - a.r[r].target_base];
+    TargetLite tl;
+    tl.mla_base = ct.mla_base;
+    tl.row_stride = ct.mla.row_stride;
+    tl.block_stride = ct.mla.block_stride;
+    tl.block_shift = __ffs(ct.mla.block_size) - 1;
+    tl.block_mask = ct.mla.block_size - 1;
+    tl.index_base = ct.index_base;
+    tl.index_block_stride = ct.index.block_stride;
+    tl.index_scale_base = int64_t{ct.index.block_size} * kIndexHeadDim;
+    tl.index_block_shift = ct.index.block_size > 0 ? __ffs(ct.index.block_size) - 1 : 0;
+    tl.index_block_mask = ct.index.block_size > 0 ? ct.index.block_size - 1 : 0;
+    s_targets[i] = tl;
+  }
+  for (int i = threadIdx.x; i < a.total_dests; i += kThreads) {
+    int r = 0;
+    while (r + 1 < a.num_ranks && i >= a.r[r + 1].dest_base) ++r;
+    s_dests[i] = a.r[r].row_dests[i - a.r[r].dest_base];
+  }
+  __syncthreads();
+
+  const int64_t stride = gridDim.x;
+  int64_t g = blockIdx.x;
+  if (g >= a.total_tokens) return;
+  if constexpr (kPrefetch) {
+    TokenRegs<QL> cur;
+    load_token<QL, kAligned>(a, g, cur);
+    for (int parity = 0; g < a.total_tokens; g += stride, parity ^= 1) {
+      TokenRegs<QL> nxt;
+      if (g + stride < a.total_tokens) load_token<QL, kAligned>(a, g + stride, nxt);
+      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, parity);
+      cur = nxt;
+    }
+  } else {
+    for (int parity = 0; g < a.total_tokens; g += stride, parity ^= 1) {
+      TokenRegs<QL> cur;
+      load_token<QL, kAligned>(a, g, cur);
+      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, parity);
+    }
+  }
+}
+
+using KernelFn = void (*)(DispatchArgs);
+
+// Instances: per format, aligned {2 leaves simple, 2 leaves prefetch, 4 leaves simple} and generic-alignment
+// {2 leaves, 4 leaves} (simple). Four leaves with prefetch would spill.
+template <KvFormat F>
+KernelFn pick_q(int ql, bool prefetch, bool aligned) {
+  if (!aligned) return ql == 2 ? dispatch_kernel<F, 2, false, false> : dispatch_kernel<F, 4, false, false>;
+  if (ql == 4) return dispatch_kernel<F, 4, false, true>;
+  return prefetch ? dispatch_kernel<F, 2, true, true> : dispatch_kernel<F, 2, false, true>;
+}
+
+KernelFn pick_kernel(KvFormat f, int ql, bool prefetch, bool aligned) {
+  switch (f) {
+    case KvFormat::kBf16: return pick_q<KvFormat::kBf16>(ql, prefetch, aligned);
+    case KvFormat::kFp8: return pick_q<KvFormat::kFp8>(ql, prefetch, aligned);
+    case KvFormat::kFp8DsMla: break;
+  }
+  return pick_q<KvFormat::kFp8DsMla>(ql, prefetch, aligned);
+}
+
+/// Persistent grid size: resident CTAs per SM (occupancy API) times SMs, cached per kernel and device.
+int resident_ctas(KernelFn fn) {
+  static std::mutex mu;
+  static std::unordered_map<uint64_t, int> cache;
+  int device = 0;
+  PCPKV_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t key = (reinterpret_cast<uint64_t>(fn) << 8) ^ static_cast<uint64_t>(device);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  PCPKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, 0));
+  PCPKV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int n = std::max(1, per_sm) * std::max(1, sms);
+  cache.emplace(key, n);
+  return n;
+}
+
+DispatchVariant resolve_variant(DispatchVariant v) {
+  if (v != DispatchVariant::kAuto) return v;
+  if (const char* env = std::getenv("PCPKV_DISPATCH_VARIANT")) {
+    if (std::strcmp(env, "simple") == 0) return DispatchVariant::kSimple;
+    if (std::strcmp(env, "prefetch") == 0) return DispatchVariant::kPrefetch;
+  }
+  return DispatchVariant::kPrefetch;
+}
+
+// Fields that must agree between jobs sharing one launch.
+bool same_common(const DispatchParams& a, const DispatchParams& b) {
+  return a.q_lora_rank == b.q_lora_rank && a.q_norm_w == b.q_norm_w && a.kv_norm_w == b.kv_norm_w &&
+         a.index_ln_w == b.index_ln_w && a.index_ln_b == b.index_ln_b && a.rope_cos_sin == b.rope_cos_sin &&
+         a.q_eps == b.q_eps && a.kv_eps == b.kv_eps && a.index_eps == b.index_eps && a.mla_rope == b.mla_rope &&
+         a.index_rope == b.index_rope && a.index_hadamard == b.index_hadamard &&
+         a.fmt.kv_format == b.fmt.kv_format && a.fmt.ds_mla_scale == b.fmt.ds_mla_scale &&
+         a.fmt.k_scale == b.fmt.k_scale && a.fmt.has_indexer == b.fmt.has_indexer &&
+         a.topk_width == b.topk_width && a.row_bytes == b.row_bytes;
+}
+
+uint64_t addr(const void* p) { return reinterpret_cast<uint64_t>(p); }
+
+void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchVariant variant) {
+  const DispatchParams& p0 = jobs[0].params;
+  DispatchArgs a;
+  std::memset(&a, 0, sizeof(a));
+  CommonArgs& c = a.c;
+  const bool any_q = std::any_of(jobs, jobs + n, [](const DispatchJob& j) { return j.params.q_c_out != nullptr; });
+  c.q_lora_rank = static_cast<int32_t>(any_q ? p0.q_lora_rank : 0);
+  c.num_q_leaves = c.q_lora_rank / 8;
+  c.q_norm_w = p0.q_norm_w;
+  c.kv_norm_w = p0.kv_norm_w;
+  c.index_ln_w = p0.index_ln_w;
+  c.index_ln_b = p0.index_ln_b;
+  c.rope_cos_sin = p0.rope_cos_sin;
+  c.q_eps = p0.q_eps;
+  c.kv_eps = p0.kv_eps;
+  c.index_eps = p0.index_eps;
+  c.k_scale = p0.fmt.k_scale;
+  c.topk_width = p0.topk_width;
+  c.row_bytes = p0.row_bytes;
+  const TransportRowLayout layout = transport_row_layout(p0.fmt);
+  c.index_data_offset = static_cast<int32_t>(layout.index_data_offset);
+  c.index_scale_offset = static_cast<int32_t>(layout.index_scale_offset);
+  c.mla_rope_interleaved = p0.mla_rope == RopeStyle::kInterleaved;
+  c.index_rope_interleaved = p0.index_rope == RopeStyle::kInterleaved;
+  c.hadamard = p0.index_hadamard;
+  c.has_indexer = p0.fmt.has_indexer;
+  c.pow2 = p0.fmt.ds_mla_scale == DsMlaScale::kPow2;
+
+  // Alignment: the OR of every address and stride has the alignment of the least aligned one.
+  uint64_t load_bits = 0, store_bits = 0, topk_bits = 0;
+  PCPKV_CHECK(addr(p0.rope_cos_sin) % 16 == 0, "dispatch: rope_cos_sin must be 16-byte aligned");
+  for (const float* w : {p0.q_norm_w, p0.kv_norm_w, p0.index_ln_w, p0.index_ln_b})
+    PCPKV_CHECK(addr(w) % 16 == 0, "dispatch: norm weights must be 16-byte aligned (got {:#x})", addr(w));
+  int64_t begin = 0;
+  int32_t target_base = 0, dest_base = 0;
+  for (int i = 0; i < n; ++i) {
+    const DispatchParams& p = jobs[i].params;
+    RankArgs& r = a.r[i];
+    r.q_c = p.q_c;
+    r.kv = p.kv;
+    r.k_pe = p.k_pe;
+    r.index_k = p.index_k;
+    r.q_c_stride = p.q_c_stride;
+    r.kv_stride = p.kv_stride;
+    r.k_pe_stride = p.k_pe_stride;
+    r.index_k_stride = p.index_k_stride;
+    r.positions = p.positions;
+    r.slot_mapping = p.slot_mapping;
+    r.q_c_out = p.q_c_out;
+    r.kv_c_out = p.kv_c_out;
+    r.k_pe_out = p.k_pe_out;
+    r.index_k_out = p.index_k_out;
+    r.topk_fill = p.topk_fill;
+    r.targets = p.targets;
+    r.row_dests = p.row_dests;
+    r.token_begin = begin;
+    r.num_tokens = p.num_tokens;
+    r.num_targets = p.num_targets;
+    r.target_base = target_base;
+    r.num_row_dests = p.num_row_dests;
+    r.dest_base = dest_base;
+    r.do_q = p.q_c_out != nullptr;
+    r.need_kv = p.kv_c_out || p.k_pe_out || p.index_k_out || p.num_targets > 0 || p.num_row_dests > 0;
+    begin += p.num_tokens;
+    target_base += p.num_targets;
+    dest_base += p.num_row_dests;
+
+    load_bits |= addr(p.kv) | static_cast<uint64_t>(p.kv_stride * 2) | addr(p.k_pe) |
+                 static_cast<uint64_t>(p.k_pe_stride * 2);
+    if (p.q_c_out) load_bits |= addr(p.q_c) | static_cast<uint64_t>(p.q_c_stride * 2);
+    if (p.index_k) load_bits |= addr(p.index_k) | static_cast<uint64_t>(p.index_k_stride * 2);
+    store_bits |= addr(p.q_c_out) | addr(p.kv_c_out) | addr(p.k_pe_out) | addr(p.index_k_out);
+    if (p.q_c_out) store_bits |= static_cast<uint64_t>(p.q_lora_rank * 2);
+    for (const CacheTarget& t : jobs[i].host_targets) {
+      store_bits |= addr(t.mla_base) | static_cast<uint64_t>(t.mla.row_stride) |
+                    static_cast<uint64_t>(t.mla.block_stride);
+      if (p.fmt.has_indexer) store_bits |= addr(t.index_base) | static_cast<uint64_t>(t.index.block_stride);
+    }
+    for (uint8_t* d : jobs[i].host_row_dests) store_bits |= addr(d) | static_cast<uint64_t>(p.row_bytes);
+    if (p.topk_fill) topk_bits |= addr(p.topk_fill) | static_cast<uint64_t>(p.topk_width * 4);
+  }
+  a.num_ranks = n;
+  a.total_targets = target_base;
+  a.total_dests = dest_base;
+  a.total_tokens = begin;
+  // Inputs are bf16: at least 2-byte aligned (validated by the caller's types).
+  c.load_align = std::max(2, align_of(load_bits));
+  c.store_align = align_of(store_bits);
+  c.topk_vec = align_of(topk_bits) >= 16;
+  if (a.total_tokens == 0) return;
+
+  const int ql = c.num_q_leaves > 2 * kThreads ? 4 : 2;  // leaves per thread
+  const bool prefetch = resolve_variant(variant) == DispatchVariant::kPrefetch;
+  const bool aligned = c.load_align == 16 && c.store_align == 16;
+  KernelFn fn = pick_kernel(p0.fmt.kv_format, ql, prefetch, aligned);
+  const int64_t grid = std::min<int64_t>(a.total_tokens, resident_ctas(fn));
+  fn<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(a);
+  PCPKV_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+const char* to_string(DispatchVariant v) {
+  switch (v) {
+    case DispatchVariant::kAuto: return "auto";
+    case DispatchVariant::kSimple: return "simple";
+    case DispatchVariant::kPrefetch: return "prefetch";
+  }
+  return "?";
+}
+
+void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream, DispatchVariant variant) {
+  PCPKV_CHECK(num_jobs >= 0, "dispatch: num_jobs = {} must be >= 0", num_jobs);
+  // Validate every job before enqueuing anything (host copies of the device tables stand in for them).
+  for (int i = 0; i < num_jobs; ++i) {
+    const DispatchJob& j = jobs[i];
+    PCPKV_CHECK(static_cast<int64_t>(j.host_targets.size()) == j.params.num_targets,
+                "dispatch: job {}: host_targets has {} entries but num_targets = {}", i, j.host_targets.size(),
+                j.params.num_targets);
+    PCPKV_CHECK(static_cast<int64_t>(j.host_row_dests.size()) == j.params.num_row_dests,
+                "dispatch: job {}: host_row_dests has {} entries but num_row_dests = {}", i,
+                j.host_row_dests.size(), j.params.num_row_dests);
+    PCPKV_CHECK(j.params.num_targets <= kMaxTargets && j.params.num_row_dests <= kMaxDests,
+                "dispatch: job {}: {} targets / {} row destinations; the CUDA kernel serves at most {} each", i,
+                j.params.num_targets, j.params.num_row_dests, kMaxTargets);
+    DispatchParams hp = j.params;
+    hp.targets = j.host_targets.empty() ? nullptr : j.host_targets.data();
+    hp.row_dests = j.host_row_dests.empty() ? nullptr : j.host_row_dests.data();
+    validate_dispatch_shape(hp);
+    if (hp.num_targets > 0 || hp.num_row_dests > 0 || hp.kv_c_out || hp.k_pe_out || hp.index_k_out)
+      PCPKV_CHECK(hp.num_tokens == 0 || hp.slot_mapping != nullptr || hp.num_targets == 0,
+                  "dispatch: job {}: slot_mapping is null", i);
+  }
+  // Group consecutive jobs that can share a launch.
+  int first = 0;
+  while (first < num_jobs) {
+    int last = first + 1, targets = jobs[first].params.num_targets, dests = jobs[first].params.num_row_dests;
+    while (last < num_jobs && last - first < kMaxRanks && same_common(jobs[first].params, jobs[last].params) &&
+           targets + jobs[last].params.num_targets <= kMaxTargets &&
+           dests + jobs[last].params.num_row_dests <= kMaxDests) {
+      targets += jobs[last].params.num_targets;
+      dests += jobs[last].params.num_row_dests;
+      ++last;
+    }
+    launch_group(jobs + first, last - first, stream, variant);
+    first = last;
+  }
+}
+
+std::vector<std::string> dispatch_kernel_resources() {
+  std::vector<std::string> out;
+  const KvFormat formats[] = {KvFormat::kBf16, KvFormat::kFp8, KvFormat::kFp8DsMla};
+  const struct {
+    int ql;
+    bool prefetch, aligned;
+  } instances[] = {{2, false, true}, {2, true, true}, {4, false, true}, {2, false, false}, {4, false, false}};
+  for (KvFormat f : formats)
+    for (const auto& in : instances) {
+      KernelFn fn = pick_kernel(f, in.ql, in.prefetch, in.aligned);
+      cudaFuncAttributes attr{};
+      PCPKV_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+      int per_sm = 0;
+      PCPKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, 0));
+      out.push_back(fmt::format("dispatch<{}, q_leaves={}, {}, {}>: {} regs, {} B static smem, {} B local (spill), "
+                                "{} CTAs/SM of {} threads",
+                                to_string(f), in.ql, in.prefetch ? "prefetch" : "simple",
+                                in.aligned ? "aligned" : "any alignment", attr.numRegs, attr.sharedSizeBytes,
+                                attr.localSizeBytes, per_sm, kThreads));
+    }
+  return out;
+}
+
+}  // namespace pcpkv::cuda_detail

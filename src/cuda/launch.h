@@ -1,0 +1,74 @@
+// src/cuda/launch.h: host launchers of the pcpkv kernels (internal API of pcpkv_cuda; the backend, the
+// bench and the tests use it). Every launcher validates its parameters on the host with the same checks
+// as the CPU reference (pcpkv/cpu.h) and throws pcpkv::Error before enqueuing anything; the kernels
+// themselves trust their inputs. All launches are asynchronous on `stream` and capturable into graphs.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pcpkv/device/fence_kernel.h"
+#include "pcpkv/dispatch.h"
+
+namespace pcpkv::cuda_detail {
+
+/// Multiprocessors of the current device (cached per device).
+int num_sms();
+
+// ---- dispatch (SPEC section 2) ------------------------------------------------------------------------
+/// One rank's dispatch: the public contract (device pointers; params.targets and params.row_dests point
+/// to device tables) plus host copies of those two tables, used to validate and to pick store widths.
+struct DispatchJob {
+  DispatchParams params;
+  std::vector<CacheTarget> host_targets;   // [params.num_targets], equal to the device table
+  std::vector<uint8_t*> host_row_dests;    // [params.num_row_dests], equal to the device table
+};
+
+enum class DispatchVariant : uint8_t {
+  kAuto,      // the default (currently kPrefetch; PCPKV_DISPATCH_VARIANT=simple|prefetch overrides)
+  kSimple,    // persistent CTAs, one token per iteration, loads at the top of each iteration
+  kPrefetch,  // same, but the next token's inputs are loaded before the current token is processed
+};
+const char* to_string(DispatchVariant v);
+
+/// Enqueues the fused dispatch of every job (one kernel launch for up to 8 jobs that share weights, rope
+/// table and format; more launches otherwise). Throws pcpkv::Error on a bad parameter (nothing enqueued).
+void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream,
+                     DispatchVariant variant = DispatchVariant::kAuto);
+
+/// Registers, shared memory and spills of the dispatch kernel instances (from cudaFuncGetAttributes), one
+/// line each, for the bench report.
+std::vector<std::string> dispatch_kernel_resources();
+
+// ---- combine (staging -> local caches) -----------------------------------------------------------------
+/// Enqueues the combine of every job (one launch for up to 8). Throws pcpkv::Error on a bad parameter.
+void launch_combine(const CombineParams* jobs, int num_jobs, cudaStream_t stream);
+
+// ---- collect: quantize-and-insert --------------------------------------------------------------------------
+/// MLA cache rows of every job (kv_c, k_pe); the indexer part is ignored here.
+void launch_insert_mla(const InsertParams* jobs, int num_jobs, cudaStream_t stream);
+/// Indexer-K slots of every job (jobs whose fmt.has_indexer is false are skipped).
+void launch_insert_indexer(const InsertParams* jobs, int num_jobs, cudaStream_t stream);
+
+// ---- collect: all-gather between logical ranks of one GPU -------------------------------------------------
+/// dst[p][r * bytes_per_rank + i] = src[r][i] for every destination p and source r, i.e. the all-gather of
+/// one tensor (one launch per 8 x 8 block of ranks). Device pointers, 16-byte aligned; bytes_per_rank % 16 == 0.
+void launch_all_gather(const std::vector<const void*>& src, const std::vector<void*>& dst, int64_t bytes_per_rank,
+                       cudaStream_t stream);
+
+// ---- top-k buffer fill ------------------------------------------------------------------------------------
+/// Fills count int32 with -1 (a 0xFF byte fill at copy-engine speed).
+void launch_fill_minus_one(int32_t* p, int64_t count, cudaStream_t stream);
+
+// ---- fence (SPEC section 5) -----------------------------------------------------------------------------
+/// Launches the fence kernel with num_blocks blocks (block b acts as rank args.first_rank + b).
+void launch_fence(const FenceArgs& args, int num_blocks, cudaStream_t stream);
+
+/// Throws pcpkv::FenceTimeout when *error (host view of the host-mapped FenceError) reports a timeout.
+/// Call after synchronizing the stream that ran the fence.
+void throw_if_fence_timeout(const FenceError& error, double timeout_ms);
+
+}  // namespace pcpkv::cuda_detail

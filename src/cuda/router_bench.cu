@@ -1,0 +1,161 @@
+// src/cuda/router_bench.cu: the router GEMM benchmark of `pcpkv bench-serving` (pcpkv/router.h).
+//
+// Every variant (small-T with each experts-per-CTA, cuBLASLt bf16 -> fp32, the dispatch table's choice)
+// is captured into a CUDA graph of `copies` back-to-back calls and replayed; the time per call is the
+// median replay time over `iters` replays (CUDA events) divided by `copies`. Cold: each call of the graph
+// reads a different copy of W, with enough copies (3x the L2 size) that every call misses L2, as in a
+// decode step where the other layers' weights have evicted this one's. Hot: one copy, L2-resident.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda/check.h"
+#include "pcpkv/device/codec.h"
+#include "pcpkv/error.h"
+#include "pcpkv/router.h"
+
+namespace pcpkv::cuda {
+namespace {
+
+uint64_t mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+/// Uniform in [-scale, scale) with a few outlier channels (x20) so that sums are not benign.
+std::vector<uint16_t> bench_bf16(int64_t rows, int64_t cols, uint64_t seed, float scale, bool outliers) {
+  std::vector<uint16_t> v(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    float f = (static_cast<float>(mix(seed * 1000003u + i) >> 40) / 16777216.0f * 2.0f - 1.0f) * scale;
+    if (outliers && (i % cols) % 997 == 13) f *= 20.0f;
+    if (f == 0.0f) f = scale * 1e-3f;
+    v[i] = codec::float_to_bf16(f);
+  }
+  return v;
+}
+
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  explicit DevBuf(size_t n) { PCPKV_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T))); }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+}  // namespace
+
+std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const RouterConfig& c,
+                                              const RouterBenchOptions& o) {
+  validate_router_config(c);
+  PCPKV_CHECK(o.iters >= 20, "bench: iters = {} must be >= 20", o.iters);
+  PCPKV_CHECK(o.warmup >= 1, "bench: warmup = {} must be >= 1", o.warmup);
+  PCPKV_CHECK(!o.tokens.empty(), "bench: no token counts");
+  const int64_t H = c.hidden_size, E = c.n_experts;
+  const int64_t max_t = *std::max_element(o.tokens.begin(), o.tokens.end());
+  PCPKV_CHECK(*std::min_element(o.tokens.begin(), o.tokens.end()) >= 1, "bench: token counts must be >= 1");
+  int device = 0, l2_bytes = 0;
+  PCPKV_CUDA_CHECK(cudaGetDevice(&device));
+  PCPKV_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const int64_t w_bytes = E * H * 2;
+  const int64_t copies = std::max<int64_t>(8, (3 * int64_t{l2_bytes} + w_bytes - 1) / w_bytes);
+
+  const std::vector<uint16_t> hx = bench_bf16(max_t, H, 1, 1.0f, true);
+  const std::vector<uint16_t> hw = bench_bf16(E, H, 2, 0.02f, false);
+  DevBuf<uint16_t> x(hx.size()), w(static_cast<size_t>(copies) * hw.size());
+  DevBuf<float> logits(static_cast<size_t>(max_t * E));
+  PCPKV_CUDA_CHECK(cudaMemcpy(x.p, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+  for (int64_t k = 0; k < copies; ++k)
+    PCPKV_CUDA_CHECK(cudaMemcpy(w.p + k * hw.size(), hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
+
+  // The fp64 oracle once, for the correctness check of each variant.
+  std::vector<double> exact(static_cast<size_t>(max_t * E)), abs_sum(exact.size());
+  router_logits_reference(hx.data(), H, hw.data(), RouterWeightDtype::kBf16, max_t, H, E, exact.data(), abs_sum.data());
+
+  RouterGemm gemm(H, E, RouterWeightDtype::kBf16);
+  cudaStream_t stream = nullptr;
+  PCPKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t ev0, ev1;
+  PCPKV_CUDA_CHECK(cudaEventCreate(&ev0));
+  PCPKV_CUDA_CHECK(cudaEventCreate(&ev1));
+
+  struct Variant {
+    std::string name;
+    RouterGemmOptions opt;
+  };
+  std::vector<RouterBenchRow> rows;
+  for (const int64_t T : o.tokens) {
+    std::vector<Variant> variants;
+    if (T <= kRouterSmallMaxTokens)
+      for (const int e : {1, 2, 4, 8})
+        if (E % e == 0 && e * router_token_bucket(T) <= 64)
+          variants.push_back({fmt::format("small/e{}", e), RouterGemmOptions{RouterPath::kSmallT, e, false}});
+    variants.push_back({"cublaslt", RouterGemmOptions{RouterPath::kCublasLt, 0, false}});
+    variants.push_back({"auto", RouterGemmOptions{}});
+    for (const Variant& v : variants) {
+      // Correctness first (and cuBLASLt's algorithm choice, outside the capture).
+      PCPKV_CUDA_CHECK(cudaMemsetAsync(logits.p, 0xA5, T * E * 4, stream));
+      gemm.run(x.p, H, w.p, logits.p, T, stream, v.opt);
+      PCPKV_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<float> got(static_cast<size_t>(T * E));
+      PCPKV_CUDA_CHECK(cudaMemcpy(got.data(), logits.p, got.size() * 4, cudaMemcpyDeviceToHost));
+      RouterPath used = v.opt.path == RouterPath::kAuto ? router_dispatch(T).path : v.opt.path;
+      if (used == RouterPath::kSmallT && T > kRouterSmallMaxTokens) used = RouterPath::kCublasLt;
+      const double factor = router_logit_bound_factor(used, H);
+      for (size_t i = 0; i < got.size(); ++i) {
+        const double bound = factor * std::ldexp(abs_sum[i], -24) + 1e-12 * abs_sum[i] + 1e-30;
+        PCPKV_CHECK(std::fabs(got[i] - exact[i]) <= bound,
+                    "bench: {} {} T={}: logit {} = {} differs from the fp64 oracle {} by more than the bound {}", preset,
+                    v.name, T, i, got[i], exact[i], bound);
+      }
+      for (const bool cold : {true, false}) {
+        if (!cold && o.cold) continue;
+        const int64_t n_calls = copies;
+        cudaGraph_t graph;
+        PCPKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        for (int64_t k = 0; k < n_calls; ++k)
+          gemm.run(x.p, H, w.p + (cold ? k : 0) * hw.size(), logits.p, T, stream, v.opt);
+        PCPKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+        cudaGraphExec_t exec;
+        PCPKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 0; i < o.warmup; ++i) PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        std::vector<double> us;
+        for (int i = 0; i < o.iters; ++i) {
+          PCPKV_CUDA_CHECK(cudaEventRecord(ev0, stream));
+          PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+          PCPKV_CUDA_CHECK(cudaEventRecord(ev1, stream));
+          PCPKV_CUDA_CHECK(cudaEventSynchronize(ev1));
+          float ms = 0;
+          PCPKV_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
+          us.push_back(ms * 1000.0 / static_cast<double>(n_calls));
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        RouterBenchRow r;
+        r.preset = preset;
+        r.num_tokens = T;
+        r.variant = v.name;
+        r.cold = cold;
+        r.us = median(us);
+        r.weight_gbps = static_cast<double>(w_bytes) / (r.us * 1e3);
+        rows.push_back(r);
+      }
+    }
+  }
+  cudaEventDestroy(ev0);
+  cudaEventDestroy(ev1);
+  cudaStreamDestroy(stream);
+  return rows;
+}
+
+}  // namespace pcpkv::cuda

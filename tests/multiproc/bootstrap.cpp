@@ -1,0 +1,333 @@
+// Rendezvous and collectives of the bootstrap with N forked CPU processes: data, descriptors, splits,
+// and every way a rendezvous goes wrong (wrong token, world-size mismatch, a missing or dying rank).
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+
+#include "fork_ranks.h"
+#include "pcpkv/bootstrap.h"
+#include "pcpkv/error.h"
+
+namespace pcpkv {
+namespace {
+
+using test::RankOutcome;
+using test::run_ranks;
+
+int collectives_body(const BootstrapConfig& c) {
+  auto boot = Bootstrap::connect(c);
+  const int w = boot->world_size();
+  RANK_CHECK(boot->rank() == c.rank && w == c.world_size, "identity");
+  RANK_CHECK(static_cast<int>(boot->pids().size()) == w, "pids");
+  for (int r = 0; r < w; ++r) RANK_CHECK(boot->pids()[r] > 0, "pid of rank {} unknown", r);
+  RANK_CHECK(boot->pids()[c.rank] == ::getpid(), "own pid");
+  // Fixed-size all-gather, several rounds (collectives stay in step).
+  for (int round = 0; round < 5; ++round) {
+    const int64_t mine = int64_t{c.rank} * 1000 + round;
+    std::vector<int64_t> all(w);
+    boot->all_gather(&mine, sizeof(mine), all.data());
+    for (int r = 0; r < w; ++r) RANK_CHECK(all[r] == int64_t{r} * 1000 + round, "round {} rank {}: {}", round, r, all[r]);
+  }
+  // Variable sizes, including empty and large (1 MiB) blobs.
+  std::vector<uint8_t> blob(c.rank == 1 ? 0 : (c.rank == 2 ? (1 << 20) : 17 + c.rank));
+  for (size_t i = 0; i < blob.size(); ++i) blob[i] = static_cast<uint8_t>(i * 31 + c.rank);
+  const auto blobs = boot->all_gather_v(blob.data(), blob.size());
+  for (int r = 0; r < w; ++r) {
+    const size_t n = r == 1 ? 0 : (r == 2 ? (1 << 20) : 17 + r);
+    RANK_CHECK(blobs[r].size() == n, "blob of rank {}: {} bytes", r, blobs[r].size());
+    for (size_t i = 0; i < n; ++i) RANK_CHECK(blobs[r][i] == static_cast<uint8_t>(i * 31 + r), "blob byte");
+  }
+  boot->barrier();
+  // Descriptors: each rank shares a memfd holding its rank; every rank reads every peer's.
+  const int fd = ::memfd_create("bootstrap-test", MFD_CLOEXEC);
+  RANK_CHECK(fd >= 0, "memfd");
+  const int32_t val = 100 + c.rank;
+  RANK_CHECK(::pwrite(fd, &val, 4, 0) == 4, "pwrite");
+  auto fds = boot->all_gather_fds(fd);
+  ::close(fd);
+  for (int r = 0; r < w; ++r) {
+    int32_t got = 0;
+    RANK_CHECK(::pread(fds[r].get(), &got, 4, 0) == 4 && got == 100 + r, "fd of rank {} holds {}", r, got);
+  }
+  boot->agree(true, "", "test step");
+  return 0;
+}
+
+class BootstrapWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(BootstrapWorld, CollectivesDataAndDescriptors) {
+  const auto out = run_ranks(GetParam(), collectives_body);
+  EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
+}
+INSTANTIATE_TEST_SUITE_P(Worlds, BootstrapWorld, ::testing::Values(1, 2, 4, 8));
+
+TEST(Bootstrap, WrongTokenIsRefusedAndNamed) {
+  // Rank 1 belongs to another job. It is refused with a clear message; rank 0 keeps waiting for the right
+  // rank 1, times out, and says it refused a connection with a wrong token.
+  const auto out = run_ranks(
+      2, [](const BootstrapConfig& c) { return Bootstrap::connect(c) ? 0 : 1; }, 2.0, 30.0,
+      [](int r, BootstrapConfig& c) {
+        if (r == 1) c.token = "not-the-job-token";
+      });
+  ASSERT_EQ(out[1].exit_code, 3) << test::describe(out);
+  EXPECT_NE(out[1].output.find("job token mismatch"), std::string::npos) << out[1].output;
+  ASSERT_EQ(out[0].exit_code, 3) << test::describe(out);
+  EXPECT_NE(out[0].output.find("rank(s) 1 of world size 2 never connected"), std::string::npos) << out[0].output;
+  EXPECT_NE(out[0].output.find("wrong job token"), std::string::npos) << out[0].output;
+}
+
+TEST(Bootstrap, WorldSizeMismatchFailsEveryRank) {
+  const auto out = run_ranks(
+      3, [](const BootstrapConfig& c) { return Bootstrap::connect(c) ? 0 : 1; }, 5.0, 30.0,
+      [](int r, BootstrapConfig& c) {
+        if (r == 2) c.world_size = 4;
+      });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(out[r].exit_code, 3) << test::describe(out);
+    EXPECT_NE(out[r].output.find("world size mismatch"), std::string::npos) << test::describe(out);
+  }
+  EXPECT_NE(out[0].output.find("rank 2"), std::string::npos) << out[0].output;
+}
+
+TEST(Bootstrap, DuplicateRankFails) {
+  const auto out = run_ranks(
+      3, [](const BootstrapConfig& c) { return Bootstrap::connect(c) ? 0 : 1; }, 5.0, 30.0,
+      [](int r, BootstrapConfig& c) {
+        if (r == 2) c.rank = 1;
+      });
+  EXPECT_EQ(out[0].exit_code, 3) << test::describe(out);
+  EXPECT_NE(out[0].output.find("two processes claim rank 1"), std::string::npos) << test::describe(out);
+}
+
+TEST(Bootstrap, MissingRankTimesOutNamingIt) {
+  // World size 3, but rank 2 never starts (it exits before connecting).
+  const auto out = run_ranks(
+      3,
+      [](const BootstrapConfig& c) {
+        if (c.rank == 2) return 0;
+        return Bootstrap::connect(c) ? 0 : 1;
+      },
+      1.5, 30.0);
+  EXPECT_EQ(out[0].exit_code, 3);
+  EXPECT_NE(out[0].output.find("rank(s) 2 of world size 3 never connected"), std::string::npos)
+      << test::describe(out);
+  EXPECT_EQ(out[1].exit_code, 3);
+  EXPECT_NE(out[1].output.find("rank(s) 2 of world size 3 never connected"), std::string::npos)
+      << test::describe(out);
+  EXPECT_LT(out[1].seconds, 10.0);
+}
+
+TEST(Bootstrap, RankDyingInACollectiveIsNamedEverywhere) {
+  const auto out = run_ranks(
+      4,
+      [](const BootstrapConfig& c) {
+        auto boot = Bootstrap::connect(c);
+        boot->barrier();
+        if (c.rank == 2) ::_exit(9);  // gone without a word
+        boot->barrier();
+        return 0;
+      },
+      10.0, 30.0);
+  EXPECT_EQ(out[2].exit_code, 9);
+  const std::string pid_note = "rank 2 (pid";
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(out[r].exit_code, 3) << test::describe(out);
+    EXPECT_NE(out[r].output.find(pid_note), std::string::npos) << test::describe(out);
+    EXPECT_NE(out[r].output.find("closed its connection"), std::string::npos) << test::describe(out);
+    EXPECT_LT(out[r].seconds, 8.0) << "a dead peer must be reported at once, not after the timeout";
+  }
+}
+
+TEST(Bootstrap, AbortReachesEveryRank) {
+  const auto out = run_ranks(3, [](const BootstrapConfig& c) {
+    auto boot = Bootstrap::connect(c);
+    if (c.rank == 1) {
+      boot->abort("disk on fire");
+      return 5;
+    }
+    boot->barrier();
+    return 0;
+  });
+  EXPECT_EQ(out[1].exit_code, 5);
+  for (int r : {0, 2}) {
+    EXPECT_EQ(out[r].exit_code, 3) << test::describe(out);
+    EXPECT_NE(out[r].output.find("rank 1 (pid"), std::string::npos) << test::describe(out);
+    EXPECT_NE(out[r].output.find("disk on fire"), std::string::npos) << test::describe(out);
+  }
+}
+
+TEST(Bootstrap, AgreeNamesEveryFailedRank) {
+  const auto out = run_ranks(4, [](const BootstrapConfig& c) {
+    auto boot = Bootstrap::connect(c);
+    const bool ok = c.rank != 1 && c.rank != 3;
+    boot->agree(ok, ok ? "" : fmt::format("no luck on {}", c.rank), "the thing");
+    return 0;
+  });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(out[r].exit_code, 3) << test::describe(out);
+    EXPECT_NE(out[r].output.find("the thing failed on 2 of 4 ranks"), std::string::npos) << out[r].output;
+    EXPECT_NE(out[r].output.find("rank 1: no luck on 1"), std::string::npos) << out[r].output;
+    EXPECT_NE(out[r].output.find("rank 3: no luck on 3"), std::string::npos) << out[r].output;
+  }
+}
+
+TEST(Bootstrap, SplitFormsIndependentGroups) {
+  // TP2 x PCP2: groups {0,1} and {2,3}; a second split by parity gives {0,2} and {1,3}.
+  const auto out = run_ranks(4, [](const BootstrapConfig& c) {
+    auto world = Bootstrap::connect(c);
+    auto pcp = world->split(c.rank / 2, c.rank);
+    RANK_CHECK(pcp && pcp->world_size() == 2 && pcp->rank() == c.rank % 2, "pcp group");
+    int32_t mine = c.rank, all[2] = {};
+    pcp->all_gather(&mine, 4, all);
+    RANK_CHECK(all[0] == c.rank / 2 * 2 && all[1] == c.rank / 2 * 2 + 1, "group {} holds {} {}", c.rank / 2, all[0],
+               all[1]);
+    auto tp = world->split(c.rank % 2, -c.rank);  // key reverses the order
+    RANK_CHECK(tp && tp->world_size() == 2, "tp group");
+    tp->all_gather(&mine, 4, all);
+    RANK_CHECK(all[0] == c.rank % 2 + 2 && all[1] == c.rank % 2, "tp order {} {}", all[0], all[1]);
+    auto none = world->split(c.rank == 3 ? -1 : 0, 0);
+    RANK_CHECK((c.rank == 3) == (none == nullptr), "color -1");
+    if (none) RANK_CHECK(none->world_size() == 3, "3 ranks");
+    world->barrier();
+    return 0;
+  });
+  EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
+}
+
+// ---- environment -------------------------------------------------------------------------------------
+
+struct EnvGuard {
+  std::vector<std::string> names{"PCPKV_RANK", "PCPKV_WORLD_SIZE", "PCPKV_LOCAL_RANK", "PCPKV_LOCAL_WORLD_SIZE",
+                                 "PCPKV_BOOTSTRAP", "PCPKV_JOB_TOKEN", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                 "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                                 "PCPKV_BOOTSTRAP_TIMEOUT_S", "PCPKV_ALLOW_NONLOCAL_MASTER", "PCPKV_BOOTSTRAP_DIR"};
+  EnvGuard() {
+    for (auto& n : names) ::unsetenv(n.c_str());
+  }
+  ~EnvGuard() {
+    for (auto& n : names) ::unsetenv(n.c_str());
+  }
+};
+
+TEST(BootstrapEnv, NothingSetMeansSingleProcess) {
+  EnvGuard g;
+  EXPECT_FALSE(bootstrap_config_from_env().has_value());
+}
+
+TEST(BootstrapEnv, TorchrunVariables) {
+  EnvGuard g;
+  ::setenv("RANK", "3", 1);
+  ::setenv("WORLD_SIZE", "4", 1);
+  ::setenv("LOCAL_RANK", "1", 1);
+  ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", "29500", 1);
+  ::setenv("TORCHELASTIC_RUN_ID", "abc", 1);
+  ::setenv("PCPKV_BOOTSTRAP_DIR", "/tmp/x", 1);
+  const auto c = bootstrap_config_from_env();
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->rank, 3);
+  EXPECT_EQ(c->world_size, 4);
+  EXPECT_EQ(c->local_rank, 1);
+  EXPECT_EQ(c->local_world_size, 2);
+  EXPECT_EQ(c->token, "torchelastic:abc");
+  EXPECT_EQ(c->address, fmt::format("/tmp/x/pcpkv-{}/port29500.sock", ::geteuid()));
+  ::setenv("MASTER_ADDR", "localhost", 1);
+  EXPECT_NO_THROW(bootstrap_config_from_env());
+}
+
+TEST(BootstrapEnv, RemoteMasterIsRefusedUnlessAllowed) {
+  EnvGuard g;
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("MASTER_ADDR", "192.0.2.77", 1);  // TEST-NET-1, never this host
+  ::setenv("MASTER_PORT", "29500", 1);
+  try {
+    bootstrap_config_from_env();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MASTER_ADDR='192.0.2.77' is not this host"), std::string::npos) << e.what();
+  }
+  ::setenv("PCPKV_ALLOW_NONLOCAL_MASTER", "1", 1);
+  EXPECT_NO_THROW(bootstrap_config_from_env());
+}
+
+TEST(BootstrapEnv, MalformedValuesNameTheVariable) {
+  EnvGuard g;
+  ::setenv("RANK", "abc", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("MASTER_PORT", "29500", 1);
+  try {
+    bootstrap_config_from_env();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK='abc'"), std::string::npos) << e.what();
+  }
+  ::setenv("RANK", "2", 1);
+  EXPECT_THROW(bootstrap_config_from_env(), Error);  // rank 2 of 2
+  ::unsetenv("RANK");
+  ::setenv("PCPKV_RANK", "0", 1);
+  ::setenv("PCPKV_WORLD_SIZE", "2", 1);
+  try {
+    bootstrap_config_from_env();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("PCPKV_BOOTSTRAP"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Bootstrap, PublicDirectoryIsRefused) {
+  test::TempDir d;
+  ::chmod(d.path.c_str(), 0755);
+  BootstrapConfig c;
+  c.world_size = 2;
+  c.address = d.path + "/s.sock";
+  c.token = "t";
+  c.timeout_s = 1;
+  try {
+    Bootstrap::connect(c);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be private"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Bootstrap, JobTokensDiffer) {
+  EXPECT_EQ(make_job_token().size(), 32u);
+  EXPECT_NE(make_job_token(), make_job_token());
+}
+
+}  // namespace
+}  // namespace pcpkv
+
+// GPU choice of rank processes: round-robin over the visible devices, PCPKV_DEVICE overrides.
+#include "pcpkv/launch.h"
+
+namespace pcpkv {
+namespace {
+
+TEST(LaunchDevices, RoundRobinAndOverride) {
+  ::unsetenv("PCPKV_DEVICE");
+  EXPECT_EQ(pick_device_round_robin(0, 1), 0);
+  EXPECT_EQ(pick_device_round_robin(7, 1), 0);  // 8 ranks on one GPU
+  EXPECT_EQ(pick_device_round_robin(5, 4), 1);
+  EXPECT_THROW(pick_device_round_robin(0, 0), Error);
+  ::setenv("PCPKV_DEVICE", "2", 1);
+  EXPECT_EQ(pick_device_round_robin(0, 4), 2);
+  ::setenv("PCPKV_DEVICE", "9", 1);
+  try {
+    pick_device_round_robin(0, 4);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("PCPKV_DEVICE='9' is not a device index in [0, 4)"), std::string::npos);
+  }
+  ::unsetenv("PCPKV_DEVICE");
+  EXPECT_EQ(parse_launch_output("rank0"), LaunchOutput::kRank0);
+  EXPECT_THROW(parse_launch_output("loud"), Error);
+}
+
+}  // namespace
+}  // namespace pcpkv

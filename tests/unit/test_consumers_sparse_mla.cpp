@@ -1,0 +1,174 @@
+// The CPU sparse MLA reference (pcpkv/sparse_mla.h) against a naive long-double softmax over rows
+// decoded by verify.h's decode_slot (an independent decoder), for every cache format.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "pcpkv/device/codec.h"
+#include "pcpkv/error.h"
+#include "pcpkv/model.h"
+#include "pcpkv/sparse_mla.h"
+#include "pcpkv/verify.h"
+#include "unit/test_consumers_fixture.h"
+
+namespace pcpkv {
+namespace {
+
+using test::AttentionCase;
+using test::bits_of;
+using test::format_of;
+
+constexpr double kU = 1.0 / 16777216.0;
+
+/// Naive attention of (token t, head h) in long double from decode_slot rows.
+void naive(const AttentionCase& c, int64_t t, int h, std::vector<long double>& out, long double& lse) {
+  std::vector<long double> s;
+  std::vector<DecodedRow> rows;
+  for (int i = 0; i < c.topk; ++i) {
+    const int32_t slot = c.indices[t * c.topk + i];
+    if (slot < 0) continue;
+    rows.push_back(decode_slot(c.cache.data(), c.geometry, nullptr, IndexerCacheGeometry{}, c.fmt, slot));
+  }
+  out.assign(512, 0.0L);
+  if (rows.empty()) {
+    lse = -std::numeric_limits<long double>::infinity();
+    return;
+  }
+  const uint16_t* q = &c.q[(t * c.num_heads + h) * 576];
+  long double m = -std::numeric_limits<long double>::infinity();
+  for (const DecodedRow& r : rows) {
+    long double dot = 0.0L;
+    for (int d = 0; d < 512; ++d) dot += (long double)codec::bf16_to_float(q[d]) * r.kv_c[d];
+    for (int d = 0; d < 64; ++d) dot += (long double)codec::bf16_to_float(q[512 + d]) * r.k_pe[d];
+    s.push_back(dot * (long double)c.softmax_scale);
+    m = std::max(m, s.back());
+  }
+  long double l = 0.0L;
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const long double e = std::exp(s[j] - m);
+    l += e;
+    for (int d = 0; d < 512; ++d) out[d] += e * rows[j].kv_c[d];
+  }
+  for (auto& v : out) v /= l;
+  lse = m + std::log(l);
+}
+
+struct FormatParam {
+  KvFormat kv;
+  DsMlaScale scale;
+};
+
+class ConsumersSparseMla : public ::testing::TestWithParam<FormatParam> {};
+
+TEST_P(ConsumersSparseMla, MatchesNaiveLongDouble) {
+  AttentionCase c;
+  c.fmt = format_of(GetParam().kv, GetParam().scale);
+  c.num_heads = 3;
+  c.num_tokens = 4;
+  c.topk = 48;
+  c.build();
+  std::fill(c.indices.begin() + 3 * c.topk, c.indices.end(), -1);  // token 3: no valid key
+  SparseMlaParams p = c.params();
+  SparseMlaRefStats stats;
+  sparse_mla_cpu(p, &stats);
+  int64_t checked = 0;
+  for (int64_t t = 0; t < c.num_tokens; ++t)
+    for (int h = 0; h < c.num_heads; ++h) {
+      std::vector<long double> out;
+      long double lse;
+      naive(c, t, h, out, lse);
+      const int64_t th = t * c.num_heads + h;
+      if (std::isinf(lse)) {
+        EXPECT_EQ(c.lse[th], -std::numeric_limits<float>::infinity());
+        for (int d = 0; d < 512; ++d) ASSERT_EQ(bits_of(c.out[th * 512 + d]), 0u) << "empty row must be +0";
+        EXPECT_EQ(stats.num_keys[t], 0);
+        continue;
+      }
+      // fp64 accumulation rounded once: within 2u of the exact value (+ fp64 noise on the weighted sum).
+      EXPECT_LE(std::fabs(c.lse[th] - lse), 2 * kU * std::fabs(lse) + 1e-12) << t << " " << h;
+      for (int d = 0; d < 512; ++d) {
+        const double tol = 2 * kU * std::fabs((double)out[d]) + 1e-12 * stats.abs_pv[th * 512 + d] + 1e-30;
+        ASSERT_LE(std::fabs(c.out[th * 512 + d] - (double)out[d]), tol) << t << " " << h << " " << d;
+        ++checked;
+      }
+    }
+  EXPECT_GT(checked, 3000);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, ConsumersSparseMla,
+                         ::testing::Values(FormatParam{KvFormat::kBf16, DsMlaScale::kPow2},
+                                           FormatParam{KvFormat::kFp8, DsMlaScale::kPow2},
+                                           FormatParam{KvFormat::kFp8DsMla, DsMlaScale::kPow2},
+                                           FormatParam{KvFormat::kFp8DsMla, DsMlaScale::kRaw}),
+                         [](const auto& info) {
+                           return std::string(to_string(info.param.kv)) + "_" + to_string(info.param.scale);
+                         });
+
+// -1 entries are skipped: the same keys compacted give the same bits.
+TEST(ConsumersSparseMlaRef, MinusOneEntriesAreSkipped) {
+  AttentionCase c;
+  c.fmt = format_of(KvFormat::kFp8DsMla);
+  c.minus_one_rate = 0.4;
+  c.build();
+  SparseMlaParams p = c.params();
+  sparse_mla_cpu(p);
+  const std::vector<float> out = c.out, lse = c.lse;
+  AttentionCase d = c;
+  for (int64_t t = 0; t < d.num_tokens; ++t) {
+    auto b = d.indices.begin() + t * d.topk;
+    std::stable_partition(b, b + d.topk, [](int32_t v) { return v >= 0; });
+  }
+  SparseMlaParams q = d.params();
+  sparse_mla_cpu(q);
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(bits_of(out[i]), bits_of(d.out[i])) << i;
+  for (size_t i = 0; i < lse.size(); ++i) ASSERT_EQ(bits_of(lse[i]), bits_of(d.lse[i])) << i;
+}
+
+TEST(ConsumersSparseMlaRef, BadIndexThrowsBeforeWriting) {
+  AttentionCase c;
+  c.fmt = format_of(KvFormat::kBf16);
+  c.build();
+  c.indices[1 * c.topk + 7] = static_cast<int32_t>(c.geometry.num_slots());
+  SparseMlaParams p = c.params();
+  try {
+    sparse_mla_cpu(p);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format("indices[1, 7] = {} is out of range [-1, {})",
+                                                     c.geometry.num_slots(), c.geometry.num_slots())),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(std::all_of(c.out.begin(), c.out.end(), [](float v) { return v == 1234.5f; }));
+  c.indices[1 * c.topk + 7] = -2;
+  p = c.params();
+  EXPECT_THROW(sparse_mla_cpu(p), Error);
+  c.indices[1 * c.topk + 7] = 0;
+  p = c.params();
+  p.softmax_scale = 0.0f;
+  EXPECT_THROW(sparse_mla_cpu(p), Error);
+  p.softmax_scale = 0.1f;
+  p.num_heads = 0;
+  EXPECT_THROW(sparse_mla_cpu(p), Error);
+}
+
+TEST(ConsumersSparseMlaRef, BoundGrowsWithKeysScoresAndShards) {
+  const double a = SparseMlaBound::out_bound(1.0, 10.0, 64, 0.5, 3.0);
+  EXPECT_GT(a, 0.0);
+  EXPECT_LT(a, 1e-3);
+  EXPECT_GT(SparseMlaBound::out_bound(1.0, 10.0, 2048, 0.5, 3.0), a);
+  EXPECT_GT(SparseMlaBound::out_bound(1.0, 100.0, 64, 0.5, 3.0), a);
+  EXPECT_GT(SparseMlaBound::out_bound(1.0, 10.0, 64, 0.5, 3.0, 4), a);
+  EXPECT_GT(SparseMlaBound::lse_bound(10.0, 64, 3.0, 4), SparseMlaBound::lse_bound(10.0, 64, 3.0));
+}
+
+TEST(ConsumersSparseMlaRef, SoftmaxScaleOfThePresets) {
+  EXPECT_NEAR(preset("deepseek-v3.2").softmax_scale(), 0.135234, 1e-6);
+  EXPECT_DOUBLE_EQ(preset("glm-5").softmax_scale(), 0.0625);
+}
+
+}  // namespace
+}  // namespace pcpkv

@@ -1,0 +1,311 @@
+// `pcpkv bench`: GPU benchmarks of the publication (pcpkv/cuda.h run_bench). Prints per-stage tables, the
+// single-rank dispatch against PERF.md's vLLM numbers, and last a summary table per transport (time,
+// bytes, GB/s, fraction of the device-to-device copy bandwidth of the same run, time over its byte floor,
+// speedup over collect, CUDA-graph replay time). --json FILE / --markdown FILE save the same.
+// Built without CUDA, or run without a GPU, it says so and exits with 2.
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "pcpkv/backend.h"
+#include "pcpkv/commands.h"
+#include "pcpkv/error.h"
+#include "pcpkv/layout.h"
+
+#if defined(PCPKV_HAVE_CUDA)
+#include "pcpkv/cuda.h"
+#endif
+
+namespace pcpkv::cli {
+namespace {
+
+struct BenchArgs {
+  std::string models = "glm-5,deepseek-v3.2";
+  std::string pcp = "2,4,8";
+  std::string kv_formats = "fp8,fp8_ds_mla";
+  std::string transports = "collect,staging,direct";
+  std::string layer = "indexer";
+  std::string single = "4096,32768";
+  int64_t tokens = 32768;
+  int64_t topk_width = 2048;
+  int32_t block_size = 64;
+  int iters = 20;
+  int warmup = 5;
+  bool no_graph = false;
+  bool quick = false;
+  double copy_gib = 2.0;
+  int device = 0;
+  uint64_t seed = 1;
+  std::string json_path;
+  std::string markdown_path;
+};
+
+#if defined(PCPKV_HAVE_CUDA)
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+int64_t parse_int(const std::string& s, const char* flag) {
+  try {
+    size_t pos = 0;
+    const long long v = std::stoll(s, &pos);
+    if (pos == s.size()) return v;
+  } catch (...) {
+  }
+  PCPKV_FAIL("--{}: '{}' is not an integer", flag, s);
+}
+
+// PERF.md: vLLM's Triton fused_norm_rope on one H200, GLM-5, fp8_ds_mla, indexer layer, top-k fill.
+struct VllmRef {
+  double us, floor_us, ratio;
+};
+const std::map<int64_t, VllmRef> kVllm = {{4096, {33.9, 17.8, 1.90}}, {32768, {232.0, 143.0, 1.63}}};
+
+std::string fmt_bytes_gb(int64_t b) { return fmt::format("{:.3f}", static_cast<double>(b) / 1e9); }
+
+struct Derived {
+  double gbps = 0, frac = 0, floor_ms = 0, ratio = 0;
+};
+Derived derive(double ms, int64_t bytes, double copy_gbps) {
+  Derived d;
+  if (ms > 0) d.gbps = static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
+  d.frac = copy_gbps > 0 ? d.gbps / copy_gbps : 0;
+  d.floor_ms = copy_gbps > 0 ? static_cast<double>(bytes) / (copy_gbps * 1e9) * 1e3 : 0;
+  d.ratio = d.floor_ms > 0 ? ms / d.floor_ms : 0;
+  return d;
+}
+
+std::string run_key(const cuda::BenchRun& r) {
+  return fmt::format("{}|{}|{}", r.model, r.pcp, static_cast<int>(r.kv_format));
+}
+
+void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string& command) {
+  using nlohmann::json;
+  std::map<std::string, double> collect_ms, collect_graph_ms;
+  for (const cuda::BenchRun& r : rep.runs)
+    if (r.transport == Transport::kCollect) {
+      collect_ms[run_key(r)] = r.total_ms;
+      collect_graph_ms[run_key(r)] = r.graph_ms;
+    }
+
+  std::string md;
+  md += fmt::format("# pcpkv bench\n\ndevice: {} ({} SMs, {} MB L2); copy bandwidth {:.0f} GB/s (device-to-device "
+                    "copy of {:.2f} GiB, read + write, same run)\n\ncommand: `{}`\n\n",
+                    rep.device, rep.num_sms, rep.l2_bytes >> 20, rep.copy_gbps,
+                    static_cast<double>(rep.copy_bytes) / (1 << 30), command);
+  md += "## dispatch kernels (registers, shared memory, spills, occupancy)\n\n";
+  for (const std::string& k : rep.kernels) md += "- " + k + "\n";
+
+  json j;
+  j["command"] = command;
+  j["device"] = {{"name", rep.device}, {"num_sms", rep.num_sms}, {"l2_bytes", rep.l2_bytes}};
+  j["copy_bandwidth_gbps"] = rep.copy_gbps;
+  j["copy_bytes"] = rep.copy_bytes;
+  j["kernels"] = rep.kernels;
+
+  // ---- single rank
+  if (!rep.singles.empty()) {
+    md += "\n## dispatch alone, one rank (GLM-5, fp8_ds_mla, indexer layer, top-k fill; PERF.md's vLLM case)\n\n";
+    md += "| tokens | variant | top-k fill | time us | bytes MB | floor us | time / floor | vLLM time / floor |\n";
+    md += "|---|---|---|---|---|---|---|---|\n";
+    json js = json::array();
+    for (const cuda::BenchSingle& s : rep.singles) {
+      const Derived d = derive(s.ms, s.bytes, rep.copy_gbps);
+      const auto v = kVllm.find(s.tokens);
+      md += fmt::format("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {} |\n", s.tokens, s.variant,
+                        s.fused_topk ? "fused" : "separate", s.ms * 1e3, s.bytes / 1e6, d.floor_ms * 1e3, d.ratio,
+                        v == kVllm.end() ? std::string("-") : fmt::format("{:.2f}", v->second.ratio));
+      js.push_back({{"model", s.model},
+                    {"kv_format", to_string(s.kv_format)},
+                    {"tokens", s.tokens},
+                    {"variant", s.variant},
+                    {"fused_topk", s.fused_topk},
+                    {"ms", s.ms},
+                    {"bytes", s.bytes},
+                    {"gbps", d.gbps},
+                    {"fraction_of_copy", d.frac},
+                    {"floor_ms", d.floor_ms},
+                    {"time_over_floor", d.ratio},
+                    {"vllm_time_over_floor", v == kVllm.end() ? json(nullptr) : json(v->second.ratio)}});
+    }
+    j["single_rank"] = js;
+  }
+
+  // ---- stages
+  json jr = json::array();
+  if (!rep.runs.empty()) {
+    md += "\n## stages (median of the timed runs)\n\n";
+    md += "| model | P | kv | transport | stage | ms | MB | GB/s | % copy BW |\n|---|---|---|---|---|---|---|---|---|\n";
+  }
+  for (const cuda::BenchRun& r : rep.runs) {
+    json stages = json::array();
+    for (const cuda::BenchStage& s : r.stages) {
+      const Derived d = derive(s.ms, s.bytes, rep.copy_gbps);
+      md += fmt::format("| {} | {} | {} | {} | {} | {:.4f} | {:.1f} | {:.0f} | {:.0f} |\n", r.model, r.pcp,
+                        to_string(r.kv_format), to_string(r.transport), s.name, s.ms, s.bytes / 1e6, d.gbps,
+                        100 * d.frac);
+      stages.push_back({{"name", s.name}, {"ms", s.ms}, {"bytes", s.bytes}, {"gbps", d.gbps}, {"fraction_of_copy", d.frac}});
+    }
+    const Derived d = derive(r.total_ms, r.bytes, rep.copy_gbps);
+    const auto c = collect_ms.find(run_key(r));
+    const auto cg = collect_graph_ms.find(run_key(r));
+    json jrun = {{"model", r.model},
+                 {"pcp", r.pcp},
+                 {"kv_format", to_string(r.kv_format)},
+                 {"layer", r.indexer_layer ? "indexer" : "shared"},
+                 {"tokens", r.tokens},
+                 {"transport", to_string(r.transport)},
+                 {"stages", stages},
+                 {"total_ms", r.total_ms},
+                 {"bytes", r.bytes},
+                 {"gbps", d.gbps},
+                 {"fraction_of_copy", d.frac},
+                 {"floor_ms", d.floor_ms},
+                 {"time_over_floor", d.ratio},
+                 {"graph_ms", r.graph_ms >= 0 ? json(r.graph_ms) : json(nullptr)}};
+    if (c != collect_ms.end() && r.total_ms > 0) jrun["speedup_vs_collect"] = c->second / r.total_ms;
+    if (cg != collect_graph_ms.end() && r.graph_ms > 0 && cg->second > 0)
+      jrun["graph_speedup_vs_collect"] = cg->second / r.graph_ms;
+    jr.push_back(jrun);
+  }
+  j["runs"] = jr;
+
+  // ---- summary (printed last)
+  std::string summary;
+  if (!rep.runs.empty()) {
+    summary += fmt::format("\n## summary: one layer's publication, {} tokens, {} layer (copy bandwidth {:.0f} GB/s)\n\n",
+                           rep.runs.front().tokens, rep.runs.front().indexer_layer ? "indexer" : "shared", rep.copy_gbps);
+    summary += "| model | P | kv | transport | layer ms | graph ms | GB | GB/s | % copy BW | floor ms | time/floor | "
+               "speedup vs collect |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for (const cuda::BenchRun& r : rep.runs) {
+      const Derived d = derive(r.total_ms, r.bytes, rep.copy_gbps);
+      const auto c = collect_ms.find(run_key(r));
+      summary += fmt::format("| {} | {} | {} | {} | {:.3f} | {} | {} | {:.0f} | {:.0f} | {:.3f} | {:.2f} | {} |\n", r.model,
+                             r.pcp, to_string(r.kv_format), to_string(r.transport), r.total_ms,
+                             r.graph_ms >= 0 ? fmt::format("{:.3f}", r.graph_ms) : std::string("-"), fmt_bytes_gb(r.bytes),
+                             d.gbps, 100 * d.frac, d.floor_ms, d.ratio,
+                             c != collect_ms.end() && r.total_ms > 0 ? fmt::format("{:.2f}x", c->second / r.total_ms)
+                                                                     : std::string("-"));
+    }
+  }
+  md += summary;
+  std::fputs(md.c_str(), stdout);
+  std::fflush(stdout);
+  if (!a.json_path.empty()) {
+    std::ofstream f(a.json_path);
+    PCPKV_CHECK(f.good(), "--json: cannot write '{}'", a.json_path);
+    f << j.dump(2) << "\n";
+  }
+  if (!a.markdown_path.empty()) {
+    std::ofstream f(a.markdown_path);
+    PCPKV_CHECK(f.good(), "--markdown: cannot write '{}'", a.markdown_path);
+    f << md;
+  }
+}
+
+void run(const BenchArgs& a, const std::string& command) {
+  std::string why;
+  if (!cuda_backend_available(&why)) throw CLI::RuntimeError(fmt::format("pcpkv bench needs a CUDA GPU: {}", why), 2);
+  cuda::BenchOptions o;
+  o.device_idx = a.device;
+  o.models = split(a.models);
+  o.pcp.clear();
+  for (const std::string& p : split(a.pcp)) o.pcp.push_back(static_cast<int32_t>(parse_int(p, "pcp")));
+  o.kv_formats.clear();
+  for (const std::string& f : split(a.kv_formats)) o.kv_formats.push_back(parse_kv_format(f, "kv-formats"));
+  o.transports.clear();
+  for (const std::string& t : split(a.transports)) o.transports.push_back(parse_transport(t));
+  PCPKV_CHECK(a.layer == "indexer" || a.layer == "shared", "--layer: '{}' is not indexer or shared", a.layer);
+  o.indexer_layer = a.layer == "indexer";
+  o.tokens = a.tokens;
+  o.topk_width = a.topk_width;
+  o.block_size = a.block_size;
+  o.iters = a.iters;
+  o.warmup = a.warmup;
+  o.graph = !a.no_graph;
+  o.single_rank_tokens.clear();
+  if (a.single != "none")
+    for (const std::string& t : split(a.single)) o.single_rank_tokens.push_back(parse_int(t, "single-rank-tokens"));
+  o.copy_gib = a.copy_gib;
+  o.seed = a.seed;
+  if (a.quick) {  // a smoke run for tests: small and fast, every code path once
+    o.models = {"glm-5"};
+    o.pcp = {2};
+    o.kv_formats = {KvFormat::kFp8DsMla};
+    o.tokens = 2048;
+    o.iters = 3;
+    o.warmup = 1;
+    o.single_rank_tokens = {1024};
+    o.copy_gib = 0.25;
+  }
+  for (const std::string& m : o.models) (void)preset(m);  // unknown model: a clear error before any GPU work
+  const cuda::BenchReport rep =
+      cuda::run_bench(o, [](const std::string& line) { std::fprintf(stderr, "pcpkv bench: %s\n", line.c_str()); });
+  report(rep, a, command);
+}
+
+#else  // !PCPKV_HAVE_CUDA
+
+void run(const BenchArgs&, const std::string&) {
+  throw CLI::RuntimeError(
+      "pcpkv bench needs the CUDA backend, but this pcpkv was built without CUDA (nvcc not found at configure "
+      "time); rebuild where nvcc exists and run on a machine with a GPU",
+      2);
+}
+
+#endif
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto* sub = app.add_subcommand(
+      "bench", "GPU benchmarks: per-stage times of collect / staging / direct, bytes, GB/s and the fraction of "
+               "the copy bandwidth, graph replay, and the single-rank dispatch against vLLM (needs CUDA and a GPU)");
+  auto a = std::make_shared<BenchArgs>();
+  sub->add_option("--models", a->models, "comma-separated presets")->capture_default_str();
+  sub->add_option("--pcp", a->pcp, "comma-separated PCP world sizes (logical ranks on one GPU, 1..8)")->capture_default_str();
+  sub->add_option("--kv-formats", a->kv_formats, "comma-separated: fp8, fp8_ds_mla, bf16")->capture_default_str();
+  sub->add_option("--transports", a->transports, "comma-separated: collect, staging, direct")->capture_default_str();
+  sub->add_option("--tokens", a->tokens, "tokens of the one prefill request")->capture_default_str();
+  sub->add_option("--layer", a->layer, "indexer | shared")->capture_default_str();
+  sub->add_option("--topk-width", a->topk_width, "top-k buffer width filled with -1 on indexer layers (0: none)")
+      ->capture_default_str();
+  sub->add_option("--block-size", a->block_size, "cache block size")->capture_default_str();
+  sub->add_option("--iters", a->iters, "timed runs per case (median)")->capture_default_str();
+  sub->add_option("--warmup", a->warmup, "untimed runs first")->capture_default_str();
+  sub->add_flag("--no-graph", a->no_graph, "skip the CUDA-graph capture and replay");
+  sub->add_option("--single-rank-tokens", a->single, "dispatch-only one-rank cases, comma-separated, or none")
+      ->capture_default_str();
+  sub->add_option("--copy-gib", a->copy_gib, "size of the copy that measures the copy bandwidth")->capture_default_str();
+  sub->add_option("--device", a->device, "CUDA device index")->capture_default_str();
+  sub->add_option("--seed", a->seed, "input seed")->capture_default_str();
+  sub->add_option("--json", a->json_path, "write the results as JSON");
+  sub->add_option("--markdown", a->markdown_path, "write the tables as markdown");
+  sub->add_flag("--quick", a->quick, "smoke run: glm-5, PCP 2, fp8_ds_mla, 2048 tokens, 3 iterations");
+  sub->callback([a] {
+    // The equivalent full command line, for the record in the tables and the JSON.
+    const std::string command =
+        a->quick ? std::string("pcpkv bench --quick")
+                 : fmt::format("pcpkv bench --models {} --pcp {} --kv-formats {} --transports {} --tokens {} --layer {} "
+                               "--topk-width {} --block-size {} --iters {} --warmup {} --single-rank-tokens {} "
+                               "--copy-gib {}{}",
+                               a->models, a->pcp, a->kv_formats, a->transports, a->tokens, a->layer, a->topk_width,
+                               a->block_size, a->iters, a->warmup, a->single, a->copy_gib, a->no_graph ? " --no-graph" : "");
+    run(*a, command);
+  });
+}
+
+}  // namespace pcpkv::cli

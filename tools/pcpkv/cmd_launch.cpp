@@ -1,0 +1,166 @@
+// `pcpkv launch --nproc N -- <pcpkv subcommand> [args]`: start N local rank processes of one job (issue 4),
+// plus the shared pieces of the rank-side subcommands (launch_cmds.h).
+//
+// Exit code: 0 when every rank exited 0; otherwise that of the first rank that failed (128 + signal when a
+// signal killed it).
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <limits.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "launch_cmds.h"
+#include "pcpkv/backend.h"
+#include "pcpkv/commands.h"
+#include "pcpkv/error.h"
+#include "pcpkv/launch.h"
+#if defined(PCPKV_HAVE_CUDA)
+#include "pcpkv/cuda_multiproc.h"
+#endif
+
+namespace pcpkv::cli {
+
+std::unique_ptr<Bootstrap> connect_world() {
+  std::optional<BootstrapConfig> c = bootstrap_config_from_env();
+  if (!c) {
+    BootstrapConfig one;
+    one.source = "single process (no PCPKV_RANK or RANK in the environment)";
+    c = one;
+  }
+  return Bootstrap::connect(*c);
+}
+
+RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved) {
+  PCPKV_CHECK(backend == "cpu" || backend == "cuda" || backend == "auto",
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", backend);
+  if (backend == "cpu") {
+    *resolved = "cpu";
+    return make_cpu_rank_publisher;
+  }
+  std::string why;
+  const bool have_cuda = cuda_backend_available(&why);
+#if defined(PCPKV_HAVE_CUDA)
+  if (have_cuda) {
+    *resolved = "cuda";
+    return cuda::make_rank_publisher;
+  }
+#else
+  if (have_cuda) why = "this pcpkv CLI was compiled without PCPKV_HAVE_CUDA (its multi-process CUDA path is off)";
+#endif
+  PCPKV_CHECK(backend == "auto", "--backend cuda: unavailable: {}", why);
+  *resolved = "cpu";
+  return make_cpu_rank_publisher;
+}
+
+int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn) {
+  const std::string who = world ? fmt::format("rank {}", world->rank()) : "rank ?";
+  try {
+    return fn();
+  } catch (const FenceTimeout& e) {
+    fmt::print(stderr, "pcpkv {}: {}: error: {}\n", cmd, who, e.what());
+    if (world) world->abort(e.what());
+    return kExitPeerFailed;
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    fmt::print(stderr, "pcpkv {}: {}: error: {}\n", cmd, who, msg);
+    if (world) world->abort(msg);
+    return msg.rfind("bootstrap:", 0) == 0 ? kExitPeerFailed : 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "pcpkv {}: {}: error: internal: {}\n", cmd, who, e.what());
+    if (world) world->abort(e.what());
+    return 3;
+  }
+}
+
+namespace {
+
+std::string self_exe() {
+  char buf[PATH_MAX] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  PCPKV_CHECK(n > 0, "launch: cannot find this executable (/proc/self/exe): {}", std::strerror(errno));
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+struct LaunchFlags {
+  int32_t nproc = 0;
+  double timeout_s = 60.0;
+  double grace_s = 60.0;
+  double max_time_s = 0.0;
+  std::string output = "prefix";
+  std::string gpus;
+  std::string program;
+  std::string socket_dir;
+  std::vector<std::string> command;
+};
+
+}  // namespace
+
+void add_launch_command(CLI::App& app) {
+  auto f = std::make_shared<LaunchFlags>();
+  CLI::App* sub = app.add_subcommand(
+      "launch",
+      "Start N local rank processes of one job: pcpkv launch --nproc N -- <pcpkv subcommand> [args]. Each rank "
+      "gets PCPKV_RANK, PCPKV_WORLD_SIZE, PCPKV_LOCAL_RANK, PCPKV_BOOTSTRAP (a private Unix socket) and a "
+      "per-job PCPKV_JOB_TOKEN; GPUs go round-robin (local rank % visible GPUs), so N ranks may share one GPU.");
+  sub->add_option("--nproc,-n", f->nproc, "Rank processes to start (>= 1)")->required();
+  sub->add_option("--timeout", f->timeout_s, "Rendezvous and collective timeout of every rank, seconds")
+      ->capture_default_str();
+  sub->add_option("--grace", f->grace_s,
+                  "After a rank fails, seconds the others get to report it and exit before SIGTERM")
+      ->capture_default_str();
+  sub->add_option("--max-time", f->max_time_s, "Stop the whole job after this many seconds (0: no limit)")
+      ->capture_default_str();
+  sub->add_option("--output", f->output,
+                  "prefix: every line as '[rank k] ...'; rank0: rank 0 as is, others' stderr prefixed; raw")
+      ->capture_default_str();
+  sub->add_option("--gpus", f->gpus, "Comma list of device indices, assigned round-robin (default: local rank % "
+                                     "visible GPUs, chosen by each rank)");
+  sub->add_option("--program", f->program,
+                  "Executable to start instead of this pcpkv (its arguments follow --)");
+  sub->add_option("--socket-dir", f->socket_dir, "Directory for the private rendezvous directory (default $TMPDIR "
+                                                 "or /tmp)");
+  // Everything after -- is the ranks' command line (options included).
+  sub->add_option("command", f->command, "The ranks' command after --: a pcpkv subcommand and its flags")
+      ->expected(-1);
+  sub->callback([f] {
+    std::vector<std::string> cmd = f->command;
+    PCPKV_CHECK(!cmd.empty(),
+                "launch: no command; usage: pcpkv launch --nproc N -- <pcpkv subcommand> [args], e.g. pcpkv launch "
+                "--nproc 4 -- mp-publish --backend cpu");
+    LaunchOptions o;
+    o.nproc = f->nproc;
+    o.bootstrap_timeout_s = f->timeout_s;
+    o.grace_s = f->grace_s;
+    o.max_time_s = f->max_time_s;
+    o.output = parse_launch_output(f->output);
+    o.socket_dir = f->socket_dir;
+    if (!f->gpus.empty()) {
+      size_t pos = 0;
+      while (pos <= f->gpus.size()) {
+        const size_t comma = std::min(f->gpus.find(',', pos), f->gpus.size());
+        const std::string item = f->gpus.substr(pos, comma - pos);
+        char* end = nullptr;
+        const long d = std::strtol(item.c_str(), &end, 10);
+        PCPKV_CHECK(!item.empty() && *end == '\0' && d >= 0, "--gpus: '{}' is not a device index (in '{}')", item,
+                    f->gpus);
+        o.gpus.push_back(static_cast<int32_t>(d));
+        pos = comma + 1;
+      }
+    }
+    if (f->program.empty()) {
+      o.argv.push_back(self_exe());
+    } else {
+      o.argv.push_back(f->program);
+    }
+    o.argv.insert(o.argv.end(), cmd.begin(), cmd.end());
+    const LaunchResult r = launch_ranks(o);
+    if (r.exit_code != 0) throw CLI::RuntimeError("", r.exit_code);
+  });
+  add_mp_publish_command(app);
+  add_bench_fence_command(app);
+}
+
+}  // namespace pcpkv::cli

@@ -1,0 +1,108 @@
+// `pcpkv bench-fence`: fence latency per layer across rank processes (issue 4, item 7). Run it as
+//   pcpkv launch --nproc N -- bench-fence --backend cuda     (N processes on one GPU: round-robin devices)
+// Every rank runs `--layers` fences back to back (one per layer, barrier index alternating like
+// micro-batches), `--iters` times; rank 0 prints each rank's median, p10 and p90 in microseconds and, on
+// CUDA, the per-layer time of a captured CUDA graph of the same fences (replayed --iters times).
+#include <cstdio>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "launch_cmds.h"
+#include "pcpkv/error.h"
+#if defined(PCPKV_HAVE_CUDA)
+#include "pcpkv/cuda_multiproc.h"
+#endif
+
+namespace pcpkv::cli {
+namespace {
+
+struct BenchFenceFlags {
+  std::string backend = "auto";
+  FenceBenchOptions opt;
+  bool json = false;
+};
+
+int bench_fence(const BenchFenceFlags& f, Bootstrap& world) {
+  std::string resolved;
+  (void)rank_publisher_factory(f.backend, &resolved);  // resolves auto and explains an unavailable CUDA
+  FenceBenchResult r;
+  if (resolved == "cuda") {
+#if defined(PCPKV_HAVE_CUDA)
+    r = cuda::bench_fence(world, f.opt);
+#endif
+  } else {
+    r = bench_host_fence(world, f.opt);
+  }
+  // Gather every rank's numbers on rank 0.
+  const double mine[5] = {r.median_us, r.p10_us, r.p90_us, r.graph_median_us, static_cast<double>(r.final_epoch)};
+  std::vector<double> all(5 * static_cast<size_t>(world.world_size()));
+  world.all_gather(mine, sizeof(mine), all.data());
+  if (world.rank() != 0) return 0;
+
+  std::string text = fmt::format(
+      "pcpkv bench-fence: {} processes, backend {} ({}); {} layers x {} iterations (+{} warm-up), {} barrier "
+      "indices\n  rank   median us   p10 us   p90 us{}\n",
+      world.world_size(), resolved, r.device, f.opt.layers, f.opt.iters, f.opt.warmup, f.opt.num_barriers,
+      resolved == "cuda" && f.opt.graph ? "   graph us/layer" : "");
+  std::vector<double> medians;
+  for (int32_t q = 0; q < world.world_size(); ++q) {
+    const double* v = all.data() + 5 * q;
+    medians.push_back(v[0]);
+    text += fmt::format("  {:>4}  {:>10.2f} {:>8.2f} {:>8.2f}", q, v[0], v[1], v[2]);
+    if (resolved == "cuda" && f.opt.graph) text += fmt::format("   {:>10.2f}", v[3]);
+    text += "\n";
+  }
+  text += fmt::format("  fence latency per layer (median over ranks of each rank's median): {:.2f} us\n",
+                      percentile(medians, 0.5));
+
+  if (f.json) {
+    nlohmann::json j;
+    j["world_size"] = world.world_size();
+    j["backend"] = resolved;
+    j["device"] = r.device;
+    j["layers"] = f.opt.layers;
+    j["iters"] = f.opt.iters;
+    for (int32_t q = 0; q < world.world_size(); ++q) {
+      const double* v = all.data() + 5 * q;
+      j["ranks"].push_back({{"rank", q}, {"median_us", v[0]}, {"p10_us", v[1]}, {"p90_us", v[2]},
+                            {"graph_per_layer_us", v[3]}, {"final_epoch", v[4]}});
+    }
+    j["median_us"] = percentile(medians, 0.5);
+    std::fputs(j.dump(2).c_str(), stdout);
+    std::fputs("\n", stdout);
+    std::fputs(text.c_str(), stderr);
+  } else {
+    std::fputs(text.c_str(), stdout);
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_fence_command(CLI::App& app) {
+  auto f = std::make_shared<BenchFenceFlags>();
+  CLI::App* sub = app.add_subcommand(
+      "bench-fence", "Fence latency per layer across rank processes: pcpkv launch --nproc N -- bench-fence");
+  sub->add_option("--backend", f->backend, "auto | cpu | cuda")->capture_default_str();
+  sub->add_option("--layers", f->opt.layers, "Fences per iteration (one per layer)")->capture_default_str();
+  sub->add_option("--iters", f->opt.iters, "Timed iterations")->capture_default_str();
+  sub->add_option("--warmup", f->opt.warmup, "Untimed iterations first")->capture_default_str();
+  sub->add_option("--barriers", f->opt.num_barriers, "Barrier indices (micro-batches), used round-robin")
+      ->capture_default_str();
+  sub->add_option("--timeout-ms", f->opt.timeout_ms, "Bound of every fence wait")->capture_default_str();
+  sub->add_flag("--no-graph", [f](int64_t) { f->opt.graph = false; }, "CUDA: skip the graph-replay timing");
+  sub->add_flag("--json", f->json, "JSON on stdout from rank 0 (the table goes to stderr)");
+  sub->callback([f] {
+    std::unique_ptr<Bootstrap> world;
+    const int code = run_as_rank("bench-fence", nullptr, [&] {
+      world = connect_world();
+      return run_as_rank("bench-fence", world.get(), [&] { return bench_fence(*f, *world); });
+    });
+    if (code != 0) throw CLI::RuntimeError("", code);
+  });
+}
+
+}  // namespace pcpkv::cli

@@ -1,0 +1,36 @@
+// tools/pcpkv/launch_cmds.h: the multi-process subcommands registered by add_launch_command
+// (cmd_launch.cpp): `launch` (spawn N ranks), `mp-publish` (one rank of a publication) and `bench-fence`
+// (fence latency per layer), and what they share.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "pcpkv/bootstrap.h"
+#include "pcpkv/multiproc.h"
+
+namespace CLI {
+class App;
+}
+
+namespace pcpkv::cli {
+
+/// Exit code of a rank whose peer failed (a fence timeout, a rank gone, a rendezvous that failed).
+constexpr int kExitPeerFailed = 4;
+
+void add_mp_publish_command(CLI::App& app);   // launch_publish.cpp
+void add_bench_fence_command(CLI::App& app);  // launch_bench_fence.cpp
+
+/// This process's place in the job: from `pcpkv launch` / torchrun variables, or a world of one.
+std::unique_ptr<Bootstrap> connect_world();
+
+/// "cpu" | "cuda" | "auto" -> the rank publisher factory; *resolved names the backend picked. Throws
+/// pcpkv::Error saying why when CUDA is asked for and unavailable.
+RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved);
+
+/// Runs fn as one rank: pcpkv::Error and other exceptions are printed as "pcpkv <cmd>: rank r: error: ..."
+/// and the other ranks are told (Bootstrap::abort); returns the exit code (FenceTimeout and bootstrap
+/// failures: kExitPeerFailed, bad input: 2, other: 3).
+int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn);
+
+}  // namespace pcpkv::cli

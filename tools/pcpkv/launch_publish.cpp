@@ -1,0 +1,403 @@
+// `pcpkv mp-publish`: one process's rank of a layer's publication, one process per rank (issue 4).
+// Run it under `pcpkv launch --nproc N` (or torchrun): the world of N processes is split into --tp PCP
+// groups of N / tp ranks ({0..P-1}, {P..2P-1}, ...); each group publishes its own batch (seed + group
+// index, so a write that crossed groups would show) with each requested transport, and each group's
+// rank 0 checks every replica of its group byte for byte against the single-process CPU reference and
+// prints the group's stage table (per stage the slowest rank) and verdict.
+//
+// Exit code (every rank agrees): 0 all checks passed, 1 a check failed, 2 bad input,
+// 4 a peer failed (killed, stuck past the fence timeout, or gone from the rendezvous).
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "launch_cmds.h"
+#include "pcpkv/backend.h"
+#include "pcpkv/error.h"
+#include "pcpkv/inputs.h"
+#include "pcpkv/model.h"
+#include "pcpkv/plan.h"
+#include "pcpkv/symmetric.h"
+#include "pcpkv/verify.h"
+#if defined(PCPKV_HAVE_CUDA)
+#include "pcpkv/cuda_multiproc.h"
+#endif
+
+namespace pcpkv::cli {
+namespace {
+
+// Free bytes of this rank's device (CUDA), -1 on the CPU backend.
+int64_t device_free_bytes(const std::string& backend) {
+#if defined(PCPKV_HAVE_CUDA)
+  if (backend == "cuda") return cuda::device_free_bytes();
+#endif
+  (void)backend;
+  return -1;
+}
+
+struct MpPublishFlags {
+  std::string model = "glm-5";
+  std::string config;
+  int64_t tokens = 4096;
+  int32_t decodes = 2;
+  int32_t block_size = 64;
+  std::string kv_format = "fp8_ds_mla";
+  std::string ds_mla_scale = "pow2";
+  double k_scale = 1.0;
+  std::string layer = "indexer";
+  std::string transport = "all";
+  std::string backend = "auto";
+  int32_t tp = 1;
+  uint64_t seed = 0;
+  int32_t repeats = 1;
+  int32_t threads = 1;
+  int64_t topk_width = 0;
+  int64_t guard_bytes = 256;
+  int64_t base_offset = 0;
+  int64_t fence_timeout_ms = 30000;
+  bool no_check = false;
+  bool json = false;
+  int32_t kill_rank = -1;
+  std::string collect_via = "auto";
+  int32_t graph_replays = 0;
+  bool leak_check = false;
+};
+
+std::vector<Transport> parse_transports(const std::string& s) {
+  if (s == "all") return {Transport::kCollect, Transport::kStaging, Transport::kDirect};
+  std::vector<Transport> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    out.push_back(parse_transport(s.substr(pos, comma - pos)));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+struct TransportReport {
+  Transport transport;
+  std::vector<Stage> stages;        // slowest rank per stage; bytes summed over ranks
+  bool checked = false;
+  bool identical = true;            // every replica == the single-process reference, byte for byte
+  int64_t bytes_compared = 0;
+  int64_t bytes_differing = 0;
+  std::string first_diff;
+  int32_t graph_replays = 0;        // > 0: the bytes checked are those after this many CUDA graph replays
+  bool epochs_ok = true;            // graph replays: the fence epochs advanced once per replay
+  std::string epochs_note;
+  int64_t guard_bad = 0;
+  std::string guard_first;
+  bool q_topk_ok = true;
+  bool ok() const { return identical && guard_bad == 0 && q_topk_ok && epochs_ok; }
+};
+
+int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
+  const GroupLayout layout = GroupLayout::make(world.world_size(), f.tp);
+  const int32_t group_idx = layout.pcp_group_of(world.rank());
+  // Validate everything before the first collective allocation.
+  ModelConfig model = f.config.empty() ? preset(f.model) : load_hf_config(f.config, f.model);
+  model.validate();
+  PCPKV_CHECK(f.tokens >= 0, "--tokens must be >= 0, got {}", f.tokens);
+  PCPKV_CHECK(f.decodes >= 0, "--decodes must be >= 0, got {}", f.decodes);
+  PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: '{}' is not indexer or shared", f.layer);
+  PCPKV_CHECK(f.repeats >= 1, "--repeats must be >= 1, got {}", f.repeats);
+  PCPKV_CHECK(f.kill_rank < world.world_size(), "--kill-rank {} is not a rank of this {}-process job", f.kill_rank,
+              world.world_size());
+  PlanConfig pc;
+  pc.pcp_world = layout.pcp_size;
+  pc.pcp_rank_base = group_idx * layout.pcp_size;
+  pc.block_size = f.block_size;
+  pc.seed = f.seed;
+  if (f.tokens > 0) pc.requests.push_back({RequestKind::kPrefill, f.tokens, 0});
+  for (int32_t i = 0; i < f.decodes; ++i) pc.requests.push_back({RequestKind::kDecode, 1, 1000 * int64_t{i + 1} + 7 * i});
+  PCPKV_CHECK(!pc.requests.empty(), "--tokens 0 --decodes 0: the batch is empty");
+  const PcpPlan plan = make_plan(pc);
+  CacheFormat fmt;
+  fmt.kv_format = parse_kv_format(f.kv_format);
+  fmt.ds_mla_scale = parse_ds_mla_scale(f.ds_mla_scale);
+  fmt.k_scale = static_cast<float>(f.k_scale);
+  fmt.has_indexer = f.layer == "indexer";
+  const std::vector<Transport> transports = parse_transports(f.transport);
+  // Each PCP group publishes its own inputs: the checks then catch a write that crossed groups.
+  const uint64_t group_seed = f.seed + 1000003ull * static_cast<uint64_t>(group_idx);
+  const GlobalInputs inputs = generate_inputs(model, plan, fmt.has_indexer, group_seed);
+
+  PublishSetup setup;
+  setup.model = &model;
+  setup.plan = &plan;
+  setup.fmt = fmt;
+  setup.alloc.guard_bytes = f.guard_bytes;
+  setup.alloc.base_offset = f.base_offset;
+  setup.topk_width = f.topk_width;
+  setup.repeats = f.repeats;
+
+  std::string backend_name;
+  const RankPublisherFactory factory = rank_publisher_factory(f.backend, &backend_name);
+#if defined(PCPKV_HAVE_CUDA)
+  // This rank's device first (round-robin), so that nothing creates a context on another GPU.
+  if (backend_name == "cuda") cuda::select_rank_device(world);
+#endif
+  auto group = make_pcp_group(world, layout);
+  RankPublishOptions opt;
+  opt.fence_timeout_ms = f.fence_timeout_ms;
+  opt.num_threads = f.threads;
+  opt.global_ranks = layout.pcp_group_members(group_idx);
+  opt.collect_via = f.collect_via;
+  if (f.kill_rank >= 0 && layout.pcp_group_of(f.kill_rank) == group_idx) opt.kill_pcp_rank = layout.pcp_rank_of(f.kill_rank);
+  PCPKV_CHECK(f.graph_replays >= 0, "--graph-replays must be >= 0, got {}", f.graph_replays);
+  PCPKV_CHECK(f.graph_replays == 0 || backend_name == "cuda", "--graph-replays needs the cuda backend (got {})",
+              backend_name);
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool leader = group->rank() == 0;
+
+  // --leak-check: one warm-up round (lazy initialization), then count descriptors, shared-memory mappings
+  // and free device memory before a second round and after its publisher is gone.
+  std::string leak_note;
+  bool leak_ok = true;
+  if (f.leak_check) {
+    for (int round = 0; round < 2; ++round) {
+      group->barrier();
+      const ResourceCounts before = count_process_resources();
+      const int64_t free_before = device_free_bytes(backend_name);
+      group->barrier();
+      {
+        auto p = factory(*group, setup, opt);
+        for (Transport t : transports) p->publish(inputs, t);
+        group->barrier();
+      }
+      group->barrier();
+      const ResourceCounts after = count_process_resources();
+      const int64_t free_after = device_free_bytes(backend_name);
+      if (round == 1) {
+        // Device memory: a leaked symmetric buffer is >= 2 MiB (the VMM granularity); the driver may keep a
+        // few page-table pages, so differences below 1 MiB are not counted.
+        leak_ok = after.open_fds == before.open_fds && after.shm_mappings == before.shm_mappings &&
+                  free_before - free_after < (int64_t{1} << 20);
+        leak_note = fmt::format("descriptors {} -> {}, shared-memory mappings {} -> {}{}", before.open_fds,
+                                after.open_fds, before.shm_mappings, after.shm_mappings,
+                                free_before >= 0 ? fmt::format(", free device memory {} -> {} bytes", free_before,
+                                                               free_after)
+                                                 : "");
+      }
+    }
+  }
+
+  auto pub = factory(*group, setup, opt);
+  std::vector<TransportReport> reports;
+  std::unique_ptr<Backend> ref_backend = leader && !f.no_check ? make_cpu_backend(f.threads) : nullptr;
+  for (Transport t : transports) {
+    RankPublishResult mine = pub->publish(inputs, t);
+    int32_t replays = 0;
+    std::string epochs_note;
+    bool epochs_ok = true;
+    if (f.graph_replays > 0) {
+      // Capture once, replay: every replay must advance the device epochs and leave the same bytes.
+      const std::vector<uint64_t> e0 = mine.fence_epochs;
+      mine = pub->publish_graph_replays(inputs, t, f.graph_replays);
+      replays = f.graph_replays;
+      const std::vector<uint64_t>& e1 = mine.fence_epochs;
+      // Per run: one start fence, and one publication fence except collect over NCCL.
+      const uint64_t runs = static_cast<uint64_t>(replays) + 1;  // + the eager run before the capture
+      epochs_ok = e1.size() == e0.size() && e1.size() >= 1 && e1[0] == e0[0] + runs &&
+                  (e1.size() < 2 || e1[1] == e0[1] || e1[1] == e0[1] + runs);
+      epochs_note = fmt::format("start-fence epoch {} -> {}, publication-fence epoch {} -> {} over {} replays",
+                                e0.empty() ? 0 : e0[0], e1.empty() ? 0 : e1[0], e0.size() > 1 ? e0[1] : 0,
+                                e1.size() > 1 ? e1[1] : 0, replays);
+    }
+    // Stage times of every rank of the group; the leader keeps the slowest per stage.
+    std::vector<double> ms;
+    for (const Stage& s : mine.profile.stages) ms.push_back(s.ms);
+    std::vector<double> all_ms(ms.size() * static_cast<size_t>(group->world_size()));
+    group->all_gather(ms.data(), ms.size() * sizeof(double), all_ms.data());
+    TransportReport rep;
+    rep.transport = t;
+    rep.graph_replays = replays;
+    rep.epochs_note = epochs_note;
+    // Every rank's epochs must have advanced: agree within the group.
+    uint8_t eok = epochs_ok ? 1 : 0;
+    std::vector<uint8_t> all_eok(static_cast<size_t>(group->world_size()));
+    group->all_gather(&eok, 1, all_eok.data());
+    rep.epochs_ok = std::all_of(all_eok.begin(), all_eok.end(), [](uint8_t v) { return v == 1; });
+    for (size_t k = 0; k < mine.profile.stages.size(); ++k) {
+      Stage s = mine.profile.stages[k];
+      s.bytes = 0;
+      for (int32_t q = 0; q < group->world_size(); ++q) s.ms = std::max(s.ms, all_ms[q * ms.size() + k]);
+      rep.stages.push_back(s);
+    }
+    if (ref_backend) {
+      const PublishResult ref = ref_backend->publish(setup, inputs, t);
+      for (size_t k = 0; k < rep.stages.size() && k < ref.profile.stages.size(); ++k)
+        rep.stages[k].bytes = ref.profile.stages[k].bytes;
+      rep.checked = true;
+      PublishResult got = ref;  // geometry from the reference, bytes from the replicas
+      for (int32_t q = 0; q < group->world_size(); ++q) {
+        got.mla_alloc[q] = pub->read_mla_alloc(q);
+        got.index_alloc[q] = pub->read_index_alloc(q);
+        for (int which = 0; which < 2; ++which) {
+          const auto& a = which == 0 ? got.mla_alloc[q] : got.index_alloc[q];
+          const auto& b = which == 0 ? ref.mla_alloc[q] : ref.index_alloc[q];
+          const ByteDiff d = compare_bytes(a, b);
+          rep.bytes_compared += static_cast<int64_t>(a.size());
+          rep.bytes_differing += d.num_diff;
+          if (!d.equal() && rep.first_diff.empty())
+            rep.first_diff = fmt::format("global rank {}'s {} replica: {} bytes differ, first at byte {}",
+                                         opt.global_ranks[q], which == 0 ? "MLA" : "indexer", d.num_diff, d.first_diff);
+        }
+        const GuardReport g = check_untouched(got, q, plan, fmt);
+        rep.guard_bad += g.num_bad;
+        if (g.num_bad && rep.guard_first.empty())
+          rep.guard_first = fmt::format("global rank {}: {}", opt.global_ranks[q], g.first);
+      }
+      rep.identical = rep.bytes_differing == 0;
+      if (setup.materialize_q) rep.q_topk_ok = mine.q_c_out == ref.q_c_out[0];
+      if (!mine.topk.empty()) rep.q_topk_ok = rep.q_topk_ok && mine.topk == ref.topk[0];
+    }
+    reports.push_back(std::move(rep));
+    group->barrier();  // peers keep their replicas until the leader has read them
+  }
+  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  bool ok = leak_ok;
+  for (const auto& r : reports) ok = ok && r.ok();
+  if (leader) {
+    std::string text = fmt::format(
+        "pcpkv mp-publish: {} processes, TP {} x PCP {}; PCP group {} = global ranks {}..{}; backend {} ({})\n",
+        world.world_size(), layout.tp_size, layout.pcp_size, group_idx, opt.global_ranks.front(),
+        opt.global_ranks.back(), backend_name, pub->device());
+    text += fmt::format("  model {}, {} tokens over {} ranks (max {} per rank), {} {}, block size {}, seed {}\n",
+                        model.name, plan.num_global_tokens(), plan.pcp_world, plan.max_local_tokens,
+                        to_string(fmt.kv_format), fmt.has_indexer ? "indexer layer" : "shared layer", plan.block_size,
+                        group_seed);
+    for (const auto& r : reports) {
+      text += fmt::format("  {:<8} stage        ms (slowest rank)    MB (all ranks)\n", to_string(r.transport));
+      double total = 0;
+      for (const Stage& s : r.stages) {
+        text += fmt::format("           {:<12} {:>10.3f}            {:>10.2f}\n", s.name, s.ms, s.bytes / 1e6);
+        total += s.ms;
+      }
+      text += fmt::format("           {:<12} {:>10.3f}\n", "total", total);
+      if (r.checked) {
+        text += fmt::format("           replicas == single-process CPU reference: {} ({} bytes compared{})\n",
+                            r.identical ? "PASS" : "FAIL", r.bytes_compared,
+                            r.identical ? "" : "; " + r.first_diff);
+        text += fmt::format("           guard bytes untouched: {}{}\n", r.guard_bad == 0 ? "PASS" : "FAIL",
+                            r.guard_bad == 0 ? "" : fmt::format(" ({} bad; first: {})", r.guard_bad, r.guard_first));
+        text += fmt::format("           rank 0 q_c_out / top-k == reference: {}\n", r.q_topk_ok ? "PASS" : "FAIL");
+        if (r.graph_replays > 0)
+          text += fmt::format("           CUDA graph: captured once, replayed {} times (bytes above are after the "
+                              "last replay); epochs advanced every replay: {} ({})\n",
+                              r.graph_replays, r.epochs_ok ? "PASS" : "FAIL", r.epochs_note);
+      } else {
+        text += "           (not checked: --no-check)\n";
+      }
+    }
+    if (f.leak_check)
+      text += fmt::format("  leak check (rank {}): {} ({})\n", world.rank(), leak_ok ? "PASS" : "FAIL", leak_note);
+    text += fmt::format("  verdict: {} ({:.2f} s)\n", ok ? "PASS" : "FAIL", total_s);
+    if (f.json) {
+      nlohmann::json j;
+      j["world_size"] = world.world_size();
+      j["tp"] = layout.tp_size;
+      j["pcp"] = layout.pcp_size;
+      j["pcp_group"] = group_idx;
+      j["backend"] = backend_name;
+      j["device"] = pub->device();
+      j["ok"] = ok;
+      if (f.leak_check) j["leak_check"] = {{"ok", leak_ok}, {"detail", leak_note}};
+      for (const auto& r : reports) {
+        nlohmann::json t;
+        t["transport"] = to_string(r.transport);
+        for (const Stage& s : r.stages) t["stages"].push_back({{"name", s.name}, {"ms", s.ms}, {"bytes", s.bytes}});
+        t["checked"] = r.checked;
+        t["identical"] = r.identical;
+        t["bytes_compared"] = r.bytes_compared;
+        t["guard_bad"] = r.guard_bad;
+        t["graph_replays"] = r.graph_replays;
+        t["epochs_ok"] = r.epochs_ok;
+        j["transports"].push_back(t);
+      }
+      std::fputs(j.dump(2).c_str(), stdout);
+      std::fputs("\n", stdout);
+      std::fputs(text.c_str(), stderr);
+    } else {
+      std::fputs(text.c_str(), stdout);
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+  }
+  // Every rank exits with the same code: agree on the verdict of every group.
+  uint8_t mine_ok = ok ? 1 : 0;
+  std::vector<uint8_t> all_ok(static_cast<size_t>(world.world_size()));
+  world.all_gather(&mine_ok, 1, all_ok.data());
+  return std::all_of(all_ok.begin(), all_ok.end(), [](uint8_t v) { return v == 1; }) ? 0 : 1;
+}
+
+}  // namespace
+
+void add_mp_publish_command(CLI::App& app) {
+  auto f = std::make_shared<MpPublishFlags>();
+  CLI::App* sub = app.add_subcommand(
+      "mp-publish",
+      "One rank of a multi-process publication; run it as: pcpkv launch --nproc N -- mp-publish [flags] (each PCP "
+      "group's rank 0 checks every replica against the single-process CPU reference)");
+  sub->add_option("--model", f->model, "Model preset: glm-5 | deepseek-v3.2")->capture_default_str();
+  sub->add_option("--config", f->config, "HF config.json overriding the preset");
+  sub->add_option("--tokens", f->tokens, "Tokens of the prefill request (0: none)")->capture_default_str();
+  sub->add_option("--decodes", f->decodes, "Decode requests (rank 0 writes them)")->capture_default_str();
+  sub->add_option("--block-size", f->block_size, "Tokens per cache block (power of two)")->capture_default_str();
+  sub->add_option("--kv-format", f->kv_format, "fp8_ds_mla | fp8 | bf16")->capture_default_str();
+  sub->add_option("--ds-mla-scale", f->ds_mla_scale, "pow2 | raw")->capture_default_str();
+  sub->add_option("--k-scale", f->k_scale, "Static fp8 per-tensor scale")->capture_default_str();
+  sub->add_option("--layer", f->layer, "indexer | shared")->capture_default_str();
+  sub->add_option("--transport", f->transport, "all | comma list of collect, staging, direct")->capture_default_str();
+  sub->add_option("--backend", f->backend, "auto | cpu | cuda (GPU: local rank % visible GPUs, or PCPKV_DEVICE)")
+      ->capture_default_str();
+  sub->add_option("--tp", f->tp, "TP size: the world splits into this many PCP groups of contiguous ranks")
+      ->capture_default_str();
+  sub->add_option("--seed", f->seed, "Input and block-table seed (PCP group g uses seed + 1000003 g)")
+      ->capture_default_str();
+  sub->add_option("--repeats", f->repeats, "Publications per transport (stage times are the mean)")
+      ->capture_default_str();
+  sub->add_option("--threads", f->threads, "CPU threads per rank process")->capture_default_str();
+  sub->add_option("--topk-width", f->topk_width, "Fill a top-k buffer [T, width] with -1 (indexer layers; 0: off)")
+      ->capture_default_str();
+  sub->add_option("--guard-bytes", f->guard_bytes, "Guard bytes (0xA5) before and after each cache")
+      ->capture_default_str();
+  sub->add_option("--base-offset", f->base_offset, "Offset of the cache inside its allocation")->capture_default_str();
+  sub->add_option("--fence-timeout-ms", f->fence_timeout_ms, "Bound of every fence wait; past it the missing rank "
+                                                             "is named and the rank exits 4")
+      ->capture_default_str();
+  sub->add_flag("--no-check", f->no_check, "Skip the byte check against the single-process CPU reference");
+  sub->add_flag("--json", f->json, "Each group leader prints JSON on stdout (the table goes to stderr)");
+  sub->add_option("--collect-via", f->collect_via,
+                  "CUDA collect all-gathers: auto (NCCL when every rank has its own GPU, else p2p) | nccl | p2p")
+      ->capture_default_str();
+  sub->add_option("--graph-replays", f->graph_replays,
+                  "CUDA: after each transport's run, capture one publication into a CUDA graph and replay it this "
+                  "many times; the check then applies to the bytes after the last replay, and the fence epochs "
+                  "must have advanced on every replay")
+      ->capture_default_str();
+  sub->add_flag("--leak-check", f->leak_check,
+                "Before the checked run: two rounds of set-up, publish and teardown; descriptors, shared-memory "
+                "mappings and free device memory after the second must equal those before it");
+  sub->add_option("--kill-rank", f->kill_rank,
+                  "Testing: this global rank SIGKILLs itself after its dispatch, before the fence");
+  sub->callback([f] {
+    std::unique_ptr<Bootstrap> world;
+    const int code = run_as_rank("mp-publish", nullptr, [&] {
+      world = connect_world();
+      return run_as_rank("mp-publish", world.get(), [&] { return mp_publish(*f, *world); });
+    });
+    if (code != 0) throw CLI::RuntimeError("", code);
+  });
+}
+
+}  // namespace pcpkv::cli

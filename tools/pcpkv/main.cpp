@@ -1,0 +1,52 @@
+// pcpkv: the command-line tool. Subcommands live in cmd_<name>.cpp (commands.h).
+// Exit codes: 0 success, 1 a verification check failed, 2 bad input or usage, 3 internal error (a
+// subcommand may add its own, e.g. the multi-process ones: 4 a peer failed).
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "pcpkv/commands.h"
+#include "pcpkv/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "pcpkv: publish PCP KV-cache rows of sparse-MLA models (DeepSeek-V3.2, GLM-5) into every rank's "
+      "cache replica, and verify them byte for byte"};
+  app.require_subcommand(1);
+  pcpkv::cli::add_run_command(app);
+  pcpkv::cli::add_bench_command(app);
+  pcpkv::cli::add_info_command(app);
+  pcpkv::cli::add_launch_command(app);
+  pcpkv::cli::add_attention_command(app);
+  pcpkv::cli::add_serving_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::RuntimeError& e) {
+    // Thrown by a subcommand to set the exit code; a message, when present, is the reason.
+    if (e.what() && *e.what()) fmt::print(stderr, "pcpkv: error: {}\n", e.what());
+    return e.get_exit_code();
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "pcpkv: error: {}\nRun 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n", e.what());
+    return 2;
+  } catch (const pcpkv::Error& e) {
+    fmt::print(stderr, "pcpkv: error: {}\n", e.what());
+    if (std::getenv("PCPKV_DEBUG") && !e.where().empty()) fmt::print(stderr, "pcpkv: (raised at {})\n", e.where());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "pcpkv: error: out of memory (try fewer --tokens or a smaller --pcp)\n");
+    return 3;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "pcpkv: error: internal: {}\n", e.what());
+    return 3;
+  }
+  return 0;
+}
