@@ -30,6 +30,7 @@
 #include "pcpkv/error.h"
 #include "pcpkv/fence.h"
 #include "pcpkv/rope.h"
+#include "transport/publish_layout.h"
 
 namespace pcpkv {
 namespace {
@@ -65,31 +66,10 @@ bool same_rope(const RopeConfig& a, const RopeConfig& b) {
          a.beta_slow == b.beta_slow && a.mscale == b.mscale && a.mscale_all_dim == b.mscale_all_dim;
 }
 
+// The same checks as every other publication driver (CUDA, per-process): one definition.
 void validate_setup(const PublishSetup& s, const GlobalInputs& in, Transport transport) {
-  PCPKV_CHECK(s.model != nullptr, "publish: setup.model is null");
-  PCPKV_CHECK(s.plan != nullptr, "publish: setup.plan is null");
-  PCPKV_CHECK(transport == Transport::kCollect || transport == Transport::kStaging || transport == Transport::kDirect,
-              "publish: transport = {} is not a Transport", static_cast<int>(transport));
-  s.model->validate();
-  validate_plan(*s.plan);
-  validate_cache_format(s.fmt);
-  validate_inputs(in, *s.model, *s.plan, s.fmt.has_indexer);
-  for (size_t g = 0; g < s.plan->global_positions.size(); ++g)
-    PCPKV_CHECK(s.plan->global_positions[g] >= 0, "plan: global_positions[{}] = {} must be >= 0", g,
-                s.plan->global_positions[g]);
-  const AllocationOptions& a = s.alloc;
-  PCPKV_CHECK(a.guard_bytes >= 0, "alloc: guard_bytes = {} must be >= 0", a.guard_bytes);
-  PCPKV_CHECK(a.base_offset >= 0, "alloc: base_offset = {} must be >= 0", a.base_offset);
-  PCPKV_CHECK((a.guard_bytes + a.base_offset) % 16 == 0,
-              "alloc: guard_bytes + base_offset = {} must be a multiple of 16 (caches start vector-aligned)",
-              a.guard_bytes + a.base_offset);
-  PCPKV_CHECK(a.mla_row_pad >= 0, "alloc: mla_row_pad = {} must be >= 0", a.mla_row_pad);
-  PCPKV_CHECK(a.mla_block_pad >= 0, "alloc: mla_block_pad = {} must be >= 0", a.mla_block_pad);
-  PCPKV_CHECK(a.index_block_pad >= 0, "alloc: index_block_pad = {} must be >= 0", a.index_block_pad);
-  PCPKV_CHECK(s.topk_width >= 0, "publish: topk_width = {} must be >= 0", s.topk_width);
-  PCPKV_CHECK(s.num_ubatches >= 1, "publish: num_ubatches = {} must be >= 1", s.num_ubatches);
-  PCPKV_CHECK(s.layer_idx >= 0, "publish: layer_idx = {} must be >= 0", s.layer_idx);
-  PCPKV_CHECK(s.repeats >= 1, "publish: repeats = {} must be >= 1", s.repeats);
+  mp::validate_publish_setup(s);
+  mp::validate_publish_inputs(s, in, transport);
 }
 
 class CpuBackend final : public Backend {
@@ -129,7 +109,6 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
   const ModelConfig& model = *setup.model;
   const PcpPlan& plan = *setup.plan;
   const CacheFormat fmt = setup.fmt;
-  const AllocationOptions& alloc = setup.alloc;
   const int32_t W = plan.pcp_world;
   const int64_t M = plan.max_local_tokens;
   const int64_t q_rank = model.q_lora_rank;
@@ -139,19 +118,14 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
 
   PublishResult result;
   result.transport = transport;
-  MlaCacheGeometry& mg = result.mla_geometry;
-  mg.num_blocks = plan.num_blocks;
-  mg.block_size = plan.block_size;
-  mg.row_stride = mla_row_bytes(fmt.kv_format) + alloc.mla_row_pad;
-  mg.block_stride = mg.row_stride * plan.block_size + alloc.mla_block_pad;
-  validate_geometry(mg, fmt.kv_format);
-  IndexerCacheGeometry& ig = result.index_geometry;
-  ig.num_blocks = plan.num_blocks;
-  ig.block_size = plan.block_size;
-  ig.block_stride = int64_t{plan.block_size} * kIndexerSlotBytes + alloc.index_block_pad;
-  validate_geometry(ig);
-  result.mla_cache_offset = alloc.guard_bytes + alloc.base_offset;
-  result.index_cache_offset = alloc.guard_bytes + alloc.base_offset;
+  // Geometry and allocation layout shared with the CUDA and per-process drivers (byte-comparable replicas).
+  const mp::PublishLayout layout = mp::make_publish_layout(setup);
+  result.mla_geometry = layout.mla;
+  result.index_geometry = layout.index;
+  const MlaCacheGeometry& mg = result.mla_geometry;
+  const IndexerCacheGeometry& ig = result.index_geometry;
+  result.mla_cache_offset = layout.head;
+  result.index_cache_offset = layout.head;
 
   int64_t max_pos = 0;
   for (int64_t p : plan.global_positions) max_pos = std::max(max_pos, p);
@@ -183,9 +157,9 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     RankState& st = ranks[static_cast<size_t>(r)];
     RankScratch& sc = scratch_[static_cast<size_t>(r)];
     rank_inputs(inputs, plan, r, &sc.in);
-    const int64_t head = alloc.guard_bytes + alloc.base_offset;
-    st.mla_alloc.assign(static_cast<size_t>(head + mg.bytes() + alloc.guard_bytes), kGuardByte);
-    st.index_alloc.assign(static_cast<size_t>(head + ig.bytes() + alloc.guard_bytes), kGuardByte);
+    const int64_t head = layout.head;
+    st.mla_alloc.assign(static_cast<size_t>(layout.mla_alloc_bytes), kGuardByte);
+    st.index_alloc.assign(static_cast<size_t>(layout.index_alloc_bytes), kGuardByte);
     st.target.mla_base = st.mla_alloc.data() + head;
     st.target.mla = mg;
     st.target.index_base = st.index_alloc.data() + head;
