@@ -9,9 +9,10 @@ Environment:
     MAX_JOBS                  parallel compile jobs (ninja)
 
 The extension compiles pcpkv's core sources it needs (layouts, RoPE tables, PCP plan, the CPU reference
-kernels) and, with CUDA, pcpkv's dispatch kernel (src/cuda/dispatch.cu) plus this package's kernels
-(python/csrc/kernels.cu: combine, insert, fence launch, reference dispatch). fmt comes header-only from
-torch's own include directory, so nothing beyond torch, a C++20 compiler and (for CUDA) nvcc is needed.
+kernels) and, with CUDA, pcpkv's own launchers and kernels (src/cuda/launch.h: dispatch*.cu, combine.cu,
+insert.cu, fence.cu, plus device.cpp and pdl_switch.cpp): the torch ops run exactly the kernels the C++
+library runs. fmt comes header-only from torch's own include directory, so nothing beyond torch, a C++20 compiler
+and (for CUDA) nvcc is needed.
 """
 
 import glob
@@ -28,6 +29,24 @@ def _sources():
     cpu = [os.path.join(ROOT, "src", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     return core + cpu + [s for s in own if not s.endswith("_cuda.cpp")]
+
+
+# pcpkv's CUDA sources behind the launchers of src/cuda/launch.h that the ops call (launch_dispatch,
+# launch_combine, launch_insert_mla / launch_insert_indexer, launch_fence) and what they need (num_sms in
+# device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch). run_device_tests.sh refuses a
+# build with an undefined pcpkv symbol, which is what a source missing here looks like.
+CUDA_SOURCES = ("combine.cu", "insert.cu", "fence.cu", "device.cpp")
+CUDA_SOURCES_IF_PRESENT = ("pdl_switch.cpp",)
+
+
+def _cuda_sources():
+    d = os.path.join(ROOT, "src", "cuda")
+    missing = [f for f in CUDA_SOURCES + ("dispatch.cu",) if not os.path.exists(os.path.join(d, f))]
+    if missing:
+        raise RuntimeError(f"pcpkv_torch: src/cuda/{missing} not found (set PCPKV_TORCH_CUDA=0 for a CPU-only build)")
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "dispatch*.cu")))
+    names += list(CUDA_SOURCES) + [f for f in CUDA_SOURCES_IF_PRESENT if os.path.exists(os.path.join(d, f))]
+    return [os.path.join(d, f) for f in names]
 
 
 def _want_cuda():
@@ -51,13 +70,8 @@ def _extensions():
         return [CppExtension("pcpkv_torch._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     sources += sorted(glob.glob(os.path.join(HERE, "csrc", "*_cuda.cpp")))
-    sources += sorted(glob.glob(os.path.join(HERE, "csrc", "*.cu")))
+    sources += _cuda_sources()
     defines = ["-DPCPKV_TORCH_CUDA=1"]
-    fast_dispatch = os.path.join(ROOT, "src", "cuda", "dispatch.cu")
-    if os.path.exists(fast_dispatch):
-        # pcpkv's fused dispatch kernel (issue 3); without it the reference kernel of csrc/kernels.cu runs.
-        sources.append(fast_dispatch)
-        defines.append("-DPCPKV_TORCH_FAST_DISPATCH=1")
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-Xcompiler=-ffp-contract=off", "-DFMT_HEADER_ONLY=1",
             "-lineinfo", "-diag-suppress=20208"] + defines
     return [

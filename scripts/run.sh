@@ -6,7 +6,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${PCPKV_BUILD_DIR:-$root/build}"
 
-"$root/scripts/setup.sh"
+# Everything but pcpkv's own report goes to stderr, so `./scripts/run.sh --json | jq` sees only JSON (apt-get
+# prints its progress on stdout).
+"$root/scripts/setup.sh" >&2
 if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >&2
 fi

@@ -55,8 +55,12 @@ const char* to_string(AllReduceAlgo a);
 AllReduceAlgo parse_allreduce_algo(const std::string& s);  // "auto" | "oneshot" | "twoshot"
 
 /// The size threshold between one-shot and two-shot, kept in ONE place (src/cpu/allreduce_dispatch.cpp;
-/// PROVISIONAL until measured on the device with `pcpkv bench-serving --what allreduce`).
+/// measured with `pcpkv bench-serving --what allreduce`, W logical ranks on one H200). `bytes` per rank
+/// (the whole message, bf16), world_size in [1, kAllReduceMaxRanks]; throws pcpkv::Error outside those.
+/// The two-argument form is the plain all-reduce; `fused` selects the residual-add + RMSNorm variant's
+/// threshold (its one-shot normalizes every row on every rank, so it turns over earlier).
 AllReduceAlgo choose_allreduce_algo(int64_t bytes, int32_t world_size);
+AllReduceAlgo choose_allreduce_algo(int64_t bytes, int32_t world_size, bool fused);
 
 /// Byte layout of one rank's workspace (every rank's has the same layout; all of it in symmetric memory):
 ///   [0, signal_bytes)   u32 signal pad [kAllReduceMaxBlocks][2 barriers][2 parities][kAllReduceMaxRanks]

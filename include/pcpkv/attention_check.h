@@ -31,14 +31,18 @@ class ConsumerKernels {
   virtual void indexer(const IndexerParams& p) = 0;
   virtual void sparse_mla(const SparseMlaParams& p) = 0;
   virtual void lse_merge(const LseMergeParams& p) = 0;
+  /// Arithmetic of sparse_mla's results (sets SparseMlaBound for the reference and DCP checks).
+  virtual SparseMlaArith attention_arith() const { return SparseMlaArith::kFp32; }
 };
 
 /// The CPU reference consumers (indexer_cpu, sparse_mla_cpu, lse_merge_cpu).
 std::unique_ptr<ConsumerKernels> make_cpu_consumers();
 
 namespace cuda {
-/// The CUDA consumers on device device_idx. Throws pcpkv::Error when no device is usable.
-std::unique_ptr<ConsumerKernels> make_consumers(int device_idx = 0);
+/// The CUDA consumers on device device_idx, attention by `attention` (SparseMlaKernel::kMma: bf16 tensor
+/// cores; kSimt: the fp32 CUDA-core kernel); the indexer kernel follows IndexerParams::logit. Throws
+/// pcpkv::Error when no device is usable.
+std::unique_ptr<ConsumerKernels> make_consumers(int device_idx = 0, SparseMlaKernel attention = SparseMlaKernel::kMma);
 }  // namespace cuda
 
 /// Queries of the batch's tokens in global order (seeded; per-token log-normal magnitude and a few
@@ -108,18 +112,32 @@ struct ConsumerBenchConfig {
   int32_t topk = 2048;
   int32_t repeats = 3;                 // timed runs (after one warm-up); the median is reported
   uint64_t seed = 1;
+  std::vector<IndexerLogit> indexers = {IndexerLogit::kExact, IndexerLogit::kFp32Tree};  // kernels timed
+  std::vector<SparseMlaKernel> attentions = {SparseMlaKernel::kMma, SparseMlaKernel::kSimt};
+};
+/// One timed kernel of the bench.
+struct ConsumerBenchRow {
+  std::string name;                    // e.g. "indexer exact (fp64 DMMA scores + top-k)"
+  double ms = 0.0;
+  double tflops = 0.0;                 // useful FLOP / time (see the fields below)
+  double peak_tflops = 0.0;            // the ceiling it is compared with (measured or datasheet, see note)
+  std::string peak_name;               // which ceiling
+  double tbps = 0.0;                   // unique bytes / time
 };
 struct ConsumerBenchResult {
   std::string device;
   double copy_tbps = 0.0;              // measured: 2 GiB device-to-device copy, read + written bytes
   double fp32_tflops = 0.0;            // measured: FMA-bound kernel, 2 FLOP per FMA
-  double indexer_ms = 0.0;             // scores + top-k, one layer
-  double indexer_tflops = 0.0;         // 2 * sum_t len_t * H_index * 128 / time
-  double indexer_tbps = 0.0;           // unique bytes (q, weights, cache, top-k out) / time
-  double attention_ms = 0.0;
-  double attention_tflops = 0.0;       // 2 * sum_t K_t * H * (576 + 512) / time
-  double attention_tbps = 0.0;         // unique bytes (q, cache rows, indices, out, lse) / time
-  double attention_gathered_tbps = 0.0;// rows read per (token, head group) / time (L2-served traffic)
+  // indexer FLOP: 2 * sum_t len_t * H_index * 128; unique bytes: q, weights, cache, top-k out
+  // attention FLOP: 2 * sum_t K_t * H * (576 + 512); unique bytes: q, cache rows, indices, out, lse
+  std::vector<ConsumerBenchRow> rows;  // every timed kernel: indexers (full, scores only), top-k, attentions
+  double indexer_ms = 0.0;             // the first indexer of the config (scores + top-k), one layer
+  double indexer_tflops = 0.0;
+  double indexer_tbps = 0.0;
+  double attention_ms = 0.0;           // the first attention kernel of the config
+  double attention_tflops = 0.0;
+  double attention_tbps = 0.0;
+  double attention_gathered_tbps = 0.0;// first attention: rows read per (token, head group) / time (L2 traffic)
   std::string describe() const;        // a markdown table
 };
 namespace cuda {

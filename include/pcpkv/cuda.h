@@ -36,6 +36,20 @@ struct BenchOptions {
   int warmup = 5;
   bool graph = true;               // also capture one publication into a CUDA graph and time its replays
   std::vector<int64_t> single_rank_tokens = {4096, 32768};  // dispatch-only, PCP 1 (PERF.md's vLLM case)
+  /// Dispatch kernels of the single-rank section ("simple", "prefetch", "warp", "warp_pf"), each with the
+  /// top-k fill fused and separate, measured side by side in one run.
+  std::vector<std::string> single_rank_variants = {"simple", "prefetch", "warp", "warp_pf"};
+  /// Publication variants of the staging / direct runs, "<dispatch>:<fused|separate>:<combine rows per
+  /// warp>[:pdl]" (e.g. "warp:fused:4"); each case runs every one. collect always runs its pinned baseline
+  /// (the CTA "prefetch" kernel, separate top-k fill: what engines do).
+  std::vector<std::string> layer_variants = {"prefetch:separate:1", "warp:separate:1", "warp:fused:1",
+                                             "warp:fused:2",        "warp_pf:fused:4", "warp:fused:4"};
+  /// PDL off / on (issue 7 chain a: dispatch -> fence -> combine) for these token counts (one prefill request
+  /// of that many tokens over pdl_pcp ranks, GLM-5, fp8_ds_mla, indexer layer), CUDA-graph replay of
+  /// pdl_layers publications back to back; empty: skipped. The kernels are layer_variants.back()'s.
+  std::vector<int64_t> pdl_tokens = {1, 8, 64};
+  int32_t pdl_pcp = 8;
+  int32_t pdl_layers = 20;
   double copy_gib = 2.0;           // size of the device-to-device copy that measures the copy bandwidth
   uint64_t seed = 1;
 };
@@ -54,6 +68,7 @@ struct BenchRun {
   bool indexer_layer = true;
   int64_t tokens = 0;
   Transport transport = Transport::kDirect;
+  std::string variant;      // PublishVariant name the run used (collect: its pinned baseline)
   std::vector<BenchStage> stages;
   double total_ms = 0.0;   // median of the per-run sums of the stages
   int64_t bytes = 0;       // sum over the stages
@@ -73,6 +88,18 @@ struct BenchSingle {
   int64_t bytes = 0;
 };
 
+/// One PDL off / on comparison (BenchOptions::pdl_tokens).
+struct BenchPdl {
+  std::string model;
+  int32_t pcp = 0;
+  int64_t tokens = 0;
+  Transport transport = Transport::kStaging;
+  std::string variant;     // kernels (PublishVariant name without the pdl part)
+  int32_t layers = 0;      // publications per captured graph
+  double us_off = 0.0;     // median graph replay time / layers, PDL off
+  double us_on = 0.0;      // the same with PDL on
+};
+
 struct BenchReport {
   std::string device;
   int num_sms = 0;
@@ -82,6 +109,7 @@ struct BenchReport {
   std::vector<std::string> kernels;  // register / shared memory / spill report of the dispatch kernels
   std::vector<BenchSingle> singles;
   std::vector<BenchRun> runs;
+  std::vector<BenchPdl> pdl;
 };
 
 /// Runs the benchmark on device options.device_idx. progress (may be empty) receives one line per step.

@@ -1,9 +1,10 @@
 // pcpkv/indexer.h: the DSA lightning indexer over the replicated indexer-K cache (SPEC section 6):
 // per query token the score of every earlier key of its request, and the top-k of them as cache slots.
 //
-//   logits[n, h] = q_fp8[h] . k_fp8[n]                       (E4M3 values, fp32 sum in a fixed order)
+//   logits[n, h] = q_fp8[h] . k_fp8[n]                       (E4M3 values: exact sum rounded once to
+//                                                              fp32 by default; IndexerLogit)
 //   w[h]         = weights[h] * (H * 128)^-0.5 * q_scale[h]
-//   score[n]     = k_scale[n] * sum_h relu(logits[n, h]) * w[h]
+//   score[n]     = k_scale[n] * sum_h relu(logits[n, h]) * w[h]   (a NaN score is stored as 0x7fffffff)
 // Keys of query token t are the positions 0..positions[t] (inclusive, causal) of its request; key
 // position j lives in slot block_tables[req][j / block_size] * block_size + j % block_size.
 // top-k: k = min(topk, positions[t] + 1) keys, ordered by score descending, equal scores by position
@@ -18,6 +19,14 @@
 #include "pcpkv/layout.h"
 
 namespace pcpkv {
+
+/// How a head's logit q_fp8[h] . k_fp8[n] becomes fp32 (pcpkv/device/consumers.h has the exact rules).
+/// indexer_cpu and cuda::indexer agree bit for bit under either.
+enum class IndexerLogit : int32_t {
+  kExact = 0,     // the exact dot product rounded once (order-free; fp64 tensor cores on the GPU). Default.
+  kFp32Tree = 1,  // fp32 sums in a fixed leaf/tree order (the first CUDA-core kernel, kept for comparison)
+};
+const char* to_string(IndexerLogit l);
 
 /// Pointers address host memory (CPU reference) or device memory (CUDA launcher). Contiguous tensors.
 struct IndexerParams {
@@ -35,6 +44,7 @@ struct IndexerParams {
   IndexerCacheGeometry geometry;
   int32_t topk = 2048;                  // width of every output row, 1..8192
   int64_t max_keys = 0;                 // >= positions[t] + 1 for every real token (GPU grid + workspace)
+  IndexerLogit logit = IndexerLogit::kExact;  // logit rounding rule (and, on the GPU, which score kernel)
   // ---- outputs ----
   int32_t* topk_slots = nullptr;        // [T, topk] cache slots, -1 padded
   int32_t* topk_positions = nullptr;    // optional [T, topk] key positions, -1 padded
@@ -67,7 +77,14 @@ int64_t indexer_min_workspace_bytes(const IndexerParams& p);
 /// CUDA kernels (device pointers; stream is a cudaStream_t). Checks the scalar fields (throws
 /// pcpkv::Error); the device-resident contents (positions, request_idx, block tables) must already be
 /// valid: validate_indexer on the host copies. Scores and top-k are bit-identical to indexer_cpu.
+/// p.logit picks the score kernel: kExact -> fp64 tensor cores (DMMA m16n8k16, sm_90), kFp32Tree -> the
+/// CUDA-core kernel of the fixed fp32 order.
 void indexer(const IndexerParams& p, void* workspace, int64_t workspace_bytes, void* stream);
+
+/// The two halves of cuda::indexer, for benchmarks: scores of tokens [tok0, tok0 + n) into ws
+/// ([n, max_keys] fp32), then the top-k of those tokens from ws. Same checks as cuda::indexer.
+void indexer_scores(const IndexerParams& p, int64_t tok0, int64_t n, float* ws, void* stream);
+void indexer_topk(const IndexerParams& p, int64_t tok0, int64_t n, const float* ws, void* stream);
 }  // namespace cuda
 
 }  // namespace pcpkv

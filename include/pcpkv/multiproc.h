@@ -54,6 +54,11 @@ struct RankPublishOptions {
   std::vector<int32_t> global_ranks;  // [pcp_world] global rank of each PCP rank, for messages (empty: same)
   std::string collect_via = "auto";   // CUDA collect all-gathers: "nccl" (one GPU per rank), "p2p" (peer reads
                                       // of symmetric memory after a fence), "auto" (nccl when possible)
+  // ---- measurement (CUDA; the CPU implementation ignores them) ----
+  int32_t warmup_runs = 0;        // untimed publications before the setup.repeats timed ones (first-call
+                                  // setup such as NCCL's stays out of the samples)
+  int64_t flush_l2_bytes = 0;     // > 0: before each run's start fence, overwrite a scratch buffer of this
+                                  // many bytes so the run starts with a cold L2 like a real layer would
   // ---- test hooks (never set in production) ----
   int32_t kill_pcp_rank = -1;     // this PCP rank SIGKILLs itself after its dispatch, before the fence
 };
@@ -74,6 +79,8 @@ struct RankPublishResult {
   std::vector<int32_t> topk;       // [max_local_tokens * topk_width] when topk_width > 0 and an indexer layer
   StageProfile profile;            // this process's stage times (mean over setup.repeats), bytes as the
                                    // single-process backend counts them for this rank
+  std::vector<std::vector<double>> stage_samples_ms;  // CUDA: [repeat][stage] this rank's CUDA-event times
+                                   // of every timed run (stages as in profile); empty on the CPU
   std::vector<uint64_t> fence_epochs;  // [num_barriers] this rank's fence epochs after the run
   int32_t graph_replays = 0;       // > 0: the result of publish_graph_replays
 };
@@ -139,6 +146,11 @@ struct FenceBenchOptions {
   int64_t timeout_ms = 30000;
   bool graph = true;            // CUDA: also time a captured graph of `layers` fences, replayed `iters` times
   int32_t device_idx = -1;      // CUDA: -1 = round-robin
+  /// CUDA: wall-time budget of the whole measurement (seconds, 0: none). A probe of a few fences measures
+  /// the cost of one (the slowest rank's, agreed by all); iterations (at least 3) and, when even that is
+  /// too slow, layers per iteration are scaled down to fit. Processes sharing a GPU without MPS time-slice
+  /// and a fence then costs milliseconds: this keeps 2/4/8 processes on one GPU bounded.
+  double time_budget_s = 20.0;
 };
 struct FenceBenchResult {
   std::string device;
@@ -147,6 +159,8 @@ struct FenceBenchResult {
   std::vector<double> graph_per_layer_us;  // CUDA graph replays: replay time / layers
   double graph_median_us = 0;
   uint64_t final_epoch = 0;          // epoch of barrier 0 at the end (checks that every call advanced it)
+  int32_t layers_run = 0, iters_run = 0, warmup_run = 0;  // what ran (after the time budget), 0: as asked
+  int32_t max_ranks_per_gpu = 1;     // CUDA: most ranks of the group on one GPU (> 1: time-slicing)
 };
 /// Host fence over POSIX shared memory (the CPU backend's fence across processes). Collective.
 FenceBenchResult bench_host_fence(Bootstrap& group, const FenceBenchOptions& options);

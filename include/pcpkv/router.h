@@ -67,6 +67,22 @@ enum class RouterPath : uint8_t {
 const char* to_string(RouterPath p);
 RouterPath parse_router_path(const std::string& s);  // "auto" | "small" | "cublaslt"
 
+/// Which small-T kernel computes kSmallT. Both use 128 threads per CTA and the same fp32 operation order
+/// (each thread's FMA chain over its 16-byte vectors tid, tid+128, ... ascending; warp butterfly; pairwise
+/// over the 4 warps), so their logits are bit-identical and share router_logit_bound_factor(kSmallT).
+enum class RouterSmallKernel : uint8_t {
+  kAuto,     // options only: the dispatch table's kernel
+  kRowLoop,  // "small" (v1): W prefetched into registers, x read from L2 inside the FMA loop, one round trip
+             // per 16-byte vector of each thread (kept for comparison)
+  kStaged,   // "small2" (v2): every W and x load of a pass issued up front as cp.async into shared memory
+             // (one W and one x round trip per pass, no register limit on loads in flight); token buckets
+             // 1..8 (x of 16 tokens does not fit next to W in shared memory)
+};
+const char* to_string(RouterSmallKernel k);  // "auto" | "small" | "small2"
+RouterSmallKernel parse_router_small_kernel(const std::string& s);
+/// Largest token bucket the kStaged kernel is built for.
+constexpr int64_t kRouterStagedMaxTokens = 8;
+
 /// Error bound factor of a path's fp32 logit (see the header comment): kSmallT = 8 * ceil(hidden/1024)
 /// (each thread's FMA chain) + 5 (warp butterfly) + 2 (pairwise over 4 warps) + 1 (slack); kCublasLt and
 /// kAuto = 2 * hidden (any summation order, tensor-core adders that may truncate: 2 units per addition).
@@ -79,9 +95,10 @@ struct RouterDispatchEntry {
   int32_t max_tokens = 0;
   RouterPath path = RouterPath::kSmallT;
   int32_t experts_per_cta = 1;       // kSmallT: experts per CTA (1, 2, 4 or 8; divides n_experts)
+  RouterSmallKernel kernel = RouterSmallKernel::kRowLoop;  // kSmallT: which kernel (never kAuto)
 };
-/// The table, ascending max_tokens, last row max_tokens = INT32_MAX. PROVISIONAL until measured on the
-/// H200 (see src/cpu/router_dispatch.cpp for the date and the command).
+/// The table, ascending max_tokens, last row max_tokens = INT32_MAX. Measured on the H200 (see
+/// src/cpu/router_dispatch.cpp for the date and the command).
 const std::vector<RouterDispatchEntry>& router_dispatch_table();
 /// The row for num_tokens >= 1 (throws on num_tokens < 1).
 RouterDispatchEntry router_dispatch(int64_t num_tokens);
@@ -171,6 +188,7 @@ struct RouterGemmOptions {
   RouterPath path = RouterPath::kAuto;
   int32_t experts_per_cta = 0;   // kSmallT: 0 = the dispatch table's value
   bool pdl = false;              // launch with programmatic stream serialization (pcpkv/pdl.h)
+  RouterSmallKernel small_kernel = RouterSmallKernel::kAuto;  // kSmallT: kAuto = the dispatch table's
 };
 
 /// The router GEMM on one device. Owns a cuBLASLt handle, a 32 MiB workspace and (for fp32 weights) an
@@ -187,7 +205,7 @@ class RouterGemm {
   /// logits [num_tokens, n_experts] fp32, contiguous = x [num_tokens, hidden] bf16 (row stride x_stride,
   /// 16-byte aligned rows) . w [n_experts, hidden] (bf16 or fp32 per w_dtype, contiguous, 16-byte aligned)^T.
   /// Device pointers, asynchronous on `stream`. num_tokens 0 is a no-op. Throws pcpkv::Error on bad shapes,
-  /// misaligned pointers, kSmallT with num_tokens > 32, or a CUDA/cuBLAS failure.
+  /// misaligned pointers, kSmallT with num_tokens > 32 (kStaged: > 8), or a CUDA/cuBLAS failure.
   void run(const uint16_t* x, int64_t x_stride, const void* w, float* logits, int64_t num_tokens,
            CUstream_st* stream, const RouterGemmOptions& options = {});
 
@@ -218,7 +236,9 @@ void fp8_group_dequant(const Fp8GroupQuantParams& p, uint16_t* y, CUstream_st* s
 struct RouterBenchRow {
   std::string preset;
   int64_t num_tokens = 0;
-  std::string variant;       // "small/e1", "small/e2", ..., "cublaslt", "auto"
+  std::string variant;       // "small/e1", ..., "small2/e1", ..., "cublaslt", "auto"; a "+pdl" suffix: the
+                             // graph's back-to-back calls launched with PDL (each call's W stream overlaps
+                             // the previous call's tail, as the router's does after its producer)
   bool cold = true;
   double us = 0.0;
   double weight_gbps = 0.0;  // W bytes / time
@@ -228,8 +248,10 @@ struct RouterBenchOptions {
   int32_t iters = 50;        // timed replays (>= 20)
   int32_t warmup = 10;
   bool cold = true;          // also time with hot L2 when false
+  bool pdl_variants = true;  // also time "small/e1+pdl" and "small2/e1+pdl"
 };
-/// Times every variant (small-T with each experts_per_cta, cuBLASLt, the dispatch table's choice) for one
+/// Times every variant (both small-T kernels with each experts_per_cta, cuBLASLt, the dispatch table's
+/// choice, and the PDL variants) for one
 /// router config and checks the small-T logits against cuBLASLt's on the way (throws on a mismatch beyond
 /// the bound). Needs a GPU.
 std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const RouterConfig& config,

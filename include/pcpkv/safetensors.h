@@ -95,10 +95,17 @@ class SafetensorsReader {
   int64_t file_bytes_ = 0;
 };
 
+/// The file SafetensorsWriter::write(path) replaces: `path`, or the file its symbolic links lead to
+/// (dangling links included). Throws pcpkv::Error on a link loop.
+std::string write_target(const std::string& path);
+
 /// Collects tensors and writes one safetensors file. add() does not copy: `data` must stay valid until
 /// write() returns. Names must be unique and not "__metadata__"; bytes must equal
 /// product(shape) * dtype_bytes(dtype). write() goes to "<path>.tmp.<pid>" and renames it over `path`
-/// only when every byte is on disk, so a failed or interrupted write leaves no file at `path`.
+/// only when every byte is on disk (fsync), so a failed write leaves `path` as it was (a write killed
+/// by a signal may leave the temporary behind). It throws pcpkv::Error, writing nothing, when `path`
+/// exists and is not a regular file (a directory, device, FIFO or socket); through a symbolic link it
+/// replaces the link's target.
 class SafetensorsWriter {
  public:
   void add(const std::string& name, StDtype dtype, std::vector<int64_t> shape, const void* data, int64_t bytes);

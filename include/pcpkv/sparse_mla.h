@@ -8,8 +8,13 @@
 // count once per occurrence. Cache values are decoded exactly as pcpkv/device/consumers.h says.
 //
 // CPU reference: fp64 accumulation from the fp32 cache values and bf16 queries, rounded once to fp32.
-// CUDA kernel: fp32 accumulation (fixed order per token: deterministic, independent of batch and grid).
-// The CUDA kernel's error bound against the reference is SparseMlaBound (below), tested in tests/cuda.
+// CUDA kernels (fixed order per token: deterministic, independent of batch and grid), SparseMlaKernel:
+//   kMma (default): bf16 tensor cores (mma.sync m16n8k16), fp32 accumulation. The cache is read as exact
+//     bf16 codes (E4M3 codes for the fp8 formats) and its scales are applied in fp32 outside the MMA:
+//     s = softmax_scale * (sum_tile scale_tile * (q_tile . code_tile) + scale_pe * (q_pe . code_pe)),
+//     out = sum_j bf16(p_j * scale_tile(j)) * code_j / l, l = sum_j p_j in fp32 (p_j = exp(s_j - m)).
+//   kSimt: the first fp32 CUDA-core kernel (kept for comparison).
+// Each kernel's error bound against the reference is SparseMlaBound with its SparseMlaArith (tests/cuda).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +23,14 @@
 #include "pcpkv/layout.h"
 
 namespace pcpkv {
+
+/// CUDA attention kernel choice (see above).
+enum class SparseMlaKernel : int32_t { kMma = 0, kSimt = 1 };
+/// Arithmetic of a result, which sets its error bound: kFp32 (fp32 everywhere, the CUDA-core kernel; the
+/// fp64 CPU reference is within it too) or kBf16Mma (tensor-core sums, P rounded to bf16).
+enum class SparseMlaArith : int32_t { kFp32 = 0, kBf16Mma = 1 };
+SparseMlaArith arith_of(SparseMlaKernel k);
+const char* to_string(SparseMlaKernel k);
 
 struct SparseMlaParams {
   int64_t num_tokens = 0;            // T
@@ -48,29 +61,38 @@ struct SparseMlaRefStats {
 /// CPU reference (host pointers); validates first. stats (optional) receives the error-model data.
 void sparse_mla_cpu(const SparseMlaParams& p, SparseMlaRefStats* stats = nullptr);
 
-/// Error bound of an fp32 computation against the fp64 reference, per value (u = 2^-24, K = num_keys):
-///   score error  delta = (576 + 8) * u * max_abs_s          (any summation order of 576 terms, the
+/// Error bound of a computation against the fp64 reference, per value (u = 2^-24, K = num_keys):
+///   kFp32:     score error delta = (576 + 8) u max_abs_s    (any summation order of 576 terms, the
 ///                                                             scale multiply and the max subtraction)
-///   sums         sigma = (2K + 16 * min(K, 256) + 64) * u   (K-term sums; per online-softmax tile of
-///                                                             32 keys: exp, rescale, warp sums)
-///   |out - ref| <= (2 * delta + sigma) * abs_pv[d] + 2u * |ref| + 1e-30
-///   |lse - ref| <=      delta + sigma  + 2u * |ref|
+///              sums        sigma = (2K + 16 min(K, 256) + 64) u  (K-term sums; per online-softmax tile:
+///                                                             exp, rescale, warp sums)
+///              P rounding  rho   = 0
+///   kBf16Mma:  delta = (4 * 576 + 16) u max_abs_s   (tensor-core fp32 sums truncate after aligning to
+///                                                     the block's largest exponent: up to 2 ulp per term
+///                                                     and block, 4x the round-to-nearest count covers it;
+///                                                     plus the fp32 decode rounding the reference did)
+///              sigma = 2 (2K + 16 min(K, 256) + 64) u     (same sums, truncating)
+///              rho   = 2^-9 + u                            (each weight p_j * scale rounded to bf16)
+///   |out - ref| <= (2 * delta + sigma + rho) * abs_pv[d] + 2u * |ref| + 1e-30
+///   |lse - ref| <=      delta + sigma        + 2u * |ref|       (l sums the unrounded fp32 p_j)
 /// (softmax weights move by at most 2*delta relative when scores move by delta). An lse of -inf (no
 /// valid key) must match -inf exactly, and then out must be 0.
-/// dcp_shards > 0: bound for "partials over dcp_shards shards + LSE merge" against another fp32 result
-/// of the same problem: both sides' errors, merge weights moved by twice the partial-LSE bound, and the
-/// merge's own rounding (lse_merge.h).
+/// dcp_shards > 0: bound for "partials over dcp_shards shards + LSE merge" against another result of the
+/// same problem with the same arithmetic: both sides' errors, merge weights moved by twice the
+/// partial-LSE bound, and the merge's own rounding (lse_merge.h).
 struct SparseMlaBound {
   static double out_bound(double abs_pv, double max_abs_s, int32_t num_keys, double ref, double ref_lse,
-                           int dcp_shards = 0);
-  static double lse_bound(double max_abs_s, int32_t num_keys, double ref, int dcp_shards = 0);
+                          int dcp_shards = 0, SparseMlaArith arith = SparseMlaArith::kFp32);
+  static double lse_bound(double max_abs_s, int32_t num_keys, double ref, int dcp_shards = 0,
+                          SparseMlaArith arith = SparseMlaArith::kFp32);
 };
 
 namespace cuda {
 /// CUDA kernel (device pointers, stream a cudaStream_t). Checks the scalar fields (throws
 /// pcpkv::Error); an index outside [-1, num_slots) on the device is skipped like -1 (validate on the
-/// host first: validate_sparse_mla).
-void sparse_mla(const SparseMlaParams& p, void* stream);
+/// host first: validate_sparse_mla). kMma reads q and cache rows with 16-byte loads when q, the cache
+/// base and both strides are multiples of 16 bytes, byte by byte otherwise (same arithmetic).
+void sparse_mla(const SparseMlaParams& p, void* stream, SparseMlaKernel kernel = SparseMlaKernel::kMma);
 }  // namespace cuda
 
 }  // namespace pcpkv

@@ -1,7 +1,8 @@
 // python/csrc/ops.cpp: the `pcpkv` torch library: schemas (TORCH_LIBRARY), the host-only setup ops
 // (rope_table, make_plan, make_cache_targets) and the CPU implementations, which call pcpkv's CPU reference
-// (pcpkv/cpu.h) on host memory. The CUDA implementations live in ops_cuda.cpp; fake (meta) kernels for
-// torch.compile are registered in Python (pcpkv_torch/_fake.py). Docstrings: pcpkv_torch/ops.py.
+// (pcpkv/cpu.h) on host memory. The CUDA implementations (ops_cuda.cpp) call pcpkv's launchers
+// (src/cuda/launch.h); fake (meta) kernels for torch.compile are registered in Python (pcpkv_torch/_fake.py).
+// Docstrings: pcpkv_torch/ops.py.
 #include <Python.h>
 
 #include <ATen/Functions.h>
@@ -152,6 +153,11 @@ at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& inde
 
 // ---- CPU implementations ------------------------------------------------------------------------------
 
+template <class T>
+bool same_records(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
 void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor& positions,
                   const at::Tensor& kv_norm_w, const at::Tensor& rope_cos_sin, const std::optional<at::Tensor>& q_c,
                   const std::optional<at::Tensor>& q_norm_w, const std::optional<at::Tensor>& index_k,
@@ -164,8 +170,6 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
                   at::TensorList /*written*/, c10::string_view kv_format, c10::string_view ds_mla_scale,
                   double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
                   bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard) {
-  (void)targets_host;
-  (void)row_dests_host;
   DispatchArgs a{kv,          k_pe,     positions, kv_norm_w, rope_cos_sin, q_c,
                  q_norm_w,    index_k,  index_ln_w, index_ln_b, slot_mapping, q_c_out,
                  kv_c_out,    k_pe_out, index_k_out, topk_fill, std::string(kv_format), std::string(ds_mla_scale),
@@ -174,13 +178,23 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
   pcpkv::DispatchParams p = make_dispatch_params(a);
   std::vector<pcpkv::CacheTarget> tv;
   std::vector<uint8_t*> dv;
+  // On the CPU the "device" table is a host table; its host copy, when given, must hold the same entries
+  // (the CUDA op validates the host copy and launches on the device one).
   if (has(targets)) {
     tv = read_target_table(*targets, "dispatch: targets");
+    if (has(targets_host))
+      TORCH_CHECK_VALUE(same_records(read_target_table(*targets_host, "dispatch: targets_host"), tv),
+                        "dispatch: targets (", describe(*targets), ") differs from targets_host (",
+                        describe(*targets_host), ")");
     p.targets = tv.data();
     p.num_targets = static_cast<int32_t>(tv.size());
   }
   if (has(row_dests)) {
     dv = read_pointer_table(*row_dests, "dispatch: row_dests");
+    if (has(row_dests_host))
+      TORCH_CHECK_VALUE(same_records(read_pointer_table(*row_dests_host, "dispatch: row_dests_host"), dv),
+                        "dispatch: row_dests (", describe(*row_dests), ") differs from row_dests_host (",
+                        describe(*row_dests_host), ")");
     p.row_dests = dv.data();
     p.num_row_dests = static_cast<int32_t>(dv.size());
     p.row_bytes = pcpkv::transport_row_layout(p.fmt).row_bytes;
@@ -223,6 +237,7 @@ void fence_cpu(const at::Tensor& pad_table, const at::Tensor& epochs, const at::
                     first_rank + n, ") are not inside [0, world=", world, ")");
   TORCH_CHECK_VALUE(barrier_idx >= 0 && barrier_idx < num_barriers, "fence: barrier_idx = ", barrier_idx,
                     " is out of range [0, ", num_barriers, ")");
+  TORCH_CHECK_VALUE(timeout_us > 0, "fence: timeout_us = ", timeout_us, " must be > 0");
   TORCH_CHECK_VALUE(error.device().is_cpu() && error.scalar_type() == at::kByte &&
                         error.numel() == static_cast<int64_t>(sizeof(pcpkv::FenceError)) && error.is_contiguous(),
                     "fence: error: expected a contiguous CPU uint8 [", sizeof(pcpkv::FenceError), "], got ",

@@ -5,9 +5,9 @@ Conventions: T = local tokens of this rank (padding included), bf16 activations 
 row inner stride 1 (views of a wider projection are fine). Norm weights are float32 (bf16 checkpoint weights
 convert exactly; the wrappers convert). Every op runs on CPU tensors (pcpkv's CPU reference, bit-exact
 oracle) and CUDA tensors (asynchronous on the current stream, capturable in CUDA graphs). Bad arguments
-raise ValueError naming the argument and value before anything is written; on CUDA, slot and position
-*values* are not read on the host (that would synchronize): rows with a slot outside the caches or a
-position outside the rope table are skipped by the kernels, and validate_slots() checks them on demand.
+raise ValueError naming the argument and value before anything is written or launched. On CUDA, slot and
+position *values* are not read on the host (that would synchronize) and pcpkv's kernels trust them (as in the
+C++ library, src/cuda/launch.h): they must be in range, which validate_slots() checks on demand.
 """
 
 from __future__ import annotations
@@ -66,8 +66,11 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     `written`: extra tensors the caller wants declared as mutated (torch.compile ordering).
 
     Raises ValueError (nothing written) for a wrong dtype/shape/device, q_c without q_c_out, a missing indexer
-    input, a bad format, or a table whose geometry cannot hold fmt's rows; on CPU also for a slot out of
+    input, a bad format, a table whose geometry cannot hold fmt's rows, row_dests slots of another row size
+    or too few rows, or device tables that do not match their host copies; on CPU also for a slot out of
     range or repeated, or a position outside the table."""
+    if row_dests is not None:
+        row_dests.check_capacity(fmt.row_bytes, kv.shape[0] if kv.dim() >= 1 else 0)
     torch.ops.pcpkv.dispatch(
         kv, k_pe, positions, _f32(kv_norm_w), rope_cos_sin, q_c, _f32(q_norm_w), index_k, _f32(index_ln_w),
         _f32(index_ln_b), slot_mapping,
@@ -139,9 +142,9 @@ def validate_slots(slot_mapping: Tensor, num_slots: int, name: str = "slot_mappi
 
 
 def cuda_dispatch_impl() -> str:
-    """Which CUDA dispatch kernel the ops use: "pcpkv" (the fused kernel of src/cuda/dispatch.cu) or
-    "reference" (this package's one-thread-per-token kernel; PCPKV_TORCH_DISPATCH=reference selects it).
-    "none" in a CPU-only build."""
+    """Which CUDA kernels the ops run: "pcpkv" (pcpkv's own launchers of src/cuda/launch.h, the kernels the
+    C++ library runs; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp picks the dispatch kernel variant) or "none" in a
+    CPU-only build."""
     if not hasattr(torch.ops.pcpkv, "cuda_dispatch_impl"):
         return "none"
     return torch.ops.pcpkv.cuda_dispatch_impl()

@@ -90,32 +90,57 @@ class CacheTargets:
 
 class RowDests:
     """Where a dispatch stores its transport rows ("staging"): row t goes to dests[d] + t * row_bytes for
-    every d. host: CPU int64 [R]; table: its device copy; tensors: local tensors behind the pointers."""
+    every d. host: CPU int64 [R]; table: its device copy; tensors: local tensors behind the pointers.
+    row_bytes / max_rows: the capacity of every destination slot when known (from_staging records it;
+    dispatch then refuses a format with other rows or more than max_rows tokens instead of overrunning)."""
 
-    def __init__(self, host: torch.Tensor, table: torch.Tensor, tensors: Sequence[torch.Tensor] = ()):
+    def __init__(self, host: torch.Tensor, table: torch.Tensor, tensors: Sequence[torch.Tensor] = (), *,
+                 row_bytes: int | None = None, max_rows: int | None = None):
         self.host = host
         self.table = table
         self.tensors = list(tensors)
+        self.row_bytes = row_bytes
+        self.max_rows = max_rows
 
     def __len__(self):
         return self.host.shape[0]
 
+    def check_capacity(self, row_bytes: int, num_rows: int):
+        """Raises ValueError when num_rows rows of row_bytes bytes do not fit the recorded slot capacity."""
+        if self.row_bytes is not None and row_bytes != self.row_bytes:
+            raise ValueError(f"row_dests: the destination slots hold {self.row_bytes} B rows, but this format's rows "
+                             f"are {row_bytes} B")
+        if self.max_rows is not None and num_rows > self.max_rows:
+            raise ValueError(f"row_dests: {num_rows} rows do not fit destination slots of {self.max_rows} rows")
+
     @staticmethod
-    def from_pointers(ptrs: Sequence[int], device, tensors: Sequence[torch.Tensor] = ()) -> "RowDests":
+    def from_pointers(ptrs: Sequence[int], device, tensors: Sequence[torch.Tensor] = (), *,
+                      row_bytes: int | None = None, max_rows: int | None = None) -> "RowDests":
+        """Destinations at raw addresses (e.g. peer_pointers() of a symmetric staging buffer); give
+        row_bytes / max_rows of the slots so that dispatch can check a call against them."""
         host = pointer_table(ptrs)
-        return RowDests(host, host.to(device), tensors)
+        return RowDests(host, host.to(device), tensors, row_bytes=row_bytes, max_rows=max_rows)
 
     @staticmethod
     def from_staging(staging: Sequence[torch.Tensor], src_rank: int, *, buffer: int = 0, ubatch: int = 0) -> "RowDests":
         """Rank src_rank's slot in every peer's staging workspace (uint8 [2, U, W, M, row_bytes], see
-        allocate_staging): dests[d] = &staging[d][buffer, ubatch, src_rank, 0, 0]."""
+        allocate_staging): dests[d] = &staging[d][buffer, ubatch, src_rank, 0, 0]. Raises ValueError when the
+        workspaces differ in shape or device, or src_rank / buffer / ubatch is out of range."""
         ptrs = []
+        first = staging[0]
         for s in staging:
             if s.dim() != 5 or s.dtype != torch.uint8 or not s.is_contiguous():
                 raise ValueError(f"staging: expected contiguous uint8 [2, U, W, M, row_bytes], got {s.dtype} "
                                  f"{list(s.shape)}")
+            if s.shape != first.shape or s.device != first.device:
+                raise ValueError(f"staging: workspaces differ ({list(s.shape)} on {s.device} vs "
+                                 f"{list(first.shape)} on {first.device})")
+        if not (0 <= buffer < first.shape[0] and 0 <= ubatch < first.shape[1] and 0 <= src_rank < first.shape[2]):
+            raise ValueError(f"staging: buffer {buffer}, ubatch {ubatch}, src_rank {src_rank} out of range for "
+                             f"{list(first.shape)}")
+        for s in staging:
             ptrs.append(s[buffer, ubatch, src_rank].data_ptr())
-        return RowDests.from_pointers(ptrs, staging[0].device, staging)
+        return RowDests.from_pointers(ptrs, first.device, staging, row_bytes=first.shape[4], max_rows=first.shape[3])
 
 
 def allocate_fence_pads(world: int, num_barriers: int = 1, device=None) -> list[torch.Tensor]:
@@ -145,6 +170,10 @@ class FenceState:
         self.claim = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(32, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.pads = list(pads)
+        for p in self.pads:
+            # the fence writes through the pad pointers on this device: CPU code must never get device pads
+            if p.device.type != device.type:
+                raise ValueError(f"FenceState: a pad on {p.device} for a fence on {device}")
 
     @staticmethod
     def local(pads: Sequence[torch.Tensor], num_barriers: int = 1) -> "FenceState":

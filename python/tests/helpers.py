@@ -20,7 +20,14 @@ def _why_no_cuda():
 WHY_NO_CUDA = _why_no_cuda()
 requires_cuda = pytest.mark.skipif(WHY_NO_CUDA is not None, reason=WHY_NO_CUDA or "")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
-GUARD = 0xA5
+GUARD = 0xA5          # cache guard byte
+POISON_BF16 = 7.0     # materialized outputs before a run: an unwritten output keeps it and fails the check
+POISON_I32 = 7        # top-k buffers before a run (the op writes -1)
+
+
+def poisoned_bf16(rows, cols, device):
+    """A bf16 [rows, cols] output buffer filled with POISON_BF16 (outputs are never read uninitialized)."""
+    return torch.full((rows, cols), POISON_BF16, dtype=torch.bfloat16, device=device)
 
 
 def llm_like(gen, rows, cols, *, num_outliers=4, outlier_gain=30.0, scale=1.0):
@@ -68,8 +75,10 @@ class World:
                 loc[k] = junk.to(self.device)
             loc["positions"] = plan.positions[r].to(self.device)
             loc["slot_mapping"] = plan.slot_mapping[r].to(self.device)
-            loc["q_c_out"] = torch.empty(M, q_lora_rank, dtype=torch.bfloat16, device=self.device)
-            loc["topk"] = torch.empty(M, topk_width, dtype=torch.int32, device=self.device)
+            # Outputs start poisoned: torch.empty could hand back a block a previous test filled with exactly
+            # the expected values (the CUDA caching allocator reuses same-size blocks), hiding a missing write.
+            loc["q_c_out"] = torch.full((M, q_lora_rank), POISON_BF16, dtype=torch.bfloat16, device=self.device)
+            loc["topk"] = torch.full((M, topk_width), POISON_I32, dtype=torch.int32, device=self.device)
             self.local.append(loc)
         self.mla = [pk.allocate_mla_cache(plan.num_blocks, plan.block_size, fmt.kv_format, self.device,
                                           row_pad=row_pad, block_pad=block_pad, fill=GUARD) for _ in range(W)]
@@ -90,8 +99,8 @@ class World:
         for t in self.mla + self.idx:
             self.flat(t).fill_(GUARD)
         for r in range(self.W):
-            self.local[r]["q_c_out"].fill_(7)
-            self.local[r]["topk"].fill_(7)
+            self.local[r]["q_c_out"].fill_(POISON_BF16)
+            self.local[r]["topk"].fill_(POISON_I32)
 
     def dispatch(self, r, *, targets=None, row_dests=None, **extra):
         loc = self.local[r]

@@ -3,7 +3,7 @@ whole staging publication compiled with fullgraph=True giving the eager bytes.""
 
 import pytest
 
-from helpers import DEVICES, World, assert_bytes_equal, pk, torch
+from helpers import DEVICES, World, assert_bytes_equal, pk, poisoned_bf16, torch
 
 
 BACKEND = "inductor"
@@ -17,7 +17,7 @@ def dispatch_args(w, r, **over):
     """Positional arguments of torch.ops.pcpkv.dispatch for rank r of world w (staging + direct + outputs)."""
     loc, wt, fmt = w.local[r], w.weights, w.fmt
     M = w.M
-    kv_c_out = torch.empty(M, 512, dtype=torch.bfloat16, device=w.device)
+    kv_c_out = poisoned_bf16(M, 512, w.device)
     args = [loc["kv"], loc["k_pe"], loc["positions"], wt["kv_norm_w"], w.rope_cos_sin, loc["q_c"], wt["q_norm_w"],
             loc["index_k"], wt["index_ln_w"], wt["index_ln_b"], loc["slot_mapping"], w.targets.table, w.targets.host,
             w.dests[r].table, w.dests[r].host, loc["q_c_out"], kv_c_out, None, None, loc["topk"],

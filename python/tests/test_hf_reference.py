@@ -26,7 +26,7 @@ Both styles are run against both models' HF functions below.
 
 import pytest
 
-from helpers import DEVICES, llm_like, pk, torch
+from helpers import DEVICES, llm_like, pk, poisoned_bf16, torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 glm = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
@@ -126,10 +126,10 @@ def pcpkv_run(inputs, positions, cfg, attn, spec, device, kv_format, k_scale=1.0
     d = torch.device(device)
     fmt = pk.CacheFormat(kv_format, k_scale=k_scale)
     rope = pk.rope_table(spec.rope, int(positions.max()) + 1, d)
-    out = dict(q=torch.empty(T, Q_LORA, dtype=torch.bfloat16, device=d),
-               kv_c=torch.empty(T, 512, dtype=torch.bfloat16, device=d),
-               k_pe=torch.empty(T, 64, dtype=torch.bfloat16, device=d),
-               index_k=torch.empty(T, 128, dtype=torch.bfloat16, device=d))
+    out = dict(q=poisoned_bf16(T, Q_LORA, d),
+               kv_c=poisoned_bf16(T, 512, d),
+               k_pe=poisoned_bf16(T, 64, d),
+               index_k=poisoned_bf16(T, 128, d))
     mla = pk.allocate_mla_cache(T // 16 + 1, 16, kv_format, d, fill=0xA5)
     ic = pk.allocate_indexer_cache(T // 16 + 1, 16, d, fill=0xA5)
     slots = torch.randperm(mla.shape[0] * 16, generator=torch.Generator().manual_seed(3))[:T].to(d)

@@ -1,10 +1,10 @@
-"""The ops on every available device: both transports give byte-identical replicas, guard bytes stay,
-errors name the argument, the fence reports a missing rank, and the CUDA kernels equal the CPU reference
-byte for byte."""
+"""The ops on every available device: both transports give byte-identical replicas, guard bytes stay, the
+fence reports a missing rank, and the CUDA kernels (pcpkv's launchers, every dispatch kernel variant, aligned
+and unaligned inputs) equal the CPU reference byte for byte. Argument errors: test_errors.py."""
 
 import pytest
 
-from helpers import DEVICES, GUARD, World, assert_bytes_equal, pk, requires_cuda, torch
+from helpers import DEVICES, GUARD, World, assert_bytes_equal, llm_like, pk, poisoned_bf16, requires_cuda, torch
 
 FORMATS = ["fp8_ds_mla", "fp8", "bf16"]
 
@@ -51,9 +51,8 @@ def test_cache_rows_decode_to_the_normalized_values(device):
     r = 0
     loc = w.local[r]
     M = w.M
-    outs = dict(kv_c_out=torch.empty(M, 512, dtype=torch.bfloat16, device=w.device),
-                k_pe_out=torch.empty(M, 64, dtype=torch.bfloat16, device=w.device),
-                index_k_out=torch.empty(M, 128, dtype=torch.bfloat16, device=w.device))
+    outs = dict(kv_c_out=poisoned_bf16(M, 512, w.device), k_pe_out=poisoned_bf16(M, 64, w.device),
+                index_k_out=poisoned_bf16(M, 128, w.device))
     w.dispatch(r, targets=w.targets, **outs)
     slots = loc["slot_mapping"]
     keep = slots >= 0
@@ -67,29 +66,6 @@ def test_cache_rows_decode_to_the_normalized_values(device):
         over = ((got - want).abs() > bound).sum().item()
         assert over == 0, f"{name}: {over} values outside the FP8 bound"
     assert torch.equal(k_pe, outs["k_pe_out"][keep].float()), "fp8_ds_mla keeps k_pe in bf16"
-
-
-def test_errors_name_the_argument():
-    plan = small_plan(2)
-    fmt = pk.CacheFormat("fp8_ds_mla")
-    w = World(plan, fmt, "cpu", seed=3)
-    loc = w.local[0]
-    with pytest.raises(ValueError, match="kv: expected bfloat16"):
-        pk.dispatch(loc["kv"].float(), loc["k_pe"], loc["positions"], w.weights["kv_norm_w"], w.rope_cos_sin,
-                    fmt=pk.CacheFormat("fp8_ds_mla", has_indexer=False))
-    bad = loc["slot_mapping"].clone()
-    bad[3] = plan.num_slots + 5
-    with pytest.raises(ValueError, match=r"slot_mapping\[3\]"):
-        pk.dispatch(loc["kv"], loc["k_pe"], loc["positions"], w.weights["kv_norm_w"], w.rope_cos_sin, fmt=fmt,
-                    index_k=loc["index_k"], index_ln_w=w.weights["index_ln_w"], index_ln_b=w.weights["index_ln_b"],
-                    slot_mapping=bad, targets=w.targets)
-    assert bool((w.flat(w.mla[0]) == GUARD).all()), "a rejected call wrote bytes"
-    with pytest.raises(ValueError, match="kv_format"):
-        pk.CacheFormat("fp4")
-    with pytest.raises(ValueError, match="block-size|block_size"):
-        pk.make_plan(2, [pk.Request(5)], block_size=12)
-    with pytest.raises(ValueError, match="out of range"):
-        pk.validate_slots(bad, plan.num_slots)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -110,52 +86,102 @@ def test_fence_reports_the_missing_rank(device):
     assert info["missing_rank"] == 2 and info["epoch"] == 1
 
 
-@requires_cuda
-@pytest.mark.parametrize("impl", ["pcpkv", "reference"])
-@pytest.mark.parametrize("kv_format", FORMATS)
-@pytest.mark.parametrize("index_rope_interleaved", [False, True])
-def test_cuda_equals_cpu_reference(monkeypatch, impl, kv_format, index_rope_interleaved):
-    if impl == "pcpkv" and pk.cuda_dispatch_impl() != "pcpkv":
-        pytest.skip("built without pcpkv's fused dispatch kernel (src/cuda/dispatch.cu)")
-    if impl == "reference":
-        monkeypatch.setenv("PCPKV_TORCH_DISPATCH", "reference")
-    plan = small_plan(4, seed=5)
-    fmt = pk.CacheFormat(kv_format, k_scale=0.5 if kv_format == "fp8" else 1.0)
-    worlds = {d: World(plan, fmt, d, seed=6, index_rope_interleaved=index_rope_interleaved) for d in ("cpu", "cuda")}
+def compare_worlds(worlds, plan, what):
+    """CUDA world vs CPU world: replicas (guard bytes included), q_c_out and topk of every rank."""
+    torch.cuda.synchronize()
+    for r in range(plan.pcp_world):
+        for x, y, part in zip(worlds["cuda"].replica_bytes(r), worlds["cpu"].replica_bytes(r), ("mla", "index")):
+            assert_bytes_equal(x, y, f"{what} rank {r} {part}: cuda vs cpu")
+        for k in ("q_c_out", "topk"):
+            assert torch.equal(worlds["cuda"].local[r][k].cpu(), worlds["cpu"].local[r][k]), f"{what}: {k} rank {r}"
+
+
+def publish_both(worlds, plan, what):
     for transport in ("staging", "direct"):
         for w in worlds.values():
             w.poison()
             w.publish(transport)
-        torch.cuda.synchronize()
-        for r in range(plan.pcp_world):
-            for x, y, what in zip(worlds["cuda"].replica_bytes(r), worlds["cpu"].replica_bytes(r), ("mla", "index")):
-                assert_bytes_equal(x, y, f"{impl} {transport} rank {r} {what}: cuda vs cpu")
-            for k in ("q_c_out", "topk"):
-                assert torch.equal(worlds["cuda"].local[r][k].cpu(), worlds["cpu"].local[r][k]), f"{k} rank {r}"
+        compare_worlds(worlds, plan, f"{what} {transport}")
         if transport == "staging":
             for r in range(plan.pcp_world):
                 # transport rows of real tokens (padding rows are unspecified)
                 for s in range(plan.pcp_world):
                     real = plan.global_index[s] >= 0
                     assert torch.equal(worlds["cuda"].staging[r][0, 0, s][real.cuda()].cpu(),
-                                       worlds["cpu"].staging[r][0, 0, s][real]), f"staging rows {s} -> {r}"
+                                       worlds["cpu"].staging[r][0, 0, s][real]), f"{what}: staging rows {s} -> {r}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", ["prefetch", "simple", "warp"])
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("index_rope_interleaved", [False, True])
+def test_cuda_equals_cpu_reference(monkeypatch, variant, kv_format, index_rope_interleaved):
+    # launch_dispatch reads PCPKV_DISPATCH_VARIANT at every launch (src/cuda/dispatch.cu resolve_variant; an
+    # unknown name runs the default variant)
+    monkeypatch.setenv("PCPKV_DISPATCH_VARIANT", variant)
+    plan = small_plan(4, seed=5)
+    fmt = pk.CacheFormat(kv_format, k_scale=0.5 if kv_format == "fp8" else 1.0)
+    worlds = {d: World(plan, fmt, d, seed=6, index_rope_interleaved=index_rope_interleaved) for d in ("cpu", "cuda")}
+    publish_both(worlds, plan, f"{variant} {kv_format}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("has_indexer", [True, False])
+def test_cuda_unaligned_inputs_equal_cpu_reference(kv_format, has_indexer):
+    """Inputs as views of one wider projection at an offset of 2 elements (4-byte aligned rows): the launcher
+    picks the generic-alignment kernel instances; bytes still equal the CPU reference's."""
+    plan = small_plan(2, seed=7)
+    fmt = pk.CacheFormat(kv_format, k_scale=0.25 if kv_format == "fp8" else 1.0, has_indexer=has_indexer)
+    worlds = {d: World(plan, fmt, d, seed=8) for d in ("cpu", "cuda")}
+    for w in worlds.values():
+        for loc in w.local:
+            cols = [("q_c", loc["q_c"].shape[1]), ("kv", 512), ("k_pe", 64), ("index_k", 128)]
+            wide = torch.zeros(w.M, 2 + sum(c for _, c in cols), dtype=torch.bfloat16, device=w.device)
+            at = 2
+            for k, c in cols:
+                wide[:, at:at + c] = loc[k]
+                loc[k] = wide[:, at:at + c]
+                at += c
+    publish_both(worlds, plan, f"unaligned {kv_format} indexer={has_indexer}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_insert_matches_between_devices_and_decodes(device):
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("has_indexer", [True, False])
+def test_insert_matches_between_devices_and_decodes(device, kv_format, has_indexer):
+    """Collect path: the device's bytes equal the CPU reference's (guard bytes included); decoded rows are the
+    bf16 inputs (bf16 exactly; fp8 / fp8_ds_mla within E4M3's relative half-ulp 2^-4 plus a subnormal step)."""
     plan = small_plan(1)
-    fmt = pk.CacheFormat("fp8_ds_mla")
+    k_scale = 2.0 if kv_format == "fp8" else 1.0  # keeps the outlier channels below E4M3's 448 (no saturation)
+    fmt = pk.CacheFormat(kv_format, k_scale=k_scale, has_indexer=has_indexer)
     gen = torch.Generator().manual_seed(9)
-    from helpers import llm_like
     n = plan.global_slots.numel()
     kv_c, k_pe, idx_k = llm_like(gen, n, 512), llm_like(gen, n, 64), llm_like(gen, n, 128)
     out = {}
     for d in ["cpu", device]:
-        mla = pk.allocate_mla_cache(plan.num_blocks, plan.block_size, fmt.kv_format, d, fill=GUARD)
+        mla = pk.allocate_mla_cache(plan.num_blocks, plan.block_size, fmt.kv_format, d, fill=GUARD, row_pad=16)
         ic = pk.allocate_indexer_cache(plan.num_blocks, plan.block_size, d, fill=GUARD)
-        pk.insert(kv_c.to(d), k_pe.to(d), idx_k.to(d), plan.global_slots.to(d), mla, ic, fmt=fmt)
+        pk.insert(kv_c.to(d), k_pe.to(d), idx_k.to(d) if has_indexer else None, plan.global_slots.to(d), mla,
+                  ic if has_indexer else None, fmt=fmt)
         out[d] = (mla.cpu(), ic.cpu())
-    assert torch.equal(out["cpu"][0], out[device][0]) and torch.equal(out["cpu"][1], out[device][1])
-    got_kv, got_pe = pk.dequantize_mla(out["cpu"][0], "fp8_ds_mla", slots=plan.global_slots)
-    assert torch.equal(got_pe, k_pe.float())
-    assert ((got_kv - kv_c.float()).abs() <= 2 ** -4 * kv_c.float().abs() + 1e-3).all()
+    assert_bytes_equal(out[device][0], out["cpu"][0], f"insert {kv_format}: MLA cache {device} vs cpu")
+    assert_bytes_equal(out[device][1], out["cpu"][1], f"insert {kv_format}: indexer cache {device} vs cpu")
+    if not has_indexer:
+        assert bool((out["cpu"][1] == GUARD).all()), "a layer without an indexer wrote indexer bytes"
+    got_kv, got_pe = pk.dequantize_mla(out["cpu"][0], kv_format, k_scale=k_scale, slots=plan.global_slots)
+    want_kv, want_pe = kv_c.float(), k_pe.float()
+    if kv_format == "bf16":
+        assert torch.equal(got_kv, want_kv) and torch.equal(got_pe, want_pe)
+        return
+    if kv_format == "fp8_ds_mla":
+        assert torch.equal(got_pe, want_pe), "fp8_ds_mla keeps k_pe in bf16"
+        tile_amax = want_kv.abs().view(n, 4, 128).amax(dim=2, keepdim=True).expand(n, 4, 128).reshape(n, 512)
+        step = tile_amax / 448 * 2.0 ** -9 * 2  # a tile's scale (<= 2 amax / 448, pow2) times E4M3's subnormal step
+        over = int(((got_kv - want_kv).abs() > 2.0 ** -4 * want_kv.abs() + step).sum())
+        assert over == 0, f"fp8_ds_mla kv_c: {over} values outside the E4M3 bound"
+    else:
+        for got, want, name in ((got_kv, want_kv, "kv_c"), (got_pe, want_pe, "k_pe")):
+            # x / k_scale in E4M3, decoded * k_scale: half-ulp 2^-4 relative, subnormal step 2^-9 * k_scale
+            over = int(((got - want).abs() > 2.0 ** -4 * want.abs() + 2.0 ** -10 * k_scale).sum())
+            assert over == 0, f"fp8 {name}: {over} values outside the E4M3 bound"

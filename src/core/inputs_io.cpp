@@ -101,8 +101,13 @@ void apply_slot_mapping(PcpPlan& plan, const std::vector<int64_t>& slots, const 
                 "{}: slot_mapping[{}] = {} is out of range [0, {}) (the cache has {} blocks of {} slots)", origin, i,
                 slots[i], plan.num_slots(), plan.num_blocks, plan.block_size);
   }
-  validate_slot_mapping(slots.data(), n, plan.num_slots(), origin + ": slot_mapping",
-                        plan.reserve_null_block ? plan.block_size : 0);
+  // The checker names both entries of a duplicate: prefix the origin once, not before each name.
+  try {
+    validate_slot_mapping(slots.data(), n, plan.num_slots(), "slot_mapping",
+                          plan.reserve_null_block ? plan.block_size : 0);
+  } catch (const Error& e) {
+    throw Error(origin + ": " + e.what(), e.where());
+  }
   plan.global_slots = slots;
   for (int32_t r = 0; r < plan.pcp_world; ++r) {
     RankPlan& rp = plan.ranks[r];

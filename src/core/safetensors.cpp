@@ -1,6 +1,7 @@
 // safetensors reader and writer (include/pcpkv/safetensors.h). The JSON header goes through nlohmann-json.
 #include "pcpkv/safetensors.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -310,11 +311,40 @@ int64_t SafetensorsWriter::file_bytes() const {
   return kLengthBytes + static_cast<int64_t>(header().size()) + data_bytes_;
 }
 
+std::string write_target(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path p(path);
+  std::error_code ec;
+  for (int hops = 0; fs::is_symlink(p, ec); ++hops) {
+    PCPKV_CHECK(hops < 40, "{}: too many levels of symbolic links", path);
+    const fs::path link = fs::read_symlink(p, ec);
+    PCPKV_CHECK(!ec, "{}: cannot read the symbolic link '{}': {}", path, p.string(), ec.message());
+    p = link.is_absolute() ? link : p.parent_path() / link;
+  }
+  return p.string();
+}
+
 void SafetensorsWriter::write(const std::string& path) const {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  // rename() replaces whatever is at `path`: as root, a device such as /dev/null would become this file.
+  const fs::file_status st = fs::status(path, ec);
+  PCPKV_CHECK(!fs::exists(st) || fs::is_regular_file(st),
+              "{}: exists and is not a regular file (a directory, device, FIFO or socket); refusing to replace it",
+              path);
+  const std::string target = write_target(path);
   const std::string text = header();
-  const std::string tmp = fmt::format("{}.tmp.{}", path, static_cast<long>(::getpid()));
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  PCPKV_CHECK(f != nullptr, "{}: cannot create '{}': {}", path, tmp, std::strerror(errno));
+  const std::string tmp = fmt::format("{}.tmp.{}", target, static_cast<long>(::getpid()));
+  // O_NOFOLLOW: never write through a link planted at the temporary name.
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+  PCPKV_CHECK(fd >= 0, "{}: cannot create '{}': {}", path, tmp, std::strerror(errno));
+  std::FILE* f = ::fdopen(fd, "wb");
+  if (f == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    std::remove(tmp.c_str());
+    PCPKV_FAIL("{}: cannot write '{}': {}", path, tmp, std::strerror(err));
+  }
   bool ok = true;
   uint8_t len_bytes[8];
   uint64_t n = text.size();
@@ -325,14 +355,15 @@ void SafetensorsWriter::write(const std::string& path) const {
     const auto bytes = static_cast<size_t>(e.info.num_bytes());
     if (bytes) ok = ok && std::fwrite(e.data, 1, bytes, f) == bytes;
   }
+  // The bytes reach the disk before the rename publishes the name (the header promises "on disk").
+  ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
   const int saved_errno = errno;
   ok = (std::fclose(f) == 0) && ok;
   if (!ok) {
     std::remove(tmp.c_str());
     PCPKV_FAIL("{}: writing '{}' failed: {}", path, tmp, std::strerror(saved_errno ? saved_errno : errno));
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
+  fs::rename(tmp, target, ec);
   if (ec) {
     std::remove(tmp.c_str());
     PCPKV_FAIL("{}: cannot move '{}' into place: {}", path, tmp, ec.message());

@@ -141,7 +141,8 @@ void host_allreduce(const HostAllReduceArgs& a) {
                 "all-reduce: the fused variant needs residual_in and residual_out");
   }
   Run run{a, {}, false, a.workspaces[a.rank]};
-  const AllReduceAlgo algo = a.algo == AllReduceAlgo::kAuto ? choose_allreduce_algo(a.num_elems * 2, a.world_size) : a.algo;
+  const AllReduceAlgo algo =
+      a.algo == AllReduceAlgo::kAuto ? choose_allreduce_algo(a.num_elems * 2, a.world_size, a.fused) : a.algo;
   run.two_shot = algo == AllReduceAlgo::kTwoShot;
   run.part.num_items = a.fused ? a.num_elems / a.norm.hidden : a.num_elems / 8;
   run.part.items_per_chunk = a.fused ? 1 : kAllReduceChunkVectors;

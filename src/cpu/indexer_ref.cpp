@@ -15,6 +15,14 @@
 
 namespace pcpkv {
 
+const char* to_string(IndexerLogit l) {
+  switch (l) {
+    case IndexerLogit::kExact: return "exact";
+    case IndexerLogit::kFp32Tree: return "fp32_tree";
+  }
+  return "?";
+}
+
 float index_weight_scale(int32_t num_heads) {
   PCPKV_CHECK(num_heads >= 1, "indexer: num_heads must be >= 1, got {}", num_heads);
   return static_cast<float>(1.0 / std::sqrt(128.0 * static_cast<double>(num_heads)));
@@ -45,6 +53,8 @@ void validate_indexer(const IndexerParams& p) {
   PCPKV_CHECK(p.num_heads >= 1 && p.num_heads <= 128, "indexer: num_heads must be in [1, 128], got {}",
               p.num_heads);
   PCPKV_CHECK(p.topk >= 1 && p.topk <= 8192, "indexer: topk must be in [1, 8192], got {}", p.topk);
+  PCPKV_CHECK(p.logit == IndexerLogit::kExact || p.logit == IndexerLogit::kFp32Tree,
+              "indexer: logit must be kExact or kFp32Tree, got {}", static_cast<int>(p.logit));
   validate_geometry(p.geometry);
   PCPKV_CHECK(p.geometry.num_slots() <= (int64_t{1} << 31),
               "indexer: geometry has {} slots; int32 slot indices hold at most 2^31", p.geometry.num_slots());
@@ -119,11 +129,13 @@ void indexer_cpu(const IndexerParams& p) {
         const uint8_t* kb = p.index_cache + p.geometry.data_offset(slot);
         float k[kIndexHeadDim];
         for (int d = 0; d < kIndexHeadDim; ++d) k[d] = codec::e4m3_to_float(kb[d]);
-        float acc = 0.0f;
-        for (int h = 0; h < H; ++h)
-          acc = fp32::add(acc,
-                          fp32::mul(consumers::relu(consumers::index_logit(&q[h * kIndexHeadDim], k)), w[h]));
-        const float score = fp32::mul(acc, load_scale(p.index_cache + p.geometry.scale_offset(slot)));
+        const bool exact = p.logit == IndexerLogit::kExact;
+        const float score = consumers::index_score(
+            H, load_scale(p.index_cache + p.geometry.scale_offset(slot)), [&](int h) {
+              const float* qh = &q[h * kIndexHeadDim];
+              return consumers::index_term(
+                  exact ? consumers::index_logit_exact(qh, k) : consumers::index_logit_tree(qh, k), w[h]);
+            });
         if (p.scores) p.scores[t * p.max_keys + j] = score;
         keys[j] = consumers::sort_key(score, j);
       }

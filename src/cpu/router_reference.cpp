@@ -30,6 +30,22 @@ RouterPath parse_router_path(const std::string& s) {
   PCPKV_FAIL("router path: '{}' is not one of auto, small, cublaslt", s);
 }
 
+const char* to_string(RouterSmallKernel k) {
+  switch (k) {
+    case RouterSmallKernel::kAuto: return "auto";
+    case RouterSmallKernel::kRowLoop: return "small";
+    case RouterSmallKernel::kStaged: return "small2";
+  }
+  return "?";
+}
+
+RouterSmallKernel parse_router_small_kernel(const std::string& s) {
+  if (s == "auto") return RouterSmallKernel::kAuto;
+  if (s == "small") return RouterSmallKernel::kRowLoop;
+  if (s == "small2") return RouterSmallKernel::kStaged;
+  PCPKV_FAIL("router small-T kernel: '{}' is not one of auto, small, small2", s);
+}
+
 void validate_router_config(const RouterConfig& c) {
   PCPKV_CHECK(c.hidden_size > 0 && c.hidden_size % 8 == 0, "router: hidden_size = {} must be a positive multiple of 8",
               c.hidden_size);

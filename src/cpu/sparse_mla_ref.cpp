@@ -122,34 +122,55 @@ void sparse_mla_cpu(const SparseMlaParams& p, SparseMlaRefStats* stats) {
   }, 2);
 }
 
+SparseMlaArith arith_of(SparseMlaKernel k) {
+  return k == SparseMlaKernel::kMma ? SparseMlaArith::kBf16Mma : SparseMlaArith::kFp32;
+}
+
+const char* to_string(SparseMlaKernel k) {
+  switch (k) {
+    case SparseMlaKernel::kMma: return "mma";
+    case SparseMlaKernel::kSimt: return "simt";
+  }
+  return "?";
+}
+
 namespace {
 constexpr double kU = 1.0 / 16777216.0;  // 2^-24, fp32 unit roundoff
-double score_delta(double max_abs_s) { return (576.0 + 8.0) * kU * max_abs_s; }
+constexpr double kUbf16 = 1.0 / 512.0;   // 2^-9, bf16 unit roundoff
+bool mma(SparseMlaArith a) { return a == SparseMlaArith::kBf16Mma; }
+double score_delta(double max_abs_s, SparseMlaArith a) {
+  return (mma(a) ? 4.0 * 576.0 + 16.0 : 576.0 + 8.0) * kU * max_abs_s;
+}
 /// Weight and sum roundings of K keys in at most min(K, 256) online-softmax tiles (exp, rescale, sums).
-double sum_terms(double K) { return (2.0 * K + 16.0 * std::min(K, 256.0) + 64.0) * kU; }
+double sum_terms(double K, SparseMlaArith a) {
+  return (mma(a) ? 2.0 : 1.0) * (2.0 * K + 16.0 * std::min(K, 256.0) + 64.0) * kU;
+}
+/// Rounding of the softmax weights fed to the PV product.
+double p_round(SparseMlaArith a) { return mma(a) ? kUbf16 + kU : 0.0; }
 }  // namespace
 
 double SparseMlaBound::out_bound(double abs_pv, double max_abs_s, int32_t num_keys, double ref, double ref_lse,
-                                 int dcp_shards) {
-  const double delta = score_delta(max_abs_s);
+                                 int dcp_shards, SparseMlaArith arith) {
+  const double delta = score_delta(max_abs_s, arith);
   const double K = num_keys;
-  const double one = 2.0 * delta + sum_terms(K);  // one fp32 computation against the exact value
+  const double one = 2.0 * delta + sum_terms(K, arith) + p_round(arith);  // one result against the exact value
   double rel = one;
   double abs_ref = 2.0 * kU * std::fabs(ref);
   if (dcp_shards > 0) {
     // The other side: shard partials (same form, fewer keys), merge weights moved by the partial LSEs'
     // errors (2x their bound), the merge's own rounding (lse_merge.h).
-    const double lse_err = delta + sum_terms(K) + 2.0 * kU * std::fabs(ref_lse);
+    const double lse_err = delta + sum_terms(K, arith) + 2.0 * kU * std::fabs(ref_lse);
     rel += one + 2.0 * lse_err + 8.0 * kU * (std::fabs(ref_lse) + 1.0) + (2.0 * dcp_shards + 16.0) * kU;
     abs_ref *= 2.0;
   }
   return rel * abs_pv + abs_ref + 1e-30;
 }
 
-double SparseMlaBound::lse_bound(double max_abs_s, int32_t num_keys, double ref, int dcp_shards) {
-  const double delta = score_delta(max_abs_s);
+double SparseMlaBound::lse_bound(double max_abs_s, int32_t num_keys, double ref, int dcp_shards,
+                                 SparseMlaArith arith) {
+  const double delta = score_delta(max_abs_s, arith);
   const double K = num_keys;
-  const double one = delta + sum_terms(K) + 2.0 * kU * std::fabs(ref);
+  const double one = delta + sum_terms(K, arith) + 2.0 * kU * std::fabs(ref);
   if (dcp_shards == 0) return one;
   return 2.0 * one + 4.0 * kU * (std::fabs(ref) + 1.0) + (dcp_shards + 8.0) * kU;
 }

@@ -85,6 +85,7 @@ std::vector<AllReduceBenchRow> bench_allreduce(const AllReduceBenchOptions& o) {
       if (n % H == 0) {
         variants.push_back({"fused-oneshot", AllReduceAlgo::kOneShot, true});
         variants.push_back({"fused-twoshot", AllReduceAlgo::kTwoShot, true});
+        variants.push_back({"fused-auto", AllReduceAlgo::kAuto, true});
       }
       for (const Variant& v : variants) {
         AllReduceOptions opt;
@@ -139,7 +140,7 @@ std::vector<AllReduceBenchRow> bench_allreduce(const AllReduceBenchOptions& o) {
         row.bytes = bytes;
         row.variant = v.name;
         AllReducePartition part;
-        const AllReduceAlgo algo = v.algo == AllReduceAlgo::kAuto ? choose_allreduce_algo(bytes, W) : v.algo;
+        const AllReduceAlgo algo = v.algo == AllReduceAlgo::kAuto ? choose_allreduce_algo(bytes, W, v.fused) : v.algo;
         part.num_items = v.fused ? T : n / 8;
         part.items_per_chunk = v.fused ? 1 : kAllReduceChunkVectors;
         part.num_segments = algo == AllReduceAlgo::kTwoShot ? W : 1;

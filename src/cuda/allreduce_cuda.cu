@@ -316,7 +316,7 @@ int32_t leaves_per_thread(int64_t hidden) {
 /// Fills the partition and block count of a call and launches it for num_local ranks starting at rank_base.
 void launch(ArParams& P, int32_t num_local, int64_t num_elems, bool fused, const AllReduceOptions& o,
             int32_t max_blocks, CUstream_st* stream) {
-  AllReduceAlgo algo = o.algo == AllReduceAlgo::kAuto ? choose_allreduce_algo(num_elems * 2, P.world) : o.algo;
+  AllReduceAlgo algo = o.algo == AllReduceAlgo::kAuto ? choose_allreduce_algo(num_elems * 2, P.world, fused) : o.algo;
   const bool two_shot = algo == AllReduceAlgo::kTwoShot;
   P.part.num_items = fused ? num_elems / P.hidden : num_elems / 8;
   P.part.items_per_chunk = fused ? 1 : kAllReduceChunkVectors;

@@ -26,6 +26,7 @@ using cuda_detail::DispatchVariant;
 using cuda_detail::Event;
 using cuda_detail::Publisher;
 using cuda_detail::PublisherOptions;
+using cuda_detail::PublishVariant;
 using cuda_detail::StageTimer;
 using cuda_detail::Stream;
 
@@ -121,14 +122,14 @@ Timed time_transport(Publisher& pub, Transport t, const BenchOptions& o) {
   return out;
 }
 
-/// Median replay time of one captured publication.
-double time_graph(Publisher& pub, Transport t, const BenchOptions& o) {
+/// Median replay time of `layers` publications captured back to back into one graph, divided by layers.
+double time_graph(Publisher& pub, Transport t, const BenchOptions& o, int layers = 1) {
   Stream stream;
   pub.enqueue(t, stream.get());  // warm (module load, occupancy queries) outside the capture
   stream.sync();
   cudaGraph_t graph = nullptr;
   PCPKV_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-  pub.enqueue(t, stream.get());
+  for (int l = 0; l < layers; ++l) pub.enqueue(t, stream.get());
   PCPKV_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
   cudaGraphExec_t exec = nullptr;
   const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
@@ -145,7 +146,7 @@ double time_graph(Publisher& pub, Transport t, const BenchOptions& o) {
   }
   cudaGraphExecDestroy(exec);
   pub.check_fence();
-  return median(ms);
+  return median(ms) / layers;
 }
 
 PublishSetup make_setup(const ModelConfig& model, const PcpPlan& plan, const CacheFormat& fmt, int64_t topk_width) {
@@ -190,18 +191,25 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
   ds_mla.has_indexer = true;
 
   // ---- the dispatch alone on one rank (GLM-5, fp8_ds_mla, indexer layer, top-k fill) ----
+  std::vector<DispatchVariant> single_variants;
+  for (const std::string& v : o.single_rank_variants) single_variants.push_back(cuda_detail::parse_dispatch_variant(v));
+  std::vector<PublishVariant> layer_variants;
+  for (const std::string& v : o.layer_variants) layer_variants.push_back(PublishVariant::parse(v));
+  PCPKV_CHECK(!layer_variants.empty(), "--layer-variants must name at least one variant");
   if (!o.single_rank_tokens.empty()) {
     const ModelConfig model = preset("glm-5");
     for (int64_t tokens : o.single_rank_tokens) {
       const PcpPlan plan = one_prefill_plan(1, tokens, o.block_size, o.seed);
       const GlobalInputs in = generate_inputs(model, plan, true, o.seed);
       const PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
-      for (DispatchVariant v : {DispatchVariant::kSimple, DispatchVariant::kPrefetch})
+      auto pub = make_publisher(setup, in, PublisherOptions{}, rep.l2_bytes);
+      for (DispatchVariant v : single_variants)
         for (bool fused : {true, false}) {
-          PublisherOptions opts;
-          opts.variant = v;
-          opts.fuse_topk = fused;
-          auto pub = make_publisher(setup, in, opts, rep.l2_bytes);
+          PublishVariant pv;
+          pv.dispatch = v;
+          pv.fuse_topk = fused;
+          pv.pdl = false;
+          pub->set_variant(pv);
           const Timed t = time_transport(*pub, Transport::kDirect, o);
           BenchSingle s;
           s.model = "glm-5";
@@ -243,22 +251,61 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
         auto pub = make_publisher(setup, inputs, PublisherOptions{}, rep.l2_bytes);
         std::string line = fmt::format("{} PCP {} {}:", name, P, to_string(f));
         for (Transport t : o.transports) {
-          const Timed timed = time_transport(*pub, t, o);
-          BenchRun run;
-          run.model = name;
-          run.pcp = P;
-          run.kv_format = f;
-          run.indexer_layer = o.indexer_layer;
-          run.tokens = o.tokens;
-          run.transport = t;
-          run.stages = timed.stages;
-          run.total_ms = timed.total_ms;
-          for (const BenchStage& s : run.stages) run.bytes += s.bytes;
-          if (o.graph) run.graph_ms = time_graph(*pub, t, o);
-          line += fmt::format(" {} {:.3f} ms", to_string(t), run.total_ms);
-          rep.runs.push_back(std::move(run));
+          // collect: its pinned engine baseline once; staging / direct: every requested variant.
+          const std::vector<PublishVariant> variants =
+              t == Transport::kCollect ? std::vector<PublishVariant>{cuda_detail::collect_baseline_variant()} : layer_variants;
+          for (const PublishVariant& v : variants) {
+            pub->set_variant(v);
+            const Timed timed = time_transport(*pub, t, o);
+            BenchRun run;
+            run.model = name;
+            run.pcp = P;
+            run.kv_format = f;
+            run.indexer_layer = o.indexer_layer;
+            run.tokens = o.tokens;
+            run.transport = t;
+            run.variant = v.name();
+            run.stages = timed.stages;
+            run.total_ms = timed.total_ms;
+            for (const BenchStage& s : run.stages) run.bytes += s.bytes;
+            if (o.graph) run.graph_ms = time_graph(*pub, t, o);
+            line += fmt::format(" {} [{}] {:.3f} ms", to_string(t), run.variant, run.total_ms);
+            rep.runs.push_back(std::move(run));
+          }
         }
         say(progress, line);
+      }
+    }
+  }
+  // ---- PDL off / on: the staging / direct chain at decode-like token counts (graph replay) ----
+  if (!o.pdl_tokens.empty()) {
+    PCPKV_CHECK(o.pdl_pcp >= 1 && o.pdl_pcp <= 8, "--pdl-pcp {}: the one-GPU bench serves 1..8 ranks", o.pdl_pcp);
+    PCPKV_CHECK(o.pdl_layers >= 1, "--pdl-layers = {} must be >= 1", o.pdl_layers);
+    const ModelConfig model = preset("glm-5");
+    PublishVariant kernels = layer_variants.back();
+    for (int64_t tokens : o.pdl_tokens) {
+      PCPKV_CHECK(tokens >= 1, "--pdl-tokens: {} must be >= 1", tokens);
+      const PcpPlan plan = one_prefill_plan(o.pdl_pcp, tokens, o.block_size, o.seed);
+      const GlobalInputs in = generate_inputs(model, plan, true, o.seed);
+      const PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      auto pub = make_publisher(setup, in, PublisherOptions{}, rep.l2_bytes);
+      for (Transport t : {Transport::kStaging, Transport::kDirect}) {
+        BenchPdl row;
+        row.model = "glm-5";
+        row.pcp = o.pdl_pcp;
+        row.tokens = tokens;
+        row.transport = t;
+        row.layers = o.pdl_layers;
+        kernels.pdl = false;
+        row.variant = kernels.name();
+        pub->set_variant(kernels);
+        row.us_off = 1e3 * time_graph(*pub, t, o, o.pdl_layers);
+        kernels.pdl = true;
+        pub->set_variant(kernels);
+        row.us_on = 1e3 * time_graph(*pub, t, o, o.pdl_layers);
+        say(progress, fmt::format("PDL {} tokens PCP {} {} [{}]: {:.2f} us off, {:.2f} us on per layer", tokens,
+                                  o.pdl_pcp, to_string(t), row.variant, row.us_off, row.us_on));
+        rep.pdl.push_back(row);
       }
     }
   }

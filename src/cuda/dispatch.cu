@@ -3,6 +3,10 @@
 // transport rows into every row destination ("staging"), materialized bf16 outputs ("collect"), and the
 // top-k -1 fill. Bytes equal cpu_dispatch's (pcpkv/cpu.h) exactly.
 //
+// This file: the CTA-per-token kernels (variants simple, prefetch) and the host launcher of every variant;
+// the warp-per-token kernel (variant warp) is in dispatch_warp.cu, the shared parameter block and RoPE /
+// Hadamard helpers in dispatch_args.cuh.
+//
 // Work split. A persistent grid of 128-thread CTAs walks the tokens of up to 8 ranks (one launch serves
 // all logical ranks of a GPU). Per token:
 //   all 128 threads   2 q_c leaves (8 bf16 = one 16-byte load each) per thread, 4 when q_lora_rank > 2048
@@ -20,90 +24,20 @@
 #include <unordered_map>
 
 #include "cuda/check.h"
+#include "cuda/dispatch_args.cuh"
 #include "cuda/kernel_util.cuh"
 #include "cuda/launch.h"
 #include "pcpkv/cpu.h"
 #include "pcpkv/error.h"
 #include "pcpkv/layout.h"
+#include "pcpkv/pdl.h"
 
 namespace pcpkv::cuda_detail {
 namespace {
 
+using namespace dispatch_impl;
+
 constexpr int kThreads = 128;  // 4 warps per token: see the work split above
-constexpr int kMaxRanks = 8;
-constexpr int kMaxTargets = 64;  // per launch, all ranks together
-constexpr int kMaxDests = 64;
-
-/// What the kernel needs of a CacheTarget, with the power-of-two block sizes as shifts and masks.
-struct TargetLite {
-  uint8_t* mla_base;
-  int64_t row_stride;
-  int64_t block_stride;
-  uint8_t* index_base;
-  int64_t index_block_stride;
-  int64_t index_scale_base;  // block_size * 128: where the scales of a block start
-  int32_t block_shift;
-  int32_t block_mask;
-  int32_t index_block_shift;
-  int32_t index_block_mask;
-};
-
-struct RankArgs {
-  const uint16_t* q_c;
-  const uint16_t* kv;
-  const uint16_t* k_pe;
-  const uint16_t* index_k;
-  int64_t q_c_stride, kv_stride, k_pe_stride, index_k_stride;
-  const int64_t* positions;
-  const int64_t* slot_mapping;  // may be null when nothing is written to caches
-  uint16_t* q_c_out;
-  uint16_t* kv_c_out;
-  uint16_t* k_pe_out;
-  uint16_t* index_k_out;
-  int32_t* topk_fill;
-  const CacheTarget* targets;   // device table
-  uint8_t* const* row_dests;    // device table
-  int64_t token_begin;          // first work index of this rank in the launch
-  int64_t num_tokens;
-  int32_t num_targets, target_base;
-  int32_t num_row_dests, dest_base;
-  bool do_q;                    // Q RMSNorm (q_c_out set)
-  bool need_kv;                 // anything of kv / k_pe / index_k is produced
-};
-
-struct CommonArgs {
-  int32_t q_lora_rank;
-  int32_t num_q_leaves;
-  const float* q_norm_w;
-  const float* kv_norm_w;
-  const float* index_ln_w;
-  const float* index_ln_b;
-  const float* rope_cos_sin;
-  float q_eps, kv_eps, index_eps;
-  float k_scale;
-  int64_t topk_width;
-  int64_t row_bytes;
-  int32_t index_data_offset;
-  int32_t index_scale_offset;
-  int32_t load_align;    // alignment of every input row
-  int32_t store_align;   // alignment of every cache row / transport row / output row
-  bool topk_vec;         // topk rows 16-byte aligned: int4 stores
-  bool mla_rope_interleaved;
-  bool index_rope_interleaved;
-  bool hadamard;
-  bool has_indexer;
-  bool pow2;             // fp8_ds_mla scale rule
-};
-
-struct DispatchArgs {
-  CommonArgs c;
-  int32_t num_ranks;
-  int32_t total_targets;
-  int32_t total_dests;
-  int64_t total_tokens;
-  RankArgs r[kMaxRanks];
-};
-static_assert(sizeof(DispatchArgs) <= 4096, "kernel parameters must fit the classic 4 KB limit");
 
 template <int QL>
 struct TokenRegs {
@@ -112,13 +46,6 @@ struct TokenRegs {
   int64_t slot;  // threads 0..127
   int64_t pos;   // warps 2, 3
 };
-
-__device__ __forceinline__ int find_rank(const DispatchArgs& a, int64_t g) {
-  int r = 0;
-#pragma unroll 1
-  while (r + 1 < a.num_ranks && g >= a.r[r + 1].token_begin) ++r;
-  return r;
-}
 
 // kAligned: every input row, output row and cache row is 16-byte aligned (the normal case); the generic
 // instances pick access widths at run time (smaller, slower code for unusual layouts).
@@ -147,79 +74,6 @@ __device__ __forceinline__ void load_token(const DispatchArgs& a, int64_t g, Tok
   }
   if (tid < 128 && ra.slot_mapping != nullptr) v.slot = __ldg(ra.slot_mapping + t);
   if (warp == 2 || warp == 3) v.pos = __ldg(ra.positions + t);
-}
-
-/// cos/sin of the 8 dims of rope leaf `leaf` (elements 8*leaf .. 8*leaf+7 of a 64-dim rope section):
-/// interleaved pairs use angles 4*leaf .. 4*leaf+3 (c[0..4), s[0..4)); NeoX uses angles 8*(leaf&3)+k.
-__device__ __forceinline__ void load_rope(const float* cs, int leaf, bool interleaved, float (&c)[8], float (&s)[8]) {
-  if (interleaved) {
-    const float4 c4 = __ldg(reinterpret_cast<const float4*>(cs + 4 * leaf));
-    const float4 s4 = __ldg(reinterpret_cast<const float4*>(cs + 32 + 4 * leaf));
-    c[0] = c4.x; c[1] = c4.y; c[2] = c4.z; c[3] = c4.w;
-    s[0] = s4.x; s[1] = s4.y; s[2] = s4.z; s[3] = s4.w;
-    c[4] = c[5] = c[6] = c[7] = s[4] = s[5] = s[6] = s[7] = 0.0f;
-  } else {
-    const int base = 8 * (leaf & 3);
-    const float4 c0 = __ldg(reinterpret_cast<const float4*>(cs + base));
-    const float4 c1 = __ldg(reinterpret_cast<const float4*>(cs + base + 4));
-    const float4 s0 = __ldg(reinterpret_cast<const float4*>(cs + 32 + base));
-    const float4 s1 = __ldg(reinterpret_cast<const float4*>(cs + 32 + base + 4));
-    c[0] = c0.x; c[1] = c0.y; c[2] = c0.z; c[3] = c0.w; c[4] = c1.x; c[5] = c1.y; c[6] = c1.z; c[7] = c1.w;
-    s[0] = s0.x; s[1] = s0.y; s[2] = s0.z; s[3] = s0.w; s[4] = s1.x; s[5] = s1.y; s[6] = s1.z; s[7] = s1.w;
-  }
-}
-
-/// RoPE of one leaf (token_math.h rope64, each pair's products rounded, then the sum). NeoX pairs (i, i+32)
-/// live in lanes 4 apart: every lane of `mask` must call this (the exchange is a shuffle); only lanes with
-/// apply = true change x.
-__device__ __forceinline__ void rope_leaf(float (&x)[8], int leaf, bool interleaved, const float (&c)[8],
-                                          const float (&s)[8], unsigned mask, bool apply) {
-  if (interleaved) {
-    if (!apply) return;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) math::rope_pair(x[2 * m], x[2 * m + 1], c[m], s[m]);
-  } else {
-    float partner[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) partner[k] = __shfl_xor_sync(mask, x[k], 4);
-    if (!apply) return;
-    if ((leaf & 4) == 0) {  // first half: r0 = x0*c - x1*s
-#pragma unroll
-      for (int k = 0; k < 8; ++k) x[k] = fp32::sub(fp32::mul(x[k], c[k]), fp32::mul(partner[k], s[k]));
-    } else {                // second half: r1 = x1*c + x0*s
-#pragma unroll
-      for (int k = 0; k < 8; ++k) x[k] = fp32::add(fp32::mul(x[k], c[k]), fp32::mul(partner[k], s[k]));
-    }
-  }
-}
-
-/// token_math.h hadamard128 over 16 lanes x 8 values: stages h = 1, 2, 4 in-thread, 8..64 across lanes.
-__device__ __forceinline__ void hadamard_leaf(float (&x)[8], int lane16) {
-#pragma unroll
-  for (int h = 1; h < 8; h <<= 1) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if ((k & h) == 0) {
-        const float a = x[k], b = x[k + h];
-        x[k] = fp32::add(a, b);
-        x[k + h] = fp32::sub(a, b);
-      }
-  }
-#pragma unroll
-  for (int lh = 1; lh < 16; lh <<= 1) {
-    const bool lower = (lane16 & lh) == 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float other = __shfl_xor_sync(0xffffu, x[k], lh);
-      x[k] = lower ? fp32::add(x[k], other) : fp32::sub(other, x[k]);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 8; ++k) x[k] = fp32::mul(x[k], math::kHadamard128Scale);
-}
-
-__device__ __forceinline__ uint8_t* mla_row(const TargetLite& tl, int64_t slot) {
-  return tl.mla_base + (slot >> tl.block_shift) * tl.block_stride + (slot & tl.block_mask) * tl.row_stride;
 }
 
 template <KvFormat F, int QL, bool kAligned>
@@ -400,7 +254,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
 #pragma unroll
       for (int k = 0; k < 8; ++k) x[k] = math::ln_apply(x[k], r, w[k], b[k]);
       rope_leaf(x, lane, c.index_rope_interleaved, rc, rs, 0xffffu, lane < 8);
-      if (c.hadamard) hadamard_leaf(x, lane);
+      if (c.hadamard) hadamard_leaf(x, lane, 0xffffu);
       if (ra.index_k_out != nullptr) {
         uint32_t packed[4];
         pack_bf16x8(x, packed);
@@ -457,6 +311,9 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
     s_dests[i] = a.r[r].row_dests[i - a.r[r].dest_base];
   }
   __syncthreads();
+  // PDL (pcpkv/pdl.h): the tables above are host-written; everything below may touch the previous kernel's data.
+  pdl::wait();
+  pdl::launch_dependents();
 
   const int64_t stride = gridDim.x;
   int64_t g = blockIdx.x;
@@ -478,8 +335,6 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
     }
   }
 }
-
-using KernelFn = void (*)(DispatchArgs);
 
 // Instances: per format, aligned {2 leaves simple, 2 leaves prefetch, 4 leaves simple} and generic-alignment
 // {2 leaves, 4 leaves} (simple). Four leaves with prefetch would spill.
@@ -517,13 +372,19 @@ int resident_ctas(KernelFn fn) {
   return n;
 }
 
+// The variant kAuto runs. Change it only after `pcpkv bench --variants ...` measured the candidates on the
+// device (docs/perf.md section 4).
+constexpr DispatchVariant kDefaultVariant = DispatchVariant::kPrefetch;
+
 DispatchVariant resolve_variant(DispatchVariant v) {
   if (v != DispatchVariant::kAuto) return v;
   if (const char* env = std::getenv("PCPKV_DISPATCH_VARIANT")) {
     if (std::strcmp(env, "simple") == 0) return DispatchVariant::kSimple;
     if (std::strcmp(env, "prefetch") == 0) return DispatchVariant::kPrefetch;
+    if (std::strcmp(env, "warp") == 0) return DispatchVariant::kWarp;
+    if (std::strcmp(env, "warp_pf") == 0) return DispatchVariant::kWarpPrefetch;
   }
-  return DispatchVariant::kPrefetch;
+  return kDefaultVariant;
 }
 
 // Fields that must agree between jobs sharing one launch.
@@ -539,7 +400,7 @@ bool same_common(const DispatchParams& a, const DispatchParams& b) {
 
 uint64_t addr(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
-void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchVariant variant) {
+void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchVariant variant, bool pdl) {
   const DispatchParams& p0 = jobs[0].params;
   DispatchArgs a;
   std::memset(&a, 0, sizeof(a));
@@ -631,11 +492,24 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
   if (a.total_tokens == 0) return;
 
   const int ql = c.num_q_leaves > 2 * kThreads ? 4 : 2;  // leaves per thread
-  const bool prefetch = resolve_variant(variant) == DispatchVariant::kPrefetch;
+  const DispatchVariant v = resolve_variant(variant);
   const bool aligned = c.load_align == 16 && c.store_align == 16;
-  KernelFn fn = pick_kernel(p0.fmt.kv_format, ql, prefetch, aligned);
-  const int64_t grid = std::min<int64_t>(a.total_tokens, resident_ctas(fn));
-  fn<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(a);
+  KernelFn fn = nullptr;
+  int64_t grid = 0;
+  const bool warp = v == DispatchVariant::kWarp || v == DispatchVariant::kWarpPrefetch;
+  if (warp && aligned && c.num_q_leaves <= kWarpKernelMaxQLeaves) {
+    static_assert(kWarpKernelThreads == kThreads, "resident_ctas() assumes one block size");
+    fn = warp_kernel_for(p0.fmt.kv_format, v == DispatchVariant::kWarpPrefetch);
+    grid = std::min<int64_t>((a.total_tokens + kWarpKernelTokensPerCta - 1) / kWarpKernelTokensPerCta, resident_ctas(fn));
+  } else {  // the CTA kernel: simple / prefetch, and what the warp kernel does not serve
+    fn = pick_kernel(p0.fmt.kv_format, ql, v == DispatchVariant::kPrefetch, aligned);
+    grid = std::min<int64_t>(a.total_tokens, resident_ctas(fn));
+  }
+  if (pdl) {
+    PCPKV_CUDA_CHECK(pdl::launch(fn, dim3(static_cast<unsigned>(grid)), dim3(kThreads), 0, stream, true, a));
+  } else {
+    fn<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(a);
+  }
   PCPKV_CUDA_CHECK_LAUNCH();
 }
 
@@ -646,11 +520,20 @@ const char* to_string(DispatchVariant v) {
     case DispatchVariant::kAuto: return "auto";
     case DispatchVariant::kSimple: return "simple";
     case DispatchVariant::kPrefetch: return "prefetch";
+    case DispatchVariant::kWarp: return "warp";
+    case DispatchVariant::kWarpPrefetch: return "warp_pf";
   }
   return "?";
 }
 
-void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream, DispatchVariant variant) {
+DispatchVariant parse_dispatch_variant(const std::string& s) {
+  for (DispatchVariant v : {DispatchVariant::kAuto, DispatchVariant::kSimple, DispatchVariant::kPrefetch,
+                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch})
+    if (s == to_string(v)) return v;
+  PCPKV_FAIL("dispatch variant '{}' is not auto, simple, prefetch, warp or warp_pf", s);
+}
+
+void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream, DispatchVariant variant, bool pdl) {
   PCPKV_CHECK(num_jobs >= 0, "dispatch: num_jobs = {} must be >= 0", num_jobs);
   // Validate every job before enqueuing anything (host copies of the device tables stand in for them).
   for (int i = 0; i < num_jobs; ++i) {
@@ -683,7 +566,7 @@ void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream,
       dests += jobs[last].params.num_row_dests;
       ++last;
     }
-    launch_group(jobs + first, last - first, stream, variant);
+    launch_group(jobs + first, last - first, stream, variant, pdl);
     first = last;
   }
 }
@@ -707,6 +590,19 @@ std::vector<std::string> dispatch_kernel_resources() {
                                 to_string(f), in.ql, in.prefetch ? "prefetch" : "simple",
                                 in.aligned ? "aligned" : "any alignment", attr.numRegs, attr.sharedSizeBytes,
                                 attr.localSizeBytes, per_sm, kThreads));
+    }
+  for (KvFormat f : formats)
+    for (bool pf : {false, true}) {
+      KernelFn fn = warp_kernel_for(f, pf);
+      cudaFuncAttributes attr{};
+      PCPKV_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+      int per_sm = 0;
+      PCPKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kWarpKernelThreads, 0));
+      out.push_back(fmt::format("dispatch<{}, {}, aligned>: {} regs, {} B static smem, {} B local (spill), "
+                                "{} CTAs/SM of {} threads = {} tokens in flight per SM",
+                                to_string(f), pf ? "warp per token + L2 prefetch (warp_pf)" : "warp per token (warp)",
+                                attr.numRegs, attr.sharedSizeBytes, attr.localSizeBytes, per_sm, kWarpKernelThreads,
+                                per_sm * kWarpKernelTokensPerCta));
     }
   return out;
 }

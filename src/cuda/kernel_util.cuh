@@ -68,6 +68,23 @@ __device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t* w, int a
   }
 }
 
+/// Explicit global vector stores (st.global.v4 / v2 / b32; .cs = evict-first streaming). The compiler
+/// splits some plain uint4 stores through reinterpreted byte pointers into four 32-bit stores, and stores
+/// through pointers read from shared memory become generic ST; these always assemble to one STG of the
+/// given width. p must address global memory (device, peer or host-mapped) aligned to the width.
+__device__ __forceinline__ void stg16(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void stg16_cs(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void stg8(void* p, uint32_t a, uint32_t b) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
+}
+__device__ __forceinline__ void stg4(void* p, uint32_t a) {
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(a) : "memory");
+}
+
 // ---- bf16 ------------------------------------------------------------------------------------------
 /// 8 bf16 (one 16-byte vector) -> 8 floats (exact).
 __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&x)[8]) {

@@ -29,7 +29,8 @@ void LocalFence::reset() {
   *error_.host() = FenceError{};
 }
 
-void LocalFence::enqueue_ranks(int32_t barrier_idx, int32_t first_rank, int32_t num_ranks, cudaStream_t stream) {
+void LocalFence::enqueue_ranks(int32_t barrier_idx, int32_t first_rank, int32_t num_ranks, cudaStream_t stream,
+                               bool pdl) {
   FenceArgs a;
   a.pads = pad_table_.as<uint64_t* const>();
   a.epochs = epochs_.as<uint64_t>() + int64_t{first_rank} * num_barriers_;
@@ -40,7 +41,7 @@ void LocalFence::enqueue_ranks(int32_t barrier_idx, int32_t first_rank, int32_t 
   a.barrier_idx = barrier_idx;
   a.num_barriers = num_barriers_;
   a.timeout_ns = static_cast<uint64_t>(timeout_ms_ * 1e6);
-  launch_fence(a, num_ranks, stream);
+  launch_fence(a, num_ranks, stream, pdl);
 }
 
 void LocalFence::check() const { throw_if_fence_timeout(*error_.host(), timeout_ms_); }

@@ -19,10 +19,14 @@ class LocalFence {
   /// Throws pcpkv::Error on world < 1 or num_barriers < 1.
   LocalFence(int32_t world, int32_t num_barriers, double timeout_ms);
 
-  /// All W ranks arrive at barrier barrier_idx (one launch of W blocks).
-  void enqueue(int32_t barrier_idx, cudaStream_t stream) { enqueue_ranks(barrier_idx, 0, world_, stream); }
+  /// All W ranks arrive at barrier barrier_idx (one launch of W blocks). pdl: launch with programmatic stream
+  /// serialization (the kernel waits for the previous kernel before it signals).
+  void enqueue(int32_t barrier_idx, cudaStream_t stream, bool pdl = false) {
+    enqueue_ranks(barrier_idx, 0, world_, stream, pdl);
+  }
   /// Only ranks [first_rank, first_rank + num_ranks) arrive (tests: a missing rank times out).
-  void enqueue_ranks(int32_t barrier_idx, int32_t first_rank, int32_t num_ranks, cudaStream_t stream);
+  void enqueue_ranks(int32_t barrier_idx, int32_t first_rank, int32_t num_ranks, cudaStream_t stream,
+                     bool pdl = false);
 
   /// After the stream that ran the fence synchronized: throws pcpkv::FenceTimeout naming the missing rank.
   void check() const;

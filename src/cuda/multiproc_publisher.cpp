@@ -100,22 +100,37 @@ class CudaRankPublisher final : public RankPublisher {
 
   RankPublishResult publish(const GlobalInputs& inputs, Transport transport) override {
     prepare(inputs, transport);
+    PCPKV_CHECK(options_.warmup_runs >= 0, "publish: warmup_runs = {} must be >= 0", options_.warmup_runs);
+    PCPKV_CHECK(options_.flush_l2_bytes >= 0, "publish: flush_l2_bytes = {} must be >= 0", options_.flush_l2_bytes);
+    if (options_.flush_l2_bytes > 0 && l2_scratch_.bytes() < options_.flush_l2_bytes)
+      l2_scratch_.reset(options_.flush_l2_bytes);
+    // Warm-up runs first (untimed): NCCL's and the kernels' first-call setup stays out of the samples.
+    for (int32_t rep = 0; rep < options_.warmup_runs; ++rep) {
+      enqueue_run(transport, stream(), nullptr, options_.flush_l2_bytes > 0);
+      fence_->wait(stream(), fmt::format("publish ({}, warm-up)", to_string(transport)));
+    }
     std::vector<double> ms;
     std::vector<std::string> names;
+    std::vector<std::vector<double>> samples;
     for (int32_t rep = 0; rep < setup_.repeats; ++rep) {
       StageTimer timer;
-      enqueue_run(transport, stream(), &timer);
+      enqueue_run(transport, stream(), &timer, options_.flush_l2_bytes > 0);
       fence_->wait(stream(), fmt::format("publish ({})", to_string(transport)));
       const auto stages = timer.read();
       if (ms.empty()) {
         for (const auto& [n, t] : stages) names.push_back(n);
         ms.assign(stages.size(), 0.0);
       }
-      for (size_t k = 0; k < stages.size() && k < ms.size(); ++k) ms[k] += stages[k].second;
+      samples.emplace_back();
+      for (size_t k = 0; k < stages.size() && k < ms.size(); ++k) {
+        ms[k] += stages[k].second;
+        samples.back().push_back(stages[k].second);
+      }
     }
     RankPublishResult res = download(transport);
     for (size_t k = 0; k < names.size(); ++k)
       res.profile.stages.push_back(Stage{names[k], ms[k] / setup_.repeats, stage_bytes(transport, names[k])});
+    res.stage_samples_ms = std::move(samples);
     return res;
   }
 
@@ -238,7 +253,7 @@ class CudaRankPublisher final : public RankPublisher {
   }
 
   // One publication on stream s: poison this replica, start fence, then the transport (SPEC section 5).
-  void enqueue_run(Transport transport, cudaStream_t s, StageTimer* timer) {
+  void enqueue_run(Transport transport, cudaStream_t s, StageTimer* timer, bool flush_l2 = false) {
     const PcpPlan& plan = *setup_.plan;
     const int32_t W = plan.pcp_world;
     const int32_t me = group_.rank();
@@ -248,6 +263,9 @@ class CudaRankPublisher final : public RankPublisher {
       if (timer) timer->mark(name, s);
     };
     PCPKV_CUDA_CHECK(cudaMemsetAsync(caches_->local(), kGuardByte, static_cast<size_t>(layout_.caches_bytes), s));
+    if (flush_l2 && l2_scratch_.bytes() > 0)  // evicts the poisoned caches and the inputs from L2
+      PCPKV_CUDA_CHECK(cudaMemsetAsync(l2_scratch_.data(), flush_value_++ & 0xff,
+                                       static_cast<size_t>(l2_scratch_.bytes()), s));
     fence(kStartBarrier, s);
     if (timer) timer->start(s);
     if (layout_.fill_topk) {
@@ -390,6 +408,8 @@ class CudaRankPublisher final : public RankPublisher {
   int64_t rope_num_positions_ = 0;
   DeviceBuffer q_c_, kv_, k_pe_, index_k_, positions_, slots_, q_norm_w_, kv_norm_w_, index_ln_w_, index_ln_b_;
   DeviceBuffer kv_all_, kpe_all_, idx_all_;
+  DeviceBuffer l2_scratch_;  // RankPublishOptions::flush_l2_bytes
+  int flush_value_ = 1;
   std::vector<CacheTarget> host_targets_;
   std::vector<uint8_t*> host_row_dests_;
   std::unique_ptr<SymmetricMemory> caches_, staging_, collect_;

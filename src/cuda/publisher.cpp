@@ -4,9 +4,64 @@
 #include <algorithm>
 
 #include "pcpkv/error.h"
+#include "pcpkv/pdl.h"
 #include "pcpkv/rope.h"
 
 namespace pcpkv::cuda_detail {
+
+// ---- PublishVariant -----------------------------------------------------------------------------------
+
+std::string PublishVariant::name() const {
+  return fmt::format("{}:{}:{}{}", to_string(dispatch), fuse_topk ? "fused" : "separate",
+                     combine_rows_per_warp == 0 ? kDefaultCombineRowsPerWarp : combine_rows_per_warp,
+                     pdl ? ":pdl" : "");
+}
+
+PublishVariant PublishVariant::parse(const std::string& s) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t colon = s.find(':', start);
+    parts.push_back(s.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  PCPKV_CHECK(!parts.empty() && parts.size() <= 4,
+              "variant '{}': expected <dispatch>[:<fused|separate>[:<1|2|4>[:pdl]]]", s);
+  PublishVariant v;
+  v.pdl = false;
+  v.dispatch = parse_dispatch_variant(parts[0]);
+  if (parts.size() > 1) {
+    PCPKV_CHECK(parts[1] == "fused" || parts[1] == "separate", "variant '{}': top-k fill '{}' is not fused or separate",
+                s, parts[1]);
+    v.fuse_topk = parts[1] == "fused";
+  }
+  if (parts.size() > 2) {
+    PCPKV_CHECK(parts[2] == "1" || parts[2] == "2" || parts[2] == "4",
+                "variant '{}': combine rows per warp '{}' is not 1, 2 or 4", s, parts[2]);
+    v.combine_rows_per_warp = std::stoi(parts[2]);
+  }
+  if (parts.size() > 3) {
+    PCPKV_CHECK(parts[3] == "pdl", "variant '{}': the 4th part '{}' is not pdl", s, parts[3]);
+    v.pdl = true;
+  }
+  return v;
+}
+
+PublishVariant collect_baseline_variant() {
+  PublishVariant v;
+  v.dispatch = DispatchVariant::kPrefetch;
+  v.fuse_topk = false;
+  v.combine_rows_per_warp = 1;
+  v.pdl = false;
+  return v;
+}
+
+PublishVariant PublisherOptions::default_variant() {
+  PublishVariant v;
+  v.pdl = pdl::enabled();
+  return v;
+}
 
 // ---- StageTimer ----------------------------------------------------------------------------------------
 
@@ -185,7 +240,7 @@ DispatchJob Publisher::dispatch_job(int32_t rank, Transport transport, const Inp
   DispatchJob job;
   job.params = mp::base_dispatch_params(setup_, layout_, in);
   DispatchParams& d = job.params;
-  if (!options_.fuse_topk) {
+  if (!options_.variant.fuse_topk) {
     d.topk_fill = nullptr;  // its own stage (a byte fill)
     d.topk_width = 0;
   }
@@ -222,7 +277,11 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
   };
   if (timer) timer->start(stream);
 
-  if (layout_.fill_topk && !options_.fuse_topk) {
+  const PublishVariant& v = options_.variant;
+  // PDL for the staging / direct chain dispatch -> fence -> combine (issue 7, chain a); collect stays as
+  // engines run it.
+  const bool pdl = v.pdl && transport != Transport::kCollect;
+  if (layout_.fill_topk && !v.fuse_topk) {
     launch_fill_minus_one(topk_sets_[static_cast<size_t>(s)].as<int32_t>(), W * M * setup_.topk_width, stream);
     mark("topk-fill");
   }
@@ -230,7 +289,7 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
   std::vector<DispatchJob> jobs;
   jobs.reserve(static_cast<size_t>(W));
   for (int32_t r = 0; r < W; ++r) jobs.push_back(dispatch_job(r, transport, ranks_[static_cast<size_t>(r)]->sets[static_cast<size_t>(s)]));
-  launch_dispatch(jobs.data(), W, stream, options_.variant);
+  launch_dispatch(jobs.data(), W, stream, v.dispatch, pdl);
   mark("dispatch");
 
   const bool idx = setup_.fmt.has_indexer;
@@ -270,7 +329,7 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
     return;
   }
 
-  fence_.enqueue(0, stream);
+  fence_.enqueue(0, stream, pdl);
   mark("fence");
   if (transport == Transport::kStaging) {
     const int buffer_idx = setup_.layer_idx & 1;
@@ -286,7 +345,7 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
       p.fmt = setup_.fmt;
       p.target = st.target;
     }
-    launch_combine(comb.data(), W, stream);
+    launch_combine(comb.data(), W, stream, v.combine_rows_per_warp, pdl);
     mark("combine");
   }
 }
@@ -302,8 +361,9 @@ std::vector<Stage> Publisher::stage_model(Transport transport) const {
   const int64_t topk_bytes = layout_.fill_topk ? 4 * setup_.topk_width : 0;
   const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (transport == Transport::kDirect ? 8 : 0);
   std::vector<Stage> out;
-  if (topk_bytes > 0 && !options_.fuse_topk) out.push_back({"topk-fill", 0.0, rows * topk_bytes});
-  int64_t dispatch = rows * (read_per_row + q_bytes) + (options_.fuse_topk ? rows * topk_bytes : 0);
+  const bool fused = options_.variant.fuse_topk;
+  if (topk_bytes > 0 && !fused) out.push_back({"topk-fill", 0.0, rows * topk_bytes});
+  int64_t dispatch = rows * (read_per_row + q_bytes) + (fused ? rows * topk_bytes : 0);
   if (transport == Transport::kCollect) dispatch += rows * bf16_row_bytes;
   if (transport == Transport::kStaging) dispatch += rows * W * layout_.row.row_bytes;
   if (transport == Transport::kDirect) dispatch += written_rows_ * W * cache_row_bytes;

@@ -22,12 +22,35 @@
 
 namespace pcpkv::cuda_detail {
 
+/// How a publication runs: kernel variants, where the top-k fill happens, PDL. Every variant writes the same
+/// bytes; a Publisher can switch between runs (set_variant). Written "<dispatch>:<fill>:<rows>[:pdl]", e.g.
+/// "warp:fused:4" (dispatch kernel auto | simple | prefetch | warp | warp_pf; top-k fill fused into the dispatch or
+/// separate (its own byte-fill stage); combine rows per warp 1 | 2 | 4; pdl: staging / direct chain
+/// dispatch -> fence -> combine launched with programmatic stream serialization).
+struct PublishVariant {
+  DispatchVariant dispatch = DispatchVariant::kAuto;
+  bool fuse_topk = false;
+  int combine_rows_per_warp = 0;  // 0: launch_combine's default
+  bool pdl = false;               // PublisherOptions sets it from pdl::enabled() (PCPKV_PDL=1)
+
+  std::string name() const;
+  /// Parses name(); throws pcpkv::Error naming the bad part.
+  static PublishVariant parse(const std::string& s);
+};
+
+/// The collect path as engines run it (the honest baseline of `pcpkv bench`): the CTA dispatch kernel that
+/// was the default before the warp kernel, materializing bf16 at vLLM-like speed, and the top-k fill as a
+/// separate byte fill; no PDL. The bench pins collect to it whatever the staging / direct variants are.
+PublishVariant collect_baseline_variant();
+
 struct PublisherOptions {
   int num_sets = 1;          // copies of the inputs (and of q_c_out / top-k) rotated between runs, so that
                              // repeated runs do not find their inputs in L2
-  bool fuse_topk = false;    // fill top-k inside the dispatch kernel instead of its own "topk-fill" stage
-  DispatchVariant variant = DispatchVariant::kAuto;
+  PublishVariant variant = default_variant();
   double fence_timeout_ms = 10000.0;
+
+  /// kAuto kernels, separate top-k fill, default combine, PDL from pdl::enabled().
+  static PublishVariant default_variant();
 };
 
 /// CUDA events around the stages of one enqueued publication.
@@ -54,8 +77,12 @@ class Publisher {
   Publisher& operator=(const Publisher&) = delete;
 
   /// Enqueues one publication with `transport` on `stream` (no host synchronization; graph-capturable when
-  /// timer is null). Rotates to the next input set.
+  /// timer is null). Rotates to the next input set. With variant().pdl the staging / direct kernels are
+  /// PDL launches (a timer's events between them then also separate them).
   void enqueue(Transport transport, cudaStream_t stream, StageTimer* timer = nullptr);
+  /// Switches kernels / fill / PDL for the following runs (no reallocation).
+  void set_variant(const PublishVariant& v) { options_.variant = v; }
+  const PublishVariant& variant() const { return options_.variant; }
   /// Restores every cache, output and workspace byte to kGuardByte (synchronous).
   void poison();
   /// After the stream synchronized: throws pcpkv::FenceTimeout when a fence timed out.

@@ -1,15 +1,21 @@
 // src/cuda/router_bench.cu: the router GEMM benchmark of `pcpkv bench-serving` (pcpkv/router.h).
 //
-// Every variant (small-T with each experts-per-CTA, cuBLASLt bf16 -> fp32, the dispatch table's choice)
-// is captured into a CUDA graph of `copies` back-to-back calls and replayed; the time per call is the
-// median replay time over `iters` replays (CUDA events) divided by `copies`. Cold: each call of the graph
-// reads a different copy of W, with enough copies (3x the L2 size) that every call misses L2, as in a
-// decode step where the other layers' weights have evicted this one's. Hot: one copy, L2-resident.
+// Every variant (both small-T kernels with each experts-per-CTA, cuBLASLt bf16 -> fp32, the dispatch
+// table's choice) is captured into a CUDA graph of `copies` back-to-back calls and replayed; the time per
+// call is the median replay time over `iters` replays (CUDA events) divided by `copies`. The "+pdl"
+// variants capture the same calls with PDL on: call k+1 streams its W while call k finishes, which is what
+// the router gains behind its real producer (the all-reduce + norm); cuBLASLt has no such variant here.
+// Correctness before timing: every variant's logits within the path's bound of the fp64 oracle, and every
+// small-T variant's logits bit-identical to the first one's (both kernels share one FMA order).
+// Cold: each call of the graph reads a different copy of W, with enough copies (3x the L2 size) that every
+// call misses L2, as in a decode step where the other layers' weights have evicted this one's. Hot: one
+// copy, L2-resident.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -93,15 +99,35 @@ std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const R
     std::string name;
     RouterGemmOptions opt;
   };
+  const auto small = [](int e, RouterSmallKernel k, bool pdl) {
+    RouterGemmOptions opt;
+    opt.path = RouterPath::kSmallT;
+    opt.experts_per_cta = e;
+    opt.small_kernel = k;
+    opt.pdl = pdl;
+    return opt;
+  };
   std::vector<RouterBenchRow> rows;
   for (const int64_t T : o.tokens) {
     std::vector<Variant> variants;
-    if (T <= kRouterSmallMaxTokens)
+    if (T <= kRouterSmallMaxTokens) {
       for (const int e : {1, 2, 4, 8})
         if (E % e == 0 && e * router_token_bucket(T) <= 64)
-          variants.push_back({fmt::format("small/e{}", e), RouterGemmOptions{RouterPath::kSmallT, e, false}});
-    variants.push_back({"cublaslt", RouterGemmOptions{RouterPath::kCublasLt, 0, false}});
+          variants.push_back({fmt::format("small/e{}", e), small(e, RouterSmallKernel::kRowLoop, false)});
+      if (T <= kRouterStagedMaxTokens)
+        for (const int e : {1, 2, 4, 8})
+          if (E % e == 0) variants.push_back({fmt::format("small2/e{}", e), small(e, RouterSmallKernel::kStaged, false)});
+      if (o.pdl_variants) {
+        variants.push_back({"small/e1+pdl", small(1, RouterSmallKernel::kRowLoop, true)});
+        if (T <= kRouterStagedMaxTokens)
+          variants.push_back({"small2/e1+pdl", small(1, RouterSmallKernel::kStaged, true)});
+      }
+    }
+    RouterGemmOptions lt;
+    lt.path = RouterPath::kCublasLt;
+    variants.push_back({"cublaslt", lt});
     variants.push_back({"auto", RouterGemmOptions{}});
+    std::vector<float> first_small;  // logits of the first small-T variant of this T
     for (const Variant& v : variants) {
       // Correctness first (and cuBLASLt's algorithm choice, outside the capture).
       PCPKV_CUDA_CHECK(cudaMemsetAsync(logits.p, 0xA5, T * E * 4, stream));
@@ -117,6 +143,16 @@ std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const R
         PCPKV_CHECK(std::fabs(got[i] - exact[i]) <= bound,
                     "bench: {} {} T={}: logit {} = {} differs from the fp64 oracle {} by more than the bound {}", preset,
                     v.name, T, i, got[i], exact[i], bound);
+      }
+      if (used == RouterPath::kSmallT) {
+        if (first_small.empty()) {
+          first_small = got;
+        } else {
+          for (size_t i = 0; i < got.size(); ++i)
+            PCPKV_CHECK(std::memcmp(&got[i], &first_small[i], 4) == 0,
+                        "bench: {} {} T={}: logit {} = {} is not bit-identical to the first small-T variant's {}",
+                        preset, v.name, T, i, got[i], first_small[i]);
+        }
       }
       for (const bool cold : {true, false}) {
         if (!cold && o.cold) continue;

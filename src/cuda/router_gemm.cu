@@ -1,4 +1,5 @@
-// src/cuda/router_gemm.cu: the router GEMM (pcpkv/router.h, SPEC section 7).
+// src/cuda/router_gemm.cu: the router GEMM (pcpkv/router.h, SPEC section 7): host side, and the row-loop
+// small-T kernel (v1, "small"; the staged kernel "small2" is in router_small_staged.cu).
 //
 // Small T (1..32): a CUDA-core kernel bound by reading W once. CTA = 128 threads owning kE experts;
 // thread i covers 16-byte vectors i, i+128, ... of the hidden dim, so each thread streams its W vectors
@@ -6,6 +7,7 @@
 // before the PDL wait: W is a weight, not the previous kernel's output, so with PDL its HBM read overlaps
 // the producer's tail. fp32 accumulation: one FMA chain per thread (ascending k), warp butterfly, pairwise
 // over the 4 warps; deterministic, and the depth is what router_logit_bound_factor(kSmallT) counts.
+// (Its x loads stay behind the previous vector's FMAs: one L2 round trip per vector; v2 removes that.)
 // Larger T: cuBLASLt (bf16 x bf16 -> fp32, fp32 compute; fp32 weights: fp32 GEMM on an fp32 copy of x).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -17,6 +19,7 @@
 #include <utility>
 
 #include "cuda/check.h"
+#include "cuda/router_small.h"
 #include "pcpkv/device/fp32.h"
 #include "pcpkv/error.h"
 #include "pcpkv/pdl.h"
@@ -32,19 +35,11 @@
 namespace pcpkv::cuda {
 namespace {
 
-constexpr int kBlock = 128;
-constexpr int kWarps = kBlock / 32;
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+using router_detail::bf16x8_to_float;
+using router_detail::SmallArgs;
 
-struct SmallArgs {
-  const uint16_t* x;     // [T, hidden] bf16, row stride x_stride
-  int64_t x_stride;
-  const void* w;         // [E, hidden] bf16 or fp32
-  float* logits;         // [T, E]
-  int32_t num_tokens;
-  int32_t hidden;
-  int32_t n_experts;
-};
+constexpr int kBlock = router_detail::kRouterSmallBlock;
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 /// 16-byte streaming load of weights: read once per call, so keep it out of L1. volatile keeps the
 /// weight loads ahead of the PDL wait.
@@ -54,15 +49,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
   return r;
-}
-
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* f) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);             // element 2i: the low half (little-endian)
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
 }
 
 /// 16-byte loads per 8 weights, and how many passes of 8 vectors each thread keeps in flight: enough
@@ -152,26 +138,7 @@ __global__ void __launch_bounds__(kBlock) router_small_kernel(SmallArgs a) {
     pdl::launch_dependents();
   }
 
-  __shared__ float red[kE * kT][kWarps];
-  const int lane = tid & 31, warp = tid >> 5;
-#pragma unroll
-  for (int e = 0; e < kE; ++e)
-#pragma unroll
-    for (int t = 0; t < kT; ++t) {
-      if (t < a.num_tokens) {
-        float s = acc[e][t];
-#pragma unroll
-        for (int off = 16; off >= 1; off >>= 1) s = fp32::add(s, __shfl_xor_sync(0xffffffffu, s, off));
-        if (lane == 0) red[e * kT + t][warp] = s;
-      }
-    }
-  __syncthreads();
-  for (int i = tid; i < kE * kT; i += kBlock) {
-    const int e = i / kT, t = i % kT;
-    if (t < a.num_tokens)
-      a.logits[static_cast<int64_t>(t) * a.n_experts + e0 + e] =
-          fp32::add(fp32::add(red[i][0], red[i][1]), fp32::add(red[i][2], red[i][3]));
-  }
+  router_detail::small_reduce_store<kT, kE>(acc, a, e0);
 }
 
 /// bf16 -> fp32 copy of x for the fp32-weight cuBLASLt path (exact).
@@ -236,6 +203,7 @@ struct RouterGemm::Impl {
   void* workspace = nullptr;
   float* x_f32 = nullptr;          // fp32 copy of x (fp32-weight cuBLASLt path)
   int64_t x_f32_tokens = 0;
+  int64_t max_smem_optin = 0;      // shared memory a CTA may opt into (staged kernel)
 
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
@@ -304,6 +272,10 @@ RouterGemm::RouterGemm(int64_t hidden, int64_t n_experts, RouterWeightDtype w_dt
   impl_->hidden = hidden;
   impl_->n_experts = n_experts;
   impl_->w_dtype = w_dtype;
+  int device = 0, smem_optin = 0;
+  PCPKV_CUDA_CHECK(cudaGetDevice(&device));
+  PCPKV_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  impl_->max_smem_optin = smem_optin;
   RG_LT_CHECK(cublasLtCreate(&impl_->lt));
   PCPKV_CUDA_CHECK(cudaMalloc(&impl_->workspace, kWorkspaceBytes));
 }
@@ -327,26 +299,35 @@ void RouterGemm::run(const uint16_t* x, int64_t x_stride, const void* w, float* 
 
   RouterPath path = options.path;
   int experts_per_cta = options.experts_per_cta;
+  RouterSmallKernel small_kernel = options.small_kernel;
   if (path == RouterPath::kAuto) {
     const RouterDispatchEntry e = router_dispatch(num_tokens);
     path = e.path;
     if (experts_per_cta == 0) experts_per_cta = e.experts_per_cta;
+    if (small_kernel == RouterSmallKernel::kAuto) small_kernel = e.kernel;
   }
   if (path == RouterPath::kSmallT && num_tokens > kRouterSmallMaxTokens) path = RouterPath::kCublasLt;
 
   if (path == RouterPath::kSmallT) {
-    if (experts_per_cta == 0) experts_per_cta = router_dispatch(num_tokens).experts_per_cta;
-    if (experts_per_cta == 0) experts_per_cta = 1;
+    const RouterDispatchEntry row = router_dispatch(num_tokens);
+    if (experts_per_cta == 0) experts_per_cta = row.path == RouterPath::kSmallT ? row.experts_per_cta : 1;
+    if (small_kernel == RouterSmallKernel::kAuto)
+      small_kernel = row.path == RouterPath::kSmallT ? row.kernel : RouterSmallKernel::kRowLoop;
     const int32_t bucket = router_token_bucket(num_tokens);
     PCPKV_CHECK(m.n_experts % experts_per_cta == 0, "router: experts_per_cta = {} does not divide n_experts = {}",
                 experts_per_cta, m.n_experts);
+    SmallArgs a{x, x_stride, w, logits, static_cast<int32_t>(num_tokens), static_cast<int32_t>(m.hidden),
+                static_cast<int32_t>(m.n_experts)};
+    if (small_kernel == RouterSmallKernel::kStaged) {
+      router_detail::launch_router_staged(a, bucket, experts_per_cta, m.w_dtype, m.max_smem_optin, options.pdl,
+                                          stream);
+      return;
+    }
     const SmallKernel k = pick_small_kernel(bucket, experts_per_cta, m.w_dtype);
     PCPKV_CHECK(k != nullptr,
                 "router: experts_per_cta = {} with {} tokens (bucket {}) is not built (1, 2, 4, 8 with "
                 "experts_per_cta x bucket <= 64)",
                 experts_per_cta, num_tokens, bucket);
-    SmallArgs a{x, x_stride, w, logits, static_cast<int32_t>(num_tokens), static_cast<int32_t>(m.hidden),
-                static_cast<int32_t>(m.n_experts)};
     PCPKV_CUDA_CHECK(pdl::launch(k, dim3(static_cast<unsigned>(m.n_experts / experts_per_cta)), dim3(kBlock), 0,
                               stream, options.pdl, a));
     return;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/attention_check_internal.h"
@@ -197,6 +198,10 @@ ConsumerBenchResult bench_consumers(const ConsumerBenchConfig& cfg, const ModelC
   fill_bf16_rows<<<blocks_for(T * Hq * 576, 256), 256, 0, s>>>(d_q.as<uint16_t>(), T * Hq, 576, 0.5f, cfg.seed + 2);
   check_cuda(cudaGetLastError(), "fill");
 
+  // Tensor ceilings: H100/H200 SXM datasheet peaks scaled by the measured / datasheet fp32 ratio (clock).
+  const double clock_ratio = res.fp32_tflops / 67.0;
+  const double dmma_peak = 67.0 * clock_ratio, bf16_peak = 989.0 * clock_ratio;
+
   // ---- indexer ----
   IndexerParams ip;
   ip.num_tokens = T;
@@ -214,17 +219,59 @@ ConsumerBenchResult bench_consumers(const ConsumerBenchConfig& cfg, const ModelC
   ip.topk = cfg.topk;
   ip.max_keys = T;
   ip.topk_slots = d_topk.as<int32_t>();
-  const int64_t ws_bytes = std::max(indexer_min_workspace_bytes(ip), std::min<int64_t>(T * T * 4, int64_t{1} << 30));
+  // Room for every token's scores (one pass) up to 8 GiB, so the halves can be timed alone.
+  const int64_t ws_bytes = std::max(indexer_min_workspace_bytes(ip), std::min<int64_t>(T * T * 4, int64_t{8} << 30));
+  const int64_t per_pass = std::min<int64_t>({ws_bytes / (T * 4), int64_t{65535}, T});
   Dev d_ws(ws_bytes);
-  res.indexer_ms = time_ms([&] { indexer(ip, d_ws.p, ws_bytes, s); }, cfg.repeats, s);
   double pairs = 0.0, keys = 0.0;
   for (int64_t t = 0; t < T; ++t) {
     pairs += double(t + 1);
     keys += double(std::min<int64_t>(t + 1, cfg.topk));
   }
-  res.indexer_tflops = 2.0 * pairs * Hi * 128 / (res.indexer_ms * 1e-3) / 1e12;
+  const double idx_flop = 2.0 * pairs * Hi * 128;
   const double idx_bytes = double(T) * Hi * (128 + 8) + double(T) * (12 + kIndexerSlotBytes) + double(T) * cfg.topk * 4;
-  res.indexer_tbps = idx_bytes / (res.indexer_ms * 1e-3) / 1e12;
+  auto add_row = [&](std::string name, double ms, double flop, double peak, std::string peak_name, double bytes) {
+    ConsumerBenchRow r;
+    r.name = std::move(name);
+    r.ms = ms;
+    r.tflops = flop / (ms * 1e-3) / 1e12;
+    r.peak_tflops = peak;
+    r.peak_name = std::move(peak_name);
+    r.tbps = bytes / (ms * 1e-3) / 1e12;
+    res.rows.push_back(r);
+    return r;
+  };
+  float* ws = d_ws.as<float>();
+  for (size_t i = 0; i < cfg.indexers.size(); ++i) {
+    ip.logit = cfg.indexers[i];
+    const bool exact = ip.logit == IndexerLogit::kExact;
+    const double peak = exact ? dmma_peak : res.fp32_tflops;
+    const std::string peak_name = exact ? "fp64 tensor" : "fp32 FMA";
+    const std::string label = exact ? "indexer exact (fp64 DMMA scores)" : "indexer fp32_tree (CUDA-core scores)";
+    const double ms = time_ms([&] { indexer(ip, d_ws.p, ws_bytes, s); }, cfg.repeats, s);
+    const ConsumerBenchRow full = add_row(label + " + top-k", ms, idx_flop, peak, peak_name, idx_bytes);
+    const double sms = time_ms(
+        [&] {
+          for (int64_t tok0 = 0; tok0 < T; tok0 += per_pass) indexer_scores(ip, tok0, std::min(per_pass, T - tok0), ws, s);
+        },
+        cfg.repeats, s);
+    add_row("  scores only", sms, idx_flop, peak, peak_name, idx_bytes - double(T) * cfg.topk * 4);
+    if (i == 0) {
+      res.indexer_ms = full.ms;
+      res.indexer_tflops = full.tflops;
+      res.indexer_tbps = full.tbps;
+    }
+  }
+  if (per_pass == T) {  // every score is in ws: the top-k alone
+    const double tms = time_ms([&] { indexer_topk(ip, 0, T, ws, s); }, cfg.repeats, s);
+    add_row("top-k alone (radix select + sort, from stored scores)", tms, 0.0, 0.0, "-",
+            double(T) * cfg.topk * 4 + pairs * 4);
+  }
+  // The selection the attention reads: the first indexer's.
+  if (!cfg.indexers.empty() && cfg.indexers.size() > 1) {
+    ip.logit = cfg.indexers[0];
+    indexer(ip, d_ws.p, ws_bytes, s);
+  }
 
   // ---- attention over the indexer's selection ----
   Dev d_out(size_t(T) * Hq * 512 * 4), d_lse(size_t(T) * Hq * 4);
@@ -240,12 +287,25 @@ ConsumerBenchResult bench_consumers(const ConsumerBenchConfig& cfg, const ModelC
   ap.softmax_scale = static_cast<float>(model.softmax_scale());
   ap.out = d_out.as<float>();
   ap.lse = d_lse.as<float>();
-  res.attention_ms = time_ms([&] { sparse_mla(ap, s); }, cfg.repeats, s);
-  res.attention_tflops = 2.0 * keys * Hq * (576.0 + 512.0) / (res.attention_ms * 1e-3) / 1e12;
+  const double att_flop = 2.0 * keys * Hq * (576.0 + 512.0);
   const double row = static_cast<double>(mla_row_bytes(fmt.kv_format));
   const double att_bytes = double(T) * Hq * (576 * 2 + 512 * 4 + 4) + double(T) * cfg.topk * 4 + double(T) * row;
-  res.attention_tbps = att_bytes / (res.attention_ms * 1e-3) / 1e12;
-  res.attention_gathered_tbps = keys * row * ((Hq + 15) / 16) / (res.attention_ms * 1e-3) / 1e12;
+  for (size_t i = 0; i < cfg.attentions.size(); ++i) {
+    const SparseMlaKernel k = cfg.attentions[i];
+    const bool mma = k == SparseMlaKernel::kMma;
+    const double ms = time_ms([&] { sparse_mla(ap, s, k); }, cfg.repeats, s);
+    const ConsumerBenchRow r =
+        add_row(mma ? "sparse MLA mma (bf16 tensor cores)" : "sparse MLA simt (fp32 CUDA cores)", ms, att_flop,
+                mma ? bf16_peak : res.fp32_tflops, mma ? "bf16 tensor" : "fp32 FMA", att_bytes);
+    if (i == 0) {
+      res.attention_ms = r.ms;
+      res.attention_tflops = r.tflops;
+      res.attention_tbps = r.tbps;
+      const int heads_per_cta = mma ? 64 : 16;
+      res.attention_gathered_tbps =
+          keys * row * ((Hq + heads_per_cta - 1) / heads_per_cta) / (r.ms * 1e-3) / 1e12;
+    }
+  }
   check_cuda(cudaStreamSynchronize(s), "bench");
   cudaStreamDestroy(s);
   return res;

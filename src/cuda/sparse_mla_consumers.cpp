@@ -48,7 +48,9 @@ size_t sz(int64_t n) { return static_cast<size_t>(n); }
 
 class CudaConsumers final : public ConsumerKernels {
  public:
-  explicit CudaConsumers(int device_idx) : device_(device_idx) {
+  CudaConsumers(int device_idx, SparseMlaKernel attention) : device_(device_idx), attention_(attention) {
+    PCPKV_CHECK(attention == SparseMlaKernel::kMma || attention == SparseMlaKernel::kSimt,
+                "cuda consumers: attention kernel must be kMma or kSimt, got {}", static_cast<int>(attention));
     int n = 0;
     const cudaError_t e = cudaGetDeviceCount(&n);
     PCPKV_CHECK(e == cudaSuccess && n > 0, "cuda consumers: no usable CUDA device ({})",
@@ -61,6 +63,7 @@ class CudaConsumers final : public ConsumerKernels {
     if (stream_) cudaStreamDestroy(stream_);
   }
   std::string name() const override { return "cuda"; }
+  SparseMlaArith attention_arith() const override { return arith_of(attention_); }
 
   void indexer(const IndexerParams& h) override {
     validate_indexer(h);
@@ -116,7 +119,7 @@ class CudaConsumers final : public ConsumerKernels {
     d.indices = idx.as<int32_t>();
     d.out = out.as<float>();
     d.lse = lse.as<float>();
-    cuda::sparse_mla(d, stream_);
+    cuda::sparse_mla(d, stream_, attention_);
     out.download(h.out, stream_);
     lse.download(h.lse, stream_);
     check_cuda(cudaStreamSynchronize(stream_), "sparse_mla");
@@ -143,11 +146,14 @@ class CudaConsumers final : public ConsumerKernels {
 
  private:
   int device_ = 0;
+  SparseMlaKernel attention_ = SparseMlaKernel::kMma;
   cudaStream_t stream_ = nullptr;
 };
 
 }  // namespace
 
-std::unique_ptr<ConsumerKernels> make_consumers(int device_idx) { return std::make_unique<CudaConsumers>(device_idx); }
+std::unique_ptr<ConsumerKernels> make_consumers(int device_idx, SparseMlaKernel attention) {
+  return std::make_unique<CudaConsumers>(device_idx, attention);
+}
 
 }  // namespace pcpkv::cuda

@@ -1,4 +1,5 @@
-// CUDA sparse MLA attention (SPEC section 6): fp32 CUDA-core math, online softmax over tiles of 32
+// CUDA sparse MLA attention (SPEC section 6), the kSimt kernel and the entry point (kMma lives in
+// sparse_mla_mma.cu): fp32 CUDA-core math, online softmax over tiles of 32
 // selected slots. One block per (token, group of 16 heads); the arithmetic order depends only on that
 // token's query and index row, so results are bit-reproducible across batches, grids and PCP layouts.
 #include <cuda_runtime.h>
@@ -10,6 +11,7 @@
 #include "pcpkv/device/consumers.h"
 #include "pcpkv/error.h"
 #include "pcpkv/sparse_mla.h"
+#include "cuda/sparse_mla_mma.h"
 
 namespace pcpkv::cuda {
 
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_kernel(SparseMlaParams p)
 
 }  // namespace
 
-void sparse_mla(const SparseMlaParams& p, void* stream) {
+void sparse_mla(const SparseMlaParams& p, void* stream, SparseMlaKernel kernel) {
   PCPKV_CHECK(p.num_tokens >= 0 && p.num_tokens < (int64_t{1} << 31),
               "sparse_mla: num_tokens must be in [0, 2^31), got {}", p.num_tokens);
   PCPKV_CHECK(p.num_heads >= 1, "sparse_mla: num_heads must be >= 1, got {}", p.num_heads);
@@ -176,6 +178,12 @@ void sparse_mla(const SparseMlaParams& p, void* stream) {
   validate_geometry(p.geometry, p.fmt.kv_format);
   if (p.num_tokens == 0) return;
   PCPKV_CHECK(p.q && p.mla_cache && p.indices && p.out && p.lse, "sparse_mla: a required device pointer is null");
+  PCPKV_CHECK(kernel == SparseMlaKernel::kMma || kernel == SparseMlaKernel::kSimt,
+              "sparse_mla: kernel must be kMma or kSimt, got {}", static_cast<int>(kernel));
+  if (kernel == SparseMlaKernel::kMma) {
+    detail::sparse_mla_mma(p, static_cast<cudaStream_t>(stream));
+    return;
+  }
   static_assert(kV == 2 * kThreads, "each thread owns two output dims");
   const int smem = static_cast<int>(sizeof(Smem));
   check_cuda(cudaFuncSetAttribute(sparse_mla_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),

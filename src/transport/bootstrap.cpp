@@ -442,8 +442,11 @@ void Bootstrap::Impl::rendezvous_follower() {
   std::vector<uint8_t> hello(sizeof(h) + cfg.token.size());
   std::memcpy(hello.data(), &h, sizeof(h));
   std::memcpy(hello.data() + sizeof(h), cfg.token.data(), cfg.token.size());
-  PCPKV_CHECK(send_frame(conns[0].get(), FrameType::kHello, hello.data(), hello.size(), dl) == IoStatus::kOk,
-              "bootstrap: rank {} could not send its hello to rank 0 (pid {})", cfg.rank, pid);
+  if (send_frame(conns[0].get(), FrameType::kHello, hello.data(), hello.size(), dl) != IoStatus::kOk) {
+    if (const std::string why = read_tombstone(cfg.address, cfg.token); !why.empty())
+      PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
+    PCPKV_FAIL("bootstrap: rank {} could not send its hello to rank 0 (pid {})", cfg.rank, pid);
+  }
 
   Frame f;
   const IoStatus st = recv_frame(conns[0].get(), follower_deadline(), &f);
@@ -451,7 +454,13 @@ void Bootstrap::Impl::rendezvous_follower() {
               "bootstrap: rendezvous timed out after {} s at rank {}: rank 0 (pid {}) is up but not every rank "
               "arrived",
               cfg.timeout_s, cfg.rank, pid);
-  PCPKV_CHECK(st == IoStatus::kOk, "bootstrap: rank 0 (pid {}) closed the connection during rendezvous", pid);
+  if (st != IoStatus::kOk) {
+    // Rank 0 may have failed the job while our hello was still unread (it then never told us): its
+    // tombstone says why.
+    if (const std::string why = read_tombstone(cfg.address, cfg.token); !why.empty())
+      PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
+    PCPKV_FAIL("bootstrap: rank 0 (pid {}) closed the connection during rendezvous", pid);
+  }
   const std::string text(f.payload.begin(), f.payload.end());
   if (f.type == FrameType::kReject)
     PCPKV_FAIL("bootstrap: rank 0 (pid {}) refused rank {} (pid {}): {}", pid, cfg.rank, ::getpid(), text);

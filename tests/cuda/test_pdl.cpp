@@ -73,6 +73,7 @@ struct QuantChain {
   float* logits;
   int32_t* ids;
   float* weights;
+  RouterSmallKernel small_kernel = RouterSmallKernel::kAuto;  // kAuto: the dispatch; else small-T, 1 expert/CTA
   QuantChain(int64_t T_, const RouterConfig& c) : T(T_), H(c.hidden_size), rc(c) {
     x = dev_alloc<uint16_t>(T * H);
     for (int l = 0; l < kLayers; ++l) {
@@ -120,6 +121,11 @@ struct QuantChain {
     }
     cuda::RouterGemmOptions o;
     o.pdl = pdl;
+    if (small_kernel != RouterSmallKernel::kAuto) {
+      o.path = RouterPath::kSmallT;
+      o.experts_per_cta = 1;
+      o.small_kernel = small_kernel;
+    }
     gemm.run(y[kLayers - 1], H, w, logits, T, stream, o);
     cuda::grouped_topk(logits, T, nullptr, rc, ids, weights, stream, pdl);
   }
@@ -149,41 +155,50 @@ TEST(Pdl, QuantChainIsByteIdenticalWithAndWithoutPdl) {
       fp8_group_dequant_reference(p, next.data());
       cur = next;
     }
-    std::vector<std::vector<uint8_t>> results;  // [pdl off, pdl on]: y, logits, ids, weights as bytes
-    for (const bool pdl : {false, true}) {
-      QuantChain chain(T, rc);
-      CUDA_OK(cudaMemcpy(chain.x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-      CUDA_OK(cudaMemcpy(chain.w, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
-      cuda::RouterGemm gemm(rc.hidden_size, rc.n_experts, RouterWeightDtype::kBf16);
-      cudaStream_t stream;
-      CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      chain.enqueue(stream, gemm, pdl);  // eager once (also picks the cuBLASLt algorithm)
-      CUDA_OK(cudaStreamSynchronize(stream));
-      cudaGraph_t graph;
-      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      chain.enqueue(stream, gemm, pdl);
-      CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      cudaGraphExec_t exec;
-      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int k = 0; k < 20; ++k) CUDA_OK(cudaGraphLaunch(exec, stream));
-      CUDA_OK(cudaStreamSynchronize(stream));
-      const auto y = dev_get(chain.y[QuantChain::kLayers - 1], hx.size());
-      EXPECT_EQ(y, cur) << (pdl ? "pdl on" : "pdl off");
-      const auto logits = dev_get(chain.logits, T * rc.n_experts);
-      const auto ids = dev_get(chain.ids, T * rc.top_k);
-      const auto weights = dev_get(chain.weights, T * rc.top_k);
-      std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(logits.data()),
-                                 reinterpret_cast<const uint8_t*>(logits.data() + logits.size()));
-      bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(ids.data()),
-                   reinterpret_cast<const uint8_t*>(ids.data() + ids.size()));
-      bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(weights.data()),
-                   reinterpret_cast<const uint8_t*>(weights.data() + weights.size()));
-      results.push_back(bytes);
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
+    std::vector<RouterSmallKernel> kernels = {RouterSmallKernel::kAuto};
+    if (T <= kRouterStagedMaxTokens) {
+      kernels.push_back(RouterSmallKernel::kRowLoop);
+      kernels.push_back(RouterSmallKernel::kStaged);
     }
-    EXPECT_EQ(results[0], results[1]) << "PDL changed the bytes";
+    for (const RouterSmallKernel kernel : kernels) {
+      SCOPED_TRACE(::testing::Message() << "router " << to_string(kernel));
+      std::vector<std::vector<uint8_t>> results;  // [pdl off, pdl on]: y, logits, ids, weights as bytes
+      for (const bool pdl : {false, true}) {
+        QuantChain chain(T, rc);
+        chain.small_kernel = kernel;
+        CUDA_OK(cudaMemcpy(chain.x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(chain.w, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
+        cuda::RouterGemm gemm(rc.hidden_size, rc.n_experts, RouterWeightDtype::kBf16);
+        cudaStream_t stream;
+        CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        chain.enqueue(stream, gemm, pdl);  // eager once (also picks the cuBLASLt algorithm)
+        CUDA_OK(cudaStreamSynchronize(stream));
+        cudaGraph_t graph;
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        chain.enqueue(stream, gemm, pdl);
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        cudaGraphExec_t exec;
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int k = 0; k < 20; ++k) CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        const auto y = dev_get(chain.y[QuantChain::kLayers - 1], hx.size());
+        EXPECT_EQ(y, cur) << (pdl ? "pdl on" : "pdl off");
+        const auto logits = dev_get(chain.logits, T * rc.n_experts);
+        const auto ids = dev_get(chain.ids, T * rc.top_k);
+        const auto weights = dev_get(chain.weights, T * rc.top_k);
+        std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(logits.data()),
+                                   reinterpret_cast<const uint8_t*>(logits.data() + logits.size()));
+        bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(ids.data()),
+                     reinterpret_cast<const uint8_t*>(ids.data() + ids.size()));
+        bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(weights.data()),
+                     reinterpret_cast<const uint8_t*>(weights.data() + weights.size()));
+        results.push_back(bytes);
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(stream);
+      }
+      EXPECT_EQ(results[0], results[1]) << "PDL changed the bytes";
+    }
   }
 }
 
@@ -202,79 +217,89 @@ TEST(Pdl, AllReduceThenRouterChain) {
   allreduce_rmsnorm_reference(in_ptrs, T, AllReduceNorm{H, nw.data(), 1e-5f}, residual.data(), res_ref.data(), y_ref.data());
   const std::vector<uint16_t> hw = test::random_bf16(rc.n_experts, H, 82, 0, 0.02);
 
-  std::vector<std::vector<uint8_t>> results;
-  for (const bool pdl : {false, true}) {
-    cuda::LogicalAllReduce ar(W, T * H);
-    std::vector<uint16_t*> din(W), dres(W), dy(W);
-    for (int32_t r = 0; r < W; ++r) {
-      din[r] = dev_alloc<uint16_t>(T * H);
-      dres[r] = dev_alloc<uint16_t>(T * H);
-      dy[r] = dev_alloc<uint16_t>(T * H);
-      CUDA_OK(cudaMemcpy(din[r], in[r].data(), T * H * 2, cudaMemcpyHostToDevice));
-    }
-    uint16_t* dres_src = dev_alloc<uint16_t>(T * H);  // graph nodes copy device to device (no pageable memory)
-    CUDA_OK(cudaMemcpy(dres_src, residual.data(), T * H * 2, cudaMemcpyHostToDevice));
-    float* dnw = dev_alloc<float>(H);
-    uint16_t* dw = dev_alloc<uint16_t>(hw.size());
-    float* logits = dev_alloc<float>(T * rc.n_experts);
-    int32_t* ids = dev_alloc<int32_t>(T * rc.top_k);
-    float* weights = dev_alloc<float>(T * rc.top_k);
-    CUDA_OK(cudaMemcpy(dnw, nw.data(), H * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dw, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
-    cuda::RouterGemm gemm(H, rc.n_experts, RouterWeightDtype::kBf16);
-    cudaStream_t stream;
-    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto enqueue = [&] {
+  // The small-T kernels explicitly (T = 8 dispatches to cuBLASLt): each must wait before reading y.
+  for (const RouterSmallKernel kernel :
+       {RouterSmallKernel::kAuto, RouterSmallKernel::kRowLoop, RouterSmallKernel::kStaged}) {
+    SCOPED_TRACE(::testing::Message() << "router " << to_string(kernel));
+    std::vector<std::vector<uint8_t>> results;
+    for (const bool pdl : {false, true}) {
+      cuda::LogicalAllReduce ar(W, T * H);
+      std::vector<uint16_t*> din(W), dres(W), dy(W);
       for (int32_t r = 0; r < W; ++r) {
-        cudaMemcpyAsync(dres[r], dres_src, T * H * 2, cudaMemcpyDeviceToDevice, stream);
-        cudaMemsetAsync(dy[r], 0xA5, T * H * 2, stream);
+        din[r] = dev_alloc<uint16_t>(T * H);
+        dres[r] = dev_alloc<uint16_t>(T * H);
+        dy[r] = dev_alloc<uint16_t>(T * H);
+        CUDA_OK(cudaMemcpy(din[r], in[r].data(), T * H * 2, cudaMemcpyHostToDevice));
       }
-      cudaMemsetAsync(logits, 0xA5, T * rc.n_experts * 4, stream);
-      cuda::AllReduceOptions o;
-      o.pdl = pdl;
-      ar.run_fused(din.data(), dres.data(), dres.data(), dy.data(), T, AllReduceNorm{H, dnw, 1e-5f}, stream, o);
-      cuda::RouterGemmOptions ro;
-      ro.pdl = pdl;
-      gemm.run(dy[0], H, dw, logits, T, stream, ro);
-      cuda::grouped_topk(logits, T, nullptr, rc, ids, weights, stream, pdl);
-    };
-    enqueue();
-    CUDA_OK(cudaStreamSynchronize(stream));
-    cudaGraph_t graph;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    enqueue();
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int k = 0; k < 20; ++k) CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    ar.check();
-    for (int32_t r = 0; r < W; ++r) {
-      EXPECT_EQ(dev_get(dy[r], T * H), y_ref) << "rank " << r << (pdl ? " pdl" : "");
-      EXPECT_EQ(dev_get(dres[r], T * H), res_ref) << "rank " << r << (pdl ? " pdl" : "");
+      uint16_t* dres_src = dev_alloc<uint16_t>(T * H);  // graph nodes copy device to device (no pageable memory)
+      CUDA_OK(cudaMemcpy(dres_src, residual.data(), T * H * 2, cudaMemcpyHostToDevice));
+      float* dnw = dev_alloc<float>(H);
+      uint16_t* dw = dev_alloc<uint16_t>(hw.size());
+      float* logits = dev_alloc<float>(T * rc.n_experts);
+      int32_t* ids = dev_alloc<int32_t>(T * rc.top_k);
+      float* weights = dev_alloc<float>(T * rc.top_k);
+      CUDA_OK(cudaMemcpy(dnw, nw.data(), H * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(dw, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
+      cuda::RouterGemm gemm(H, rc.n_experts, RouterWeightDtype::kBf16);
+      cudaStream_t stream;
+      CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      auto enqueue = [&] {
+        for (int32_t r = 0; r < W; ++r) {
+          cudaMemcpyAsync(dres[r], dres_src, T * H * 2, cudaMemcpyDeviceToDevice, stream);
+          cudaMemsetAsync(dy[r], 0xA5, T * H * 2, stream);
+        }
+        cudaMemsetAsync(logits, 0xA5, T * rc.n_experts * 4, stream);
+        cuda::AllReduceOptions o;
+        o.pdl = pdl;
+        ar.run_fused(din.data(), dres.data(), dres.data(), dy.data(), T, AllReduceNorm{H, dnw, 1e-5f}, stream, o);
+        cuda::RouterGemmOptions ro;
+        ro.pdl = pdl;
+        if (kernel != RouterSmallKernel::kAuto) {
+          ro.path = RouterPath::kSmallT;
+          ro.experts_per_cta = 1;
+          ro.small_kernel = kernel;
+        }
+        gemm.run(dy[0], H, dw, logits, T, stream, ro);
+        cuda::grouped_topk(logits, T, nullptr, rc, ids, weights, stream, pdl);
+      };
+      enqueue();
+      CUDA_OK(cudaStreamSynchronize(stream));
+      cudaGraph_t graph;
+      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      enqueue();
+      CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int k = 0; k < 20; ++k) CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      ar.check();
+      for (int32_t r = 0; r < W; ++r) {
+        EXPECT_EQ(dev_get(dy[r], T * H), y_ref) << "rank " << r << (pdl ? " pdl" : "");
+        EXPECT_EQ(dev_get(dres[r], T * H), res_ref) << "rank " << r << (pdl ? " pdl" : "");
+      }
+      const auto lg = dev_get(logits, T * rc.n_experts);
+      const auto id = dev_get(ids, T * rc.top_k);
+      std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(lg.data()),
+                                 reinterpret_cast<const uint8_t*>(lg.data() + lg.size()));
+      bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(id.data()), reinterpret_cast<const uint8_t*>(id.data() + id.size()));
+      results.push_back(bytes);
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+      for (int32_t r = 0; r < W; ++r) {
+        cudaFree(din[r]);
+        cudaFree(dres[r]);
+        cudaFree(dy[r]);
+      }
+      cudaFree(dres_src);
+      cudaFree(dnw);
+      cudaFree(dw);
+      cudaFree(logits);
+      cudaFree(ids);
+      cudaFree(weights);
     }
-    const auto lg = dev_get(logits, T * rc.n_experts);
-    const auto id = dev_get(ids, T * rc.top_k);
-    std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(lg.data()),
-                               reinterpret_cast<const uint8_t*>(lg.data() + lg.size()));
-    bytes.insert(bytes.end(), reinterpret_cast<const uint8_t*>(id.data()), reinterpret_cast<const uint8_t*>(id.data() + id.size()));
-    results.push_back(bytes);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
-    for (int32_t r = 0; r < W; ++r) {
-      cudaFree(din[r]);
-      cudaFree(dres[r]);
-      cudaFree(dy[r]);
-    }
-    cudaFree(dres_src);
-    cudaFree(dnw);
-    cudaFree(dw);
-    cudaFree(logits);
-    cudaFree(ids);
-    cudaFree(weights);
+    EXPECT_EQ(results[0], results[1]) << "PDL changed the bytes";
   }
-  EXPECT_EQ(results[0], results[1]) << "PDL changed the bytes";
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // `pcpkv bench --quick` end to end on the GPU: exits 0, prints the summary table last, and writes JSON with
-// the copy bandwidth, the single-rank dispatch, every transport's stages, graph replay times and the
-// speedups over collect measured in the same run. Skips with the reason when no GPU is visible.
+// the copy bandwidth, the single-rank dispatch of every kernel variant, every transport's stages for every
+// layer variant, graph replay times, the speedups over collect measured in the same run, and PDL off / on. Skips with the reason when no GPU is visible.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,14 +48,28 @@ TEST(BenchCli, QuickRunWritesJsonAndSummary) {
   EXPECT_GT(j["copy_bandwidth_gbps"].get<double>(), 100.0);
   ASSERT_FALSE(j["single_rank"].empty());
   for (const auto& s : j["single_rank"]) EXPECT_GT(s["ms"].get<double>(), 0.0);
-  ASSERT_EQ(j["runs"].size(), 3u);  // glm-5, PCP 2, fp8_ds_mla x collect, staging, direct
+  // glm-5, PCP 2, fp8_ds_mla: collect (its pinned baseline) + staging and direct x the 2 default variants
+  ASSERT_EQ(j["runs"].size(), 5u);
   for (const auto& r : j["runs"]) {
     EXPECT_GT(r["total_ms"].get<double>(), 0.0) << r.dump();
     EXPECT_GT(r["bytes"].get<int64_t>(), 0) << r.dump();
     EXPECT_GT(r["graph_ms"].get<double>(), 0.0) << r.dump();
     EXPECT_TRUE(r.contains("speedup_vs_collect")) << r.dump();
     EXPECT_FALSE(r["stages"].empty());
+    EXPECT_FALSE(r["variant"].get<std::string>().empty()) << r.dump();
+    if (r["transport"] == "collect") {
+      EXPECT_EQ(r["variant"], "prefetch:separate:1") << r.dump();
+    }
   }
+  // Single rank: 4 dispatch kernels (simple, prefetch, warp, warp_pf) x fused / separate top-k.
+  EXPECT_EQ(j["single_rank"].size(), 8u);
+  // PDL rows: staging and direct, off and on.
+  ASSERT_EQ(j["pdl"].size(), 2u);
+  for (const auto& p : j["pdl"]) {
+    EXPECT_GT(p["us_off"].get<double>(), 0.0) << p.dump();
+    EXPECT_GT(p["us_on"].get<double>(), 0.0) << p.dump();
+  }
+  EXPECT_NE(out.find("## PDL"), std::string::npos) << out;
   fs::remove_all(dir);
 }
 

@@ -1,7 +1,8 @@
 // The CUDA kernels of the publication (src/cuda/launch.h) against the CPU oracle (pcpkv/cpu.h), byte for
 // byte, on whole buffers (guards included): the fused dispatch in every mode (materialize, cache targets with
-// different padded geometries and misaligned bases, transport rows, top-k fill), several ranks in one launch,
-// the combine, the collect path's inserts and all-gather. Seeded random inputs with outlier channels; every
+// different padded geometries and misaligned bases, transport rows, top-k fill) and every kernel variant
+// (simple, prefetch, warp), several ranks in one launch, the combine (1, 2, 4 rows per warp), the collect
+// path's inserts and all-gather. Seeded random inputs with outlier channels; every
 // output poisoned with 0xA5 before the run. Skips with the reason when no GPU is visible.
 #include <algorithm>
 #include <cmath>
@@ -275,7 +276,8 @@ TEST_P(DispatchKernel, BytesEqualCpuDispatch) {
   hp2.row_dests = host_dests.data();
   cpu_dispatch(hp2);
 
-  for (auto variant : {cuda_detail::DispatchVariant::kSimple, cuda_detail::DispatchVariant::kPrefetch}) {
+  for (auto variant : {cuda_detail::DispatchVariant::kSimple, cuda_detail::DispatchVariant::kPrefetch,
+                       cuda_detail::DispatchVariant::kWarp, cuda_detail::DispatchVariant::kWarpPrefetch}) {
     SCOPED_TRACE(cuda_detail::to_string(variant));
     cuda_detail::DispatchJob job{dp, tg.host, dev_dests};
     // Re-poison the device outputs so each variant proves it wrote everything itself.
@@ -435,12 +437,23 @@ TEST(DispatchKernelRanks, SeveralRanksInOneLaunch) {
     dp.row_dests = dest_tables.back().as<uint8_t* const>();
     jobs.push_back({dp, tg.host, dev_dests[i]});
   }
-  cuda_detail::launch_dispatch(jobs.data(), static_cast<int>(jobs.size()), nullptr);
-  PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
-  for (size_t i = 0; i < sizes.size(); ++i) expect_rank_equal(c, *ranks[i], fmt::format("rank {}", i));
-  for (int d = 0; d < c.num_targets; ++d) {
-    EXPECT_TRUE(same(tg.mla[static_cast<size_t>(d)], fmt::format("target {} mla", d)));
-    EXPECT_TRUE(same(tg.idx[static_cast<size_t>(d)], fmt::format("target {} indexer", d)));
+  for (auto variant : {cuda_detail::DispatchVariant::kSimple, cuda_detail::DispatchVariant::kPrefetch,
+                       cuda_detail::DispatchVariant::kWarp, cuda_detail::DispatchVariant::kWarpPrefetch}) {
+    SCOPED_TRACE(cuda_detail::to_string(variant));
+    for (auto& r : ranks) {  // every variant must write every byte itself
+      for (Mirror* m : {&r->q_out, &r->kv_out, &r->kpe_out, &r->idx_out, &r->topk})
+        if (m->dev.bytes() > 0) PCPKV_CUDA_CHECK(cudaMemset(m->dev.data(), kGuardByte, m->dev.bytes()));
+      for (Mirror& m : r->dests) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
+    }
+    for (Mirror& m : tg.mla) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
+    for (Mirror& m : tg.idx) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
+    cuda_detail::launch_dispatch(jobs.data(), static_cast<int>(jobs.size()), nullptr, variant);
+    PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
+    for (size_t i = 0; i < sizes.size(); ++i) expect_rank_equal(c, *ranks[i], fmt::format("rank {}", i));
+    for (int d = 0; d < c.num_targets; ++d) {
+      EXPECT_TRUE(same(tg.mla[static_cast<size_t>(d)], fmt::format("target {} mla", d)));
+      EXPECT_TRUE(same(tg.idx[static_cast<size_t>(d)], fmt::format("target {} indexer", d)));
+    }
   }
 }
 
@@ -510,7 +523,20 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     p.target = combine_tg.dev_view[static_cast<size_t>(d)];
     dev_jobs.push_back(p);
   }
-  cuda_detail::launch_combine(dev_jobs.data(), static_cast<int>(dev_jobs.size()), nullptr);
+  // Every combine kernel (rows per warp 1, 2, 4; 123 rows per job: batches cross job boundaries and the
+  // last batch is partial), each on re-poisoned targets.
+  for (int rows_per_warp : {1, 2, 4}) {
+    SCOPED_TRACE(fmt::format("combine rows_per_warp {}", rows_per_warp));
+    for (Mirror& m : combine_tg.mla) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
+    for (Mirror& m : combine_tg.idx) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
+    cuda_detail::launch_combine(dev_jobs.data(), static_cast<int>(dev_jobs.size()), nullptr, rows_per_warp);
+    PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int d = 0; d < tc.num_targets; ++d) {
+      EXPECT_TRUE(same(combine_tg.mla[static_cast<size_t>(d)], fmt::format("combine target {} mla", d)));
+      EXPECT_TRUE(same(combine_tg.idx[static_cast<size_t>(d)], fmt::format("combine target {} indexer", d)));
+    }
+  }
+  EXPECT_THROW(cuda_detail::launch_combine(dev_jobs.data(), 1, nullptr, 3), Error);
 
   // Insert: random bf16 rows with outliers (and a few non-finite values).
   std::vector<uint16_t> kv = test::random_bf16(N, 512, 21), kpe = test::random_bf16(N, 64, 22, 2, 3.0),
@@ -540,8 +566,6 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
   cuda_detail::launch_insert_indexer(ins_jobs.data(), static_cast<int>(ins_jobs.size()), nullptr);
   PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
   for (int d = 0; d < tc.num_targets; ++d) {
-    EXPECT_TRUE(same(combine_tg.mla[static_cast<size_t>(d)], fmt::format("combine target {} mla", d)));
-    EXPECT_TRUE(same(combine_tg.idx[static_cast<size_t>(d)], fmt::format("combine target {} indexer", d)));
     EXPECT_TRUE(same(insert_tg.mla[static_cast<size_t>(d)], fmt::format("insert target {} mla", d)));
     EXPECT_TRUE(same(insert_tg.idx[static_cast<size_t>(d)], fmt::format("insert target {} indexer", d)));
   }

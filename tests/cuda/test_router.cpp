@@ -1,6 +1,8 @@
 // The router on the GPU (pcpkv/router.h, SPEC section 7) against the fp64 CPU oracle:
-//  * logits of every path (small-T with each experts-per-CTA, cuBLASLt, the dispatch) within the stated
-//    bound factor * 2^-24 * sum|x w| for both presets and both weight dtypes, T = 1..64, padded row stride;
+//  * logits of every path (both small-T kernels with each experts-per-CTA, cuBLASLt, the dispatch) within
+//    the stated bound factor * 2^-24 * sum|x w| for both presets and both weight dtypes, T = 1..64, padded
+//    row stride; every small-T variant bit-identical to the others (one FMA order), also for hidden sizes
+//    that leave threads without a vector or need several passes, with and without PDL;
 //  * grouped top-k: ids equal to the fp64 routing of the same logits except on near-ties (reported), and
 //    end to end (fp64 logits) equal except on tokens whose decision gap is below the logit bound (reported);
 //  * FP8 per-token-group quantization and its consumer: bytes equal to the CPU reference.
@@ -10,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -125,29 +128,104 @@ TEST(RouterGemmCuda, LogitsWithinBoundOnEveryPath) {
         struct Variant {
           RouterPath path;
           int e;
+          RouterSmallKernel kernel;
         };
-        std::vector<Variant> variants = {{RouterPath::kAuto, 0}, {RouterPath::kCublasLt, 0}};
+        std::vector<Variant> variants = {{RouterPath::kAuto, 0, RouterSmallKernel::kAuto},
+                                         {RouterPath::kCublasLt, 0, RouterSmallKernel::kAuto}};
         if (T <= kRouterSmallMaxTokens)
-          for (const int e : {1, 2, 4, 8})
-            if (e * router_token_bucket(T) <= 64) variants.push_back({RouterPath::kSmallT, e});
+          for (const int e : {1, 2, 4, 8}) {
+            if (e * router_token_bucket(T) <= 64) variants.push_back({RouterPath::kSmallT, e, RouterSmallKernel::kRowLoop});
+            if (T <= kRouterStagedMaxTokens) variants.push_back({RouterPath::kSmallT, e, RouterSmallKernel::kStaged});
+          }
+        std::vector<float> first_small;
         for (const Variant v : variants) {
           SCOPED_TRACE(::testing::Message() << preset_name << " W " << to_string(wd) << " T " << T << " "
-                                            << to_string(v.path) << " e" << v.e);
+                                            << to_string(v.path) << " " << to_string(v.kernel) << " e" << v.e);
           Dev<float> logits(T * c.n_experts);
           cuda::RouterGemmOptions o;
           o.path = v.path;
           o.experts_per_cta = v.e;
+          o.small_kernel = v.kernel;
           gemm.run(x.p, p.stride, w, logits.p, T, stream, o);
           CUDA_OK(cudaStreamSynchronize(stream));
           RouterPath used = v.path;
           if (used == RouterPath::kAuto) used = router_dispatch(T).path;
           if (used == RouterPath::kSmallT && T > kRouterSmallMaxTokens) used = RouterPath::kCublasLt;
-          const BoundReport r = check_logits(p, logits.get(), router_logit_bound_factor(used, c.hidden_size));
+          const std::vector<float> got = logits.get();
+          const BoundReport r = check_logits(p, got, router_logit_bound_factor(used, c.hidden_size));
           EXPECT_EQ(r.over, 0) << "worst err/bound " << r.worst_ratio;
+          if (used == RouterPath::kSmallT) {
+            if (first_small.empty()) first_small = got;
+            EXPECT_EQ(std::memcmp(got.data(), first_small.data(), got.size() * 4), 0)
+                << "small-T variants must be bit-identical (one FMA order)";
+          }
           if (v.path == RouterPath::kSmallT && T == 8)
-            RecordProperty(preset_name + "_" + to_string(wd) + "_small_e" + std::to_string(v.e) + "_worst_err_over_bound",
+            RecordProperty(preset_name + "_" + to_string(wd) + "_" + to_string(v.kernel) + "_e" + std::to_string(v.e) +
+                               "_worst_err_over_bound",
                            std::to_string(r.worst_ratio));
         }
+      }
+    }
+  }
+}
+
+/// Hidden sizes off the presets' grid: 1000 (125 vectors: threads 125..127 own none), 2056 (257 vectors: one
+/// thread owns three), 16392 (2049 vectors: the staged kernel needs several passes at 8 experts x 8 tokens).
+/// Both kernels, every experts-per-CTA, bf16 and fp32 weights, PDL off and on: bits equal across all of them,
+/// within the bound of the fp64 oracle, and nothing written outside logits[T, E].
+TEST(RouterGemmCuda, SmallKernelsAgreeBitwiseOnUnusualShapes) {
+  REQUIRE_GPU();
+  cudaStream_t stream = nullptr;
+  const int64_t E = 64;
+  for (const int64_t H : {1000, 2056, 16392}) {
+    const std::vector<uint16_t> w_bf16 = test::random_bf16(E, H, 500 + H, 0, 0.02);
+    std::vector<float> w_f32(w_bf16.size());
+    for (size_t i = 0; i < w_f32.size(); ++i)  // fp32 weights with full mantissas (not bf16 values)
+      w_f32[i] = codec::bf16_to_float(w_bf16[i]) * (1.0f + static_cast<float>(test::hash64(H, i) % 65536) * 1e-6f);
+    for (const RouterWeightDtype wd : {RouterWeightDtype::kBf16, RouterWeightDtype::kFp32}) {
+      cuda::RouterGemm gemm(H, E, wd);
+      Dev<uint16_t> wb(w_bf16);
+      Dev<float> wf(w_f32);
+      const void* w = wd == RouterWeightDtype::kBf16 ? static_cast<const void*>(wb.p) : static_cast<const void*>(wf.p);
+      for (const int64_t T : {1, 3, 5, 8}) {
+        const int64_t stride = H + 8;
+        const std::vector<uint16_t> hx = test::random_bf16(T, stride, 600 + T);
+        std::vector<double> exact(T * E), abs_sum(T * E);
+        if (wd == RouterWeightDtype::kBf16)
+          router_logits_reference(hx.data(), stride, w_bf16.data(), wd, T, H, E, exact.data(), abs_sum.data());
+        else
+          router_logits_reference(hx.data(), stride, w_f32.data(), wd, T, H, E, exact.data(), abs_sum.data());
+        Dev<uint16_t> x(hx);
+        std::vector<float> first;
+        for (const RouterSmallKernel kernel : {RouterSmallKernel::kRowLoop, RouterSmallKernel::kStaged})
+          for (const int e : {1, 2, 4, 8})
+            for (const bool pdl : {false, true}) {
+              SCOPED_TRACE(::testing::Message() << "H " << H << " W " << to_string(wd) << " T " << T << " "
+                                                << to_string(kernel) << " e" << e << (pdl ? " pdl" : ""));
+              Dev<float> logits(T * E + 64);  // 64 guard floats after the output, poisoned 0xA5
+              cuda::RouterGemmOptions o;
+              o.path = RouterPath::kSmallT;
+              o.experts_per_cta = e;
+              o.small_kernel = kernel;
+              o.pdl = pdl;
+              gemm.run(x.p, stride, w, logits.p, T, stream, o);
+              CUDA_OK(cudaStreamSynchronize(stream));
+              const std::vector<float> all = logits.get();
+              const std::vector<float> got(all.begin(), all.begin() + T * E);
+              for (size_t i = T * E; i < all.size(); ++i) {
+                uint32_t bits;
+                std::memcpy(&bits, &all[i], 4);
+                ASSERT_EQ(bits, 0xA5A5A5A5u) << "guard float " << i - T * E << " was written";
+              }
+              const double factor = router_logit_bound_factor(RouterPath::kSmallT, H);
+              int64_t over = 0;
+              for (size_t i = 0; i < got.size(); ++i)
+                if (!(std::fabs(got[i] - exact[i]) <= factor * std::ldexp(abs_sum[i], -24) + 1e-12 * abs_sum[i] + 1e-30))
+                  ++over;
+              EXPECT_EQ(over, 0);
+              if (first.empty()) first = got;
+              EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * 4), 0) << "not bit-identical to row-loop e1";
+            }
       }
     }
   }
@@ -165,6 +243,11 @@ TEST(RouterGemmCuda, RejectsBadShapesBeforeLaunching) {
   EXPECT_THROW(gemm.run(x.p, 6144, w.p, out.p, 4, nullptr, small), Error);  // 3 does not divide 256
   small.experts_per_cta = 8;
   EXPECT_THROW(gemm.run(x.p, 6144, w.p, out.p, 32, nullptr, small), Error);  // 8 x 32 accumulators: not built
+  small.small_kernel = RouterSmallKernel::kStaged;
+  small.experts_per_cta = 1;
+  EXPECT_THROW(gemm.run(x.p, 6144, w.p, out.p, 9, nullptr, small), Error);   // staged: buckets 1..8 only
+  small.experts_per_cta = 3;
+  EXPECT_THROW(gemm.run(x.p, 6144, w.p, out.p, 4, nullptr, small), Error);   // 3 does not divide 256
   EXPECT_THROW(gemm.run(x.p, 6000, w.p, out.p, 4, nullptr), Error);          // stride < hidden
   EXPECT_THROW(gemm.run(x.p + 1, 6144, w.p, out.p, 4, nullptr), Error);      // misaligned x
   EXPECT_THROW(cuda::RouterGemm(6145, 256, RouterWeightDtype::kBf16), Error);

@@ -127,5 +127,24 @@ TEST(LaunchCuda, BenchFence) {
   EXPECT_NE(r.output.find("fence latency per layer"), std::string::npos) << r.output;
 }
 
+// Processes sharing one GPU time-slice it (no MPS): a fence costs milliseconds. bench-fence scales its
+// iterations to its time budget, finishes, and says that the number measures context switches.
+class BenchFenceSharedGpu : public ::testing::TestWithParam<int> {};
+TEST_P(BenchFenceSharedGpu, FinishesWithinItsTimeBudgetAndSaysWhy) {
+  SKIP_WITHOUT_GPU();
+  const int n = GetParam();
+  const auto r = run_program({"launch", "--nproc", std::to_string(n), "--gpus", "0", "--output", "rank0", "--",
+                              "bench-fence", "--backend", "cuda", "--layers", "61", "--iters", "50", "--time-budget",
+                              "10"},
+                             120, clean_env());
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.output.find("fence latency per layer"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(fmt::format("up to {} processes share one GPU", n)), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("context switches, not the fence"), std::string::npos) << r.output;
+  // The budget bounds the measurement; process start-up, CUDA contexts and the probe come on top.
+  EXPECT_LT(r.seconds, 45.0) << r.output;
+}
+INSTANTIATE_TEST_SUITE_P(Procs, BenchFenceSharedGpu, ::testing::Values(2, 4, 8));
+
 }  // namespace
 }  // namespace pcpkv

@@ -297,7 +297,28 @@ TEST(AllReduce, PartitionCoversEveryItemOnceAndDispatchIsMonotone) {
       seen_two = seen_two || a == AllReduceAlgo::kTwoShot;
     }
     EXPECT_EQ(choose_allreduce_algo(4096, w), AllReduceAlgo::kOneShot);
+    bool seen_two_fused = false;
+    for (int64_t bytes = 1024; bytes <= (int64_t{64} << 20); bytes *= 2) {
+      const AllReduceAlgo a = choose_allreduce_algo(bytes, w, true);
+      if (seen_two_fused) {
+        EXPECT_EQ(a, AllReduceAlgo::kTwoShot) << "monotone (fused)";
+      }
+      seen_two_fused = seen_two_fused || a == AllReduceAlgo::kTwoShot;
+    }
+    EXPECT_EQ(choose_allreduce_algo(4096, w, true), AllReduceAlgo::kOneShot);
   }
+  // The measured crossovers (H200, W logical ranks on one GPU; src/cpu/allreduce_dispatch.cpp).
+  EXPECT_EQ(choose_allreduce_algo(int64_t{4} << 20, 2), AllReduceAlgo::kOneShot);
+  EXPECT_EQ(choose_allreduce_algo(int64_t{16} << 20, 2), AllReduceAlgo::kTwoShot);
+  EXPECT_EQ(choose_allreduce_algo(int64_t{1} << 20, 4), AllReduceAlgo::kOneShot);
+  EXPECT_EQ(choose_allreduce_algo(int64_t{4} << 20, 4), AllReduceAlgo::kTwoShot);
+  EXPECT_EQ(choose_allreduce_algo(786432, 8), AllReduceAlgo::kOneShot);
+  EXPECT_EQ(choose_allreduce_algo(int64_t{1} << 20, 8), AllReduceAlgo::kTwoShot);
+  EXPECT_EQ(choose_allreduce_algo(98304, 8, true), AllReduceAlgo::kOneShot);
+  EXPECT_EQ(choose_allreduce_algo(786432, 8, true), AllReduceAlgo::kTwoShot);
+  EXPECT_EQ(choose_allreduce_algo(786432, 4, true), AllReduceAlgo::kOneShot);
+  EXPECT_THROW(choose_allreduce_algo(4096, 9, true), Error);
+  EXPECT_THROW(choose_allreduce_algo(-1, 2), Error);
 }
 
 TEST(AllReduce, CapabilityIsAgreedByEveryRank) {

@@ -2,6 +2,7 @@
 // top-k contract: k = min(topk, len), score descending, ties to the lower position, -1 padded, causal.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <set>
@@ -61,11 +62,102 @@ TEST(ConsumersIndexer, QuantizerFollowsTheUe8m0Rule) {
   for (int d = 0; d < 128; ++d) EXPECT_EQ(b[128 + d], 0);
 }
 
-// Scores against fp64: the fp32 order (exact products, 128-term sums, H-term head sum) errs by at most
-// (128 + H + 4) u relative to the sum of absolute terms.
-TEST(ConsumersIndexer, ScoresMatchFp64WithinTheSummationBound) {
+// The kExact logit is the exact dot product rounded once: against an int64 computation (every E4M3 value
+// is a multiple of 2^-9), for random rows with the extremes (+-448, subnormals, zeros) mixed in; and it
+// does not depend on the order of the dims.
+TEST(ConsumersIndexer, ExactLogitIsTheRoundedExactSum) {
+  detail_attn::Rng rng{21};
+  std::vector<uint8_t> special = {0x7e, 0xfe, 0x01, 0x81, 0x00, 0x80, 0x07, 0x08, 0x77};  // 448, -448, 2^-9, ...
+  int64_t inexact = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    uint8_t qb[128], kb[128];
+    for (int d = 0; d < 128; ++d) {
+      const auto pick = [&]() -> uint8_t {
+        if (rng.uniform() < 0.1) return special[rng.next() % special.size()];
+        uint8_t b = static_cast<uint8_t>(rng.next());
+        if ((b & 0x7f) == 0x7f) b ^= 1;  // no NaN
+        return b;
+      };
+      qb[d] = pick();
+      kb[d] = pick();
+    }
+    float q[128], k[128], qr[128], kr[128];
+    int64_t exact = 0;  // in units of 2^-18
+    for (int d = 0; d < 128; ++d) {
+      q[d] = codec::e4m3_to_float(qb[d]);
+      k[d] = codec::e4m3_to_float(kb[d]);
+      qr[127 - d] = q[d];
+      kr[127 - d] = k[d];
+      exact += static_cast<int64_t>(std::ldexp(double(q[d]), 9)) * static_cast<int64_t>(std::ldexp(double(k[d]), 9));
+    }
+    const float want = static_cast<float>(std::ldexp(static_cast<double>(exact), -18));
+    const float got = consumers::index_logit_exact(q, k);
+    ASSERT_EQ(test::bits_of(got), test::bits_of(want == 0.0f ? 0.0f : want)) << trial;
+    ASSERT_EQ(test::bits_of(consumers::index_logit_exact(qr, kr)), test::bits_of(got)) << trial;
+    inexact += static_cast<double>(got) != std::ldexp(static_cast<double>(exact), -18);
+  }
+  EXPECT_GT(inexact, 100);  // the rounding is exercised, not only exact small sums
+  // an exact zero from signed terms is +0
+  float q[128] = {}, k[128] = {};
+  q[0] = -1.0f;
+  k[0] = 0.0f;
+  EXPECT_EQ(test::bits_of(consumers::index_logit_exact(q, k)), 0u);
+  EXPECT_EQ(test::bits_of(consumers::index_logit_from_exact(-0.0)), 0u);
+}
+
+// A NaN score is stored as 0x7fffffff whatever NaN produced it (x86 would keep the input's payload).
+TEST(ConsumersIndexer, NanScoresAreTheCanonicalNan) {
+  IndexerCase c;
+  c.num_heads = 4;
+  c.topk = 5;
+  c.request_len = {20};
+  c.token_request = {0, 0};
+  c.token_position = {0, 19};
+  c.build();
+  for (int h = 0; h < 4; ++h) c.weights[h] = std::numeric_limits<float>::quiet_NaN();
+  c.weights[4 + 1] = -std::numeric_limits<float>::quiet_NaN();
+  for (IndexerLogit logit : {IndexerLogit::kExact, IndexerLogit::kFp32Tree}) {
+    IndexerParams p = c.params();
+    p.logit = logit;
+    indexer_cpu(p);
+    EXPECT_EQ(test::bits_of(c.scores[0]), 0x7fffffffu);
+    for (int64_t j = 0; j < 20; ++j) EXPECT_EQ(test::bits_of(c.scores[c.max_keys + j]), 0x7fffffffu) << j;
+    EXPECT_EQ(consumers::canonical_nan(1.5f), 1.5f);
+  }
+  EXPECT_STREQ(to_string(IndexerLogit::kExact), "exact");
+  EXPECT_STREQ(to_string(IndexerLogit::kFp32Tree), "fp32_tree");
+}
+
+// Both logit rules give the same top-k on this case (they differ in the last bit of some logits only).
+TEST(ConsumersIndexer, LogitRulesAgreeToTheLastBits) {
   IndexerCase c = mixed_case();
   IndexerParams p = c.params();
+  indexer_cpu(p);
+  const auto exact = c.scores;
+  p = c.params();
+  p.logit = IndexerLogit::kFp32Tree;
+  indexer_cpu(p);
+  int64_t differ = 0, checked = 0;
+  for (size_t t = 0; t < c.token_request.size(); ++t) {
+    if (c.token_request[t] < 0) continue;
+    for (int64_t j = 0; j <= c.token_position[t]; ++j) {
+      const float a = exact[t * c.max_keys + j], b = c.scores[t * c.max_keys + j];
+      differ += test::bits_of(a) != test::bits_of(b);
+      ASSERT_LE(std::fabs(double(a) - b), 1e-5 * (std::fabs(double(a)) + 1e-3)) << t << " " << j;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 200);
+  std::printf("kExact vs kFp32Tree: %lld of %lld scores differ in their bits\n", (long long)differ, (long long)checked);
+}
+
+// Scores against fp64: the fp32 order (exact products, 128-term sums, H-term head sum) errs by at most
+// (128 + H + 4) u relative to the sum of absolute terms (kExact: one rounding per logit, tighter).
+TEST(ConsumersIndexer, ScoresMatchFp64WithinTheSummationBound) {
+  for (IndexerLogit logit : {IndexerLogit::kExact, IndexerLogit::kFp32Tree}) {
+  IndexerCase c = mixed_case();
+  IndexerParams p = c.params();
+  p.logit = logit;
   indexer_cpu(p);
   const int H = c.num_heads;
   const double cw = 1.0 / std::sqrt(128.0 * H);
@@ -97,6 +189,7 @@ TEST(ConsumersIndexer, ScoresMatchFp64WithinTheSummationBound) {
     }
   }
   EXPECT_GT(checked, 200);
+  }
 }
 
 // The top-k contract, checked against the returned scores with an independent stable sort.

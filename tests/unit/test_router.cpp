@@ -246,10 +246,21 @@ TEST(Router, DispatchTableIsWellFormed) {
       EXPECT_LE(table[i].max_tokens, kRouterSmallMaxTokens);
       const int e = table[i].experts_per_cta;
       EXPECT_TRUE(e == 1 || e == 2 || e == 4 || e == 8) << e;
-      EXPECT_LE(e * router_token_bucket(table[i].max_tokens), 64);  // the built kernels
+      EXPECT_NE(table[i].kernel, RouterSmallKernel::kAuto);
+      if (table[i].kernel == RouterSmallKernel::kStaged) {
+        EXPECT_LE(table[i].max_tokens, kRouterStagedMaxTokens);  // the built staged kernels
+      } else {
+        EXPECT_LE(e * router_token_bucket(table[i].max_tokens), 64);  // the built row-loop kernels
+      }
       EXPECT_EQ(256 % e, 0);
     }
   }
+  // Measured on the H200 (src/cpu/router_dispatch.cpp): the small-T kernel at T = 1, cuBLASLt from T = 8 on.
+  EXPECT_EQ(router_dispatch(1).path, RouterPath::kSmallT);
+  EXPECT_EQ(router_dispatch(64).path, RouterPath::kCublasLt);
+  EXPECT_EQ(parse_router_small_kernel("small2"), RouterSmallKernel::kStaged);
+  EXPECT_EQ(std::string(to_string(RouterSmallKernel::kRowLoop)), "small");
+  EXPECT_NE(error_of([] { parse_router_small_kernel("small3"); }).find("'small3'"), std::string::npos);
   for (int64_t t = 1; t <= 4096; t = t * 3 / 2 + 1) EXPECT_NO_THROW(router_dispatch(t));
   EXPECT_EQ(router_token_bucket(1), 1);
   EXPECT_EQ(router_token_bucket(3), 4);

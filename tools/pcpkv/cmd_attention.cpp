@@ -44,6 +44,9 @@ struct AttentionOptions {
   std::string transport = "direct";
   std::string backend = "cpu";        // publication backend
   std::string consumers = "cpu";      // cpu | cuda
+  std::string attention_kernel = "mma";  // cuda consumers: mma | simt
+  std::string bench_indexers = "exact,fp32_tree";
+  std::string bench_attentions = "mma,simt";
   int32_t topk = 2048;
   int32_t dcp = 4;
   int32_t dcp_interleave = 1;
@@ -71,11 +74,34 @@ std::vector<int64_t> parse_list(const std::string& s, const char* flag) {
   return v;
 }
 
-std::unique_ptr<ConsumerKernels> make_consumers_named(const std::string& name) {
+std::vector<std::string> split_names(const std::string& s) {
+  std::vector<std::string> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) v.push_back(item);
+  return v;
+}
+
+SparseMlaKernel parse_attention_kernel(const std::string& name, const char* flag) {
+  if (name == "mma") return SparseMlaKernel::kMma;
+  if (name == "simt") return SparseMlaKernel::kSimt;
+  PCPKV_FAIL("{}: unknown attention kernel '{}'; known: mma, simt", flag, name);
+}
+
+IndexerLogit parse_indexer_logit(const std::string& name, const char* flag) {
+  if (name == "exact") return IndexerLogit::kExact;
+  if (name == "fp32_tree") return IndexerLogit::kFp32Tree;
+  PCPKV_FAIL("{}: unknown indexer kernel '{}'; known: exact, fp32_tree", flag, name);
+}
+
+std::unique_ptr<ConsumerKernels> make_consumers_named(const std::string& name, const std::string& attention_kernel) {
+  const SparseMlaKernel kernel = parse_attention_kernel(attention_kernel, "--attention-kernel");
+  (void)kernel;  // used by the CUDA consumers only
   if (name == "cpu") return make_cpu_consumers();
   if (name == "cuda") {
 #if PCPKV_CLI_CUDA
-    return cuda::make_consumers(0);
+    return cuda::make_consumers(0, kernel);
 #else
     PCPKV_FAIL("--consumers cuda: this pcpkv was built without the CUDA consumers");
 #endif
@@ -92,6 +118,11 @@ int run_bench(const AttentionOptions& o) {
   cfg.topk = o.topk;
   cfg.repeats = o.repeats;
   cfg.seed = o.seed;
+  cfg.indexers.clear();
+  for (const std::string& n : split_names(o.bench_indexers)) cfg.indexers.push_back(parse_indexer_logit(n, "--bench-indexers"));
+  cfg.attentions.clear();
+  for (const std::string& n : split_names(o.bench_attentions))
+    cfg.attentions.push_back(parse_attention_kernel(n, "--bench-attentions"));
   const ConsumerBenchResult r = cuda::bench_consumers(cfg, model);
   fmt::print("pcpkv attention --bench: {} one layer, {} tokens (one causal prefill), top-k {}, {}\n\n", model.name,
              cfg.num_tokens, cfg.topk, o.kv_format);
@@ -130,11 +161,12 @@ int run_checks(const AttentionOptions& o) {
   const std::vector<int64_t> worlds = parse_list(o.pcp, "--pcp");
   PCPKV_CHECK(!worlds.empty(), "--pcp: give at least one world size");
   auto publisher = make_backend(o.backend);
-  auto consumers = make_consumers_named(o.consumers);
+  auto consumers = make_consumers_named(o.consumers, o.attention_kernel);
   fmt::print("pcpkv attention: {} ({} q heads, {} index heads, softmax scale {:.6f}), {}, transport {}, "
-             "publisher {}, consumers {}, top-k {}\n",
+             "publisher {}, consumers {}{}, top-k {}\n",
              model.name, model.num_attention_heads, model.index_n_heads, model.softmax_scale(), o.kv_format,
-             o.transport, publisher->device(), consumers->name(), o.topk);
+             o.transport, publisher->device(), consumers->name(),
+             o.consumers == "cuda" ? " (attention " + o.attention_kernel + ")" : std::string(), o.topk);
   bool ok = true;
   for (size_t i = 0; i < worlds.size(); ++i) {
     PCPKV_CHECK(worlds[i] >= 1 && worlds[i] <= 64, "--pcp: world sizes must be in [1, 64], got {}", worlds[i]);
@@ -176,6 +208,13 @@ void add_attention_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--backend", o->backend, "Publication backend: auto | cpu | cuda")->capture_default_str();
   sub->add_option("--consumers", o->consumers, "Consumer kernels: cpu | cuda")->capture_default_str();
+  sub->add_option("--attention-kernel", o->attention_kernel,
+                  "CUDA consumers' attention kernel: mma (bf16 tensor cores) | simt (fp32 CUDA cores)")
+      ->capture_default_str();
+  sub->add_option("--bench-indexers", o->bench_indexers, "--bench: indexer kernels to time: exact,fp32_tree")
+      ->capture_default_str();
+  sub->add_option("--bench-attentions", o->bench_attentions, "--bench: attention kernels to time: mma,simt")
+      ->capture_default_str();
   sub->add_option("--topk", o->topk, "Indexer top-k (index_topk)")->capture_default_str();
   sub->add_option("--dcp", o->dcp, "DCP shards of the one-rank cache for the LSE-merge check (1: off)")
       ->capture_default_str();

@@ -33,6 +33,11 @@ struct BenchArgs {
   std::string transports = "collect,staging,direct";
   std::string layer = "indexer";
   std::string single = "4096,32768";
+  std::string variants = "simple,prefetch,warp,warp_pf";
+  std::string layer_variants = "prefetch:separate:1,warp:separate:1,warp:fused:1,warp:fused:2,warp_pf:fused:4,warp:fused:4";
+  std::string pdl_tokens = "1,8,64";
+  int32_t pdl_pcp = 8;
+  int32_t pdl_layers = 20;
   int64_t tokens = 32768;
   int64_t topk_width = 2048;
   int32_t block_size = 64;
@@ -148,15 +153,15 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
   json jr = json::array();
   if (!rep.runs.empty()) {
     md += "\n## stages (median of the timed runs)\n\n";
-    md += "| model | P | kv | transport | stage | ms | MB | GB/s | % copy BW |\n|---|---|---|---|---|---|---|---|---|\n";
+    md += "| model | P | kv | transport | variant | stage | ms | MB | GB/s | % copy BW |\n|---|---|---|---|---|---|---|---|---|---|\n";
   }
   for (const cuda::BenchRun& r : rep.runs) {
     json stages = json::array();
     for (const cuda::BenchStage& s : r.stages) {
       const Derived d = derive(s.ms, s.bytes, rep.copy_gbps);
-      md += fmt::format("| {} | {} | {} | {} | {} | {:.4f} | {:.1f} | {:.0f} | {:.0f} |\n", r.model, r.pcp,
-                        to_string(r.kv_format), to_string(r.transport), s.name, s.ms, s.bytes / 1e6, d.gbps,
-                        100 * d.frac);
+      md += fmt::format("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.1f} | {:.0f} | {:.0f} |\n", r.model, r.pcp,
+                        to_string(r.kv_format), to_string(r.transport), r.variant, s.name, s.ms, s.bytes / 1e6,
+                        d.gbps, 100 * d.frac);
       stages.push_back({{"name", s.name}, {"ms", s.ms}, {"bytes", s.bytes}, {"gbps", d.gbps}, {"fraction_of_copy", d.frac}});
     }
     const Derived d = derive(r.total_ms, r.bytes, rep.copy_gbps);
@@ -168,6 +173,7 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
                  {"layer", r.indexer_layer ? "indexer" : "shared"},
                  {"tokens", r.tokens},
                  {"transport", to_string(r.transport)},
+                 {"variant", r.variant},
                  {"stages", stages},
                  {"total_ms", r.total_ms},
                  {"bytes", r.bytes},
@@ -183,20 +189,83 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
   }
   j["runs"] = jr;
 
+  // ---- PDL off / on
+  if (!rep.pdl.empty()) {
+    md += fmt::format("\n## PDL: dispatch -> fence (-> combine) with programmatic stream serialization, CUDA-graph replay of "
+                      "{} layers, time per layer\n\n", rep.pdl.front().layers);
+    md += "| model | P | tokens | transport | kernels | PDL off us | PDL on us | on / off |\n|---|---|---|---|---|---|---|---|\n";
+    json jp = json::array();
+    for (const cuda::BenchPdl& p : rep.pdl) {
+      md += fmt::format("| {} | {} | {} | {} | {} | {:.2f} | {:.2f} | {:.3f} |\n", p.model, p.pcp, p.tokens,
+                        to_string(p.transport), p.variant, p.us_off, p.us_on, p.us_off > 0 ? p.us_on / p.us_off : 0.0);
+      jp.push_back({{"model", p.model},
+                    {"pcp", p.pcp},
+                    {"tokens", p.tokens},
+                    {"transport", to_string(p.transport)},
+                    {"variant", p.variant},
+                    {"layers", p.layers},
+                    {"us_off", p.us_off},
+                    {"us_on", p.us_on}});
+    }
+    j["pdl"] = jp;
+  }
+
   // ---- summary (printed last)
   std::string summary;
   if (!rep.runs.empty()) {
     summary += fmt::format("\n## summary: one layer's publication, {} tokens, {} layer (copy bandwidth {:.0f} GB/s)\n\n",
                            rep.runs.front().tokens, rep.runs.front().indexer_layer ? "indexer" : "shared", rep.copy_gbps);
-    summary += "| model | P | kv | transport | layer ms | graph ms | GB | GB/s | % copy BW | floor ms | time/floor | "
-               "speedup vs collect |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    summary += "| model | P | kv | transport | variant | layer ms | graph ms | GB | GB/s | % copy BW | floor ms | "
+               "time/floor | speedup vs collect |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (const cuda::BenchRun& r : rep.runs) {
       const Derived d = derive(r.total_ms, r.bytes, rep.copy_gbps);
       const auto c = collect_ms.find(run_key(r));
-      summary += fmt::format("| {} | {} | {} | {} | {:.3f} | {} | {} | {:.0f} | {:.0f} | {:.3f} | {:.2f} | {} |\n", r.model,
-                             r.pcp, to_string(r.kv_format), to_string(r.transport), r.total_ms,
+      summary += fmt::format("| {} | {} | {} | {} | {} | {:.3f} | {} | {} | {:.0f} | {:.0f} | {:.3f} | {:.2f} | {} |\n",
+                             r.model, r.pcp, to_string(r.kv_format), to_string(r.transport), r.variant, r.total_ms,
                              r.graph_ms >= 0 ? fmt::format("{:.3f}", r.graph_ms) : std::string("-"), fmt_bytes_gb(r.bytes),
                              d.gbps, 100 * d.frac, d.floor_ms, d.ratio,
+                             c != collect_ms.end() && r.total_ms > 0 ? fmt::format("{:.2f}x", c->second / r.total_ms)
+                                                                     : std::string("-"));
+    }
+  }
+  // ---- best variant per case and transport, against the goals (printed last)
+  if (!rep.singles.empty()) {
+    summary += "\n## best single-rank dispatch per token count (goal: 1.15x its floor at 32768, better than vLLM at 4096)"
+               "\n\n| tokens | best variant | top-k fill | time us | time / floor | vLLM time / floor |\n|---|---|---|---|---|---|\n";
+    std::map<int64_t, const cuda::BenchSingle*> best;
+    for (const cuda::BenchSingle& s : rep.singles)
+      if (best.find(s.tokens) == best.end() || s.ms < best[s.tokens]->ms) best[s.tokens] = &s;
+    for (const auto& [tokens, s] : best) {
+      const Derived d = derive(s->ms, s->bytes, rep.copy_gbps);
+      const auto v = kVllm.find(tokens);
+      summary += fmt::format("| {} | {} | {} | {:.1f} | {:.2f} | {} |\n", tokens, s->variant,
+                             s->fused_topk ? "fused" : "separate", s->ms * 1e3, d.ratio,
+                             v == kVllm.end() ? std::string("-") : fmt::format("{:.2f}", v->second.ratio));
+    }
+  }
+  if (!rep.runs.empty()) {
+    summary += "\n## best variant per case (goals at PCP 8: staging >= 1.6x, direct >= 2.4x over collect; each "
+               "transport within 1.2x of its floor)\n\n";
+    summary += "| model | P | kv | transport | best variant | layer ms | time/floor | speedup vs collect |\n"
+               "|---|---|---|---|---|---|---|---|\n";
+    std::map<std::string, const cuda::BenchRun*> best;  // key|transport -> fastest run
+    std::vector<std::string> order;
+    for (const cuda::BenchRun& r : rep.runs) {
+      const std::string k = run_key(r) + "|" + to_string(r.transport);
+      auto it = best.find(k);
+      if (it == best.end()) {
+        best[k] = &r;
+        order.push_back(k);
+      } else if (r.total_ms < it->second->total_ms) {
+        it->second = &r;
+      }
+    }
+    for (const std::string& k : order) {
+      const cuda::BenchRun& r = *best[k];
+      const Derived d = derive(r.total_ms, r.bytes, rep.copy_gbps);
+      const auto c = collect_ms.find(run_key(r));
+      summary += fmt::format("| {} | {} | {} | {} | {} | {:.3f} | {:.2f} | {} |\n", r.model, r.pcp, to_string(r.kv_format),
+                             to_string(r.transport), r.variant, r.total_ms, d.ratio,
                              c != collect_ms.end() && r.total_ms > 0 ? fmt::format("{:.2f}x", c->second / r.total_ms)
                                                                      : std::string("-"));
     }
@@ -241,6 +310,13 @@ void run(const BenchArgs& a, const std::string& command) {
     for (const std::string& t : split(a.single)) o.single_rank_tokens.push_back(parse_int(t, "single-rank-tokens"));
   o.copy_gib = a.copy_gib;
   o.seed = a.seed;
+  o.single_rank_variants = split(a.variants);
+  o.layer_variants = split(a.layer_variants);
+  o.pdl_tokens.clear();
+  if (a.pdl_tokens != "none")
+    for (const std::string& t : split(a.pdl_tokens)) o.pdl_tokens.push_back(parse_int(t, "pdl-tokens"));
+  o.pdl_pcp = a.pdl_pcp;
+  o.pdl_layers = a.pdl_layers;
   if (a.quick) {  // a smoke run for tests: small and fast, every code path once
     o.models = {"glm-5"};
     o.pcp = {2};
@@ -250,6 +326,10 @@ void run(const BenchArgs& a, const std::string& command) {
     o.warmup = 1;
     o.single_rank_tokens = {1024};
     o.copy_gib = 0.25;
+    o.layer_variants = {"prefetch:separate:1", "warp:fused:4"};
+    o.pdl_tokens = {8};
+    o.pdl_pcp = 2;
+    o.pdl_layers = 4;
   }
   for (const std::string& m : o.models) (void)preset(m);  // unknown model: a clear error before any GPU work
   const cuda::BenchReport rep =
@@ -289,21 +369,38 @@ void add_bench_command(CLI::App& app) {
   sub->add_flag("--no-graph", a->no_graph, "skip the CUDA-graph capture and replay");
   sub->add_option("--single-rank-tokens", a->single, "dispatch-only one-rank cases, comma-separated, or none")
       ->capture_default_str();
+  sub->add_option("--variants", a->variants,
+                  "dispatch kernels of the single-rank section, comma-separated: simple, prefetch, warp, warp_pf "
+                  "(each with the top-k fill fused and separate)")
+      ->capture_default_str();
+  sub->add_option("--layer-variants", a->layer_variants,
+                  "staging / direct variants, comma-separated <dispatch>:<fused|separate>:<combine rows per warp "
+                  "1|2|4>[:pdl]; collect always runs its pinned engine baseline (prefetch:separate:1)")
+      ->capture_default_str();
+  sub->add_option("--pdl-tokens", a->pdl_tokens,
+                  "PDL off/on rows (graph replay of the staging / direct chain) for these token counts, or none")
+      ->capture_default_str();
+  sub->add_option("--pdl-pcp", a->pdl_pcp, "PCP world of the PDL rows")->capture_default_str();
+  sub->add_option("--pdl-layers", a->pdl_layers, "publications per captured graph in the PDL rows")->capture_default_str();
   sub->add_option("--copy-gib", a->copy_gib, "size of the copy that measures the copy bandwidth")->capture_default_str();
   sub->add_option("--device", a->device, "CUDA device index")->capture_default_str();
   sub->add_option("--seed", a->seed, "input seed")->capture_default_str();
   sub->add_option("--json", a->json_path, "write the results as JSON");
   sub->add_option("--markdown", a->markdown_path, "write the tables as markdown");
-  sub->add_flag("--quick", a->quick, "smoke run: glm-5, PCP 2, fp8_ds_mla, 2048 tokens, 3 iterations");
+  sub->add_flag("--quick", a->quick,
+                "smoke run: glm-5, PCP 2, fp8_ds_mla, 2048 tokens, 3 iterations, layer variants prefetch:separate:1 "
+                "and warp:fused:4, PDL at 8 tokens");
   sub->callback([a] {
     // The equivalent full command line, for the record in the tables and the JSON.
     const std::string command =
         a->quick ? std::string("pcpkv bench --quick")
                  : fmt::format("pcpkv bench --models {} --pcp {} --kv-formats {} --transports {} --tokens {} --layer {} "
                                "--topk-width {} --block-size {} --iters {} --warmup {} --single-rank-tokens {} "
+                               "--variants {} --layer-variants {} --pdl-tokens {} --pdl-pcp {} --pdl-layers {} "
                                "--copy-gib {}{}",
                                a->models, a->pcp, a->kv_formats, a->transports, a->tokens, a->layer, a->topk_width,
-                               a->block_size, a->iters, a->warmup, a->single, a->copy_gib, a->no_graph ? " --no-graph" : "");
+                               a->block_size, a->iters, a->warmup, a->single, a->variants, a->layer_variants,
+                               a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->copy_gib, a->no_graph ? " --no-graph" : "");
     run(*a, command);
   });
 }

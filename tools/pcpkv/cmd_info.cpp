@@ -1,10 +1,15 @@
 // `pcpkv info`: the presets and their key dims, the byte layouts (SPEC section 3), and which backends can
 // run here (and why not).
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/backend.h"
@@ -32,10 +37,25 @@ void info(bool as_json) {
   std::string text;
 
   // ---- presets
-  text += "presets (configs in " + config_dir() + ")\n";
+  // preset() falls back to built-in values when configs/<name>.json is absent: say which one is used.
+  const std::string dir = config_dir();
+  std::vector<std::string> missing;
+  for (const std::string& name : preset_names()) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(dir + "/" + name + ".json", ec)) missing.push_back(name);
+  }
+  if (missing.empty()) {
+    text += "presets (configs in " + dir + ")\n";
+  } else {
+    text += fmt::format(
+        "presets (configs in {}; not found there: {}, so built-in values; PCPKV_CONFIG_DIR sets the directory)\n",
+        dir, fmt::join(missing, ", "));
+  }
+  j["config_dir"] = dir;
   json presets = json::array();
   for (const std::string& name : preset_names()) {
     const ModelConfig m = preset(name);
+    const bool builtin = std::find(missing.begin(), missing.end(), name) != missing.end();
     text += fmt::format(
         "  {:<14} {} : hidden {}, heads {}, q_lora_rank {}, kv_lora_rank {}, qk_nope/rope/v {}/{}/{},\n"
         "  {:<14} index heads/dim/topk {}/{}/{}, rms_norm_eps {:g}, layers {} ({} dense),\n"
@@ -44,6 +64,7 @@ void info(bool as_json) {
         m.qk_rope_head_dim, m.v_head_dim, "", m.index_n_heads, m.index_head_dim, m.index_topk, m.rms_norm_eps,
         m.num_hidden_layers, m.first_k_dense_replace, "", rope_text(m), m.softmax_scale());
     presets.push_back({{"name", name},
+                       {"source", builtin ? std::string("built-in") : dir + "/" + name + ".json"},
                        {"model_type", m.model_type},
                        {"hidden_size", m.hidden_size},
                        {"num_attention_heads", m.num_attention_heads},

@@ -75,6 +75,22 @@ int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& f
   }
 }
 
+std::vector<int32_t> parse_device_list(const std::string& s, const char* flag) {
+  std::vector<int32_t> out;
+  if (s.empty()) return out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    const std::string item = s.substr(pos, comma - pos);
+    char* end = nullptr;
+    const long d = std::strtol(item.c_str(), &end, 10);
+    PCPKV_CHECK(!item.empty() && *end == '\0' && d >= 0, "{}: '{}' is not a device index (in '{}')", flag, item, s);
+    out.push_back(static_cast<int32_t>(d));
+    pos = comma + 1;
+  }
+  return out;
+}
+
 namespace {
 
 std::string self_exe() {
@@ -137,19 +153,7 @@ void add_launch_command(CLI::App& app) {
     o.max_time_s = f->max_time_s;
     o.output = parse_launch_output(f->output);
     o.socket_dir = f->socket_dir;
-    if (!f->gpus.empty()) {
-      size_t pos = 0;
-      while (pos <= f->gpus.size()) {
-        const size_t comma = std::min(f->gpus.find(',', pos), f->gpus.size());
-        const std::string item = f->gpus.substr(pos, comma - pos);
-        char* end = nullptr;
-        const long d = std::strtol(item.c_str(), &end, 10);
-        PCPKV_CHECK(!item.empty() && *end == '\0' && d >= 0, "--gpus: '{}' is not a device index (in '{}')", item,
-                    f->gpus);
-        o.gpus.push_back(static_cast<int32_t>(d));
-        pos = comma + 1;
-      }
-    }
+    o.gpus = parse_device_list(f->gpus, "--gpus");
     if (f->program.empty()) {
       o.argv.push_back(self_exe());
     } else {
@@ -161,6 +165,8 @@ void add_launch_command(CLI::App& app) {
   });
   add_mp_publish_command(app);
   add_bench_fence_command(app);
+  add_bench_allreduce_command(app);
+  add_bench_link_command(app);
 }
 
 }  // namespace pcpkv::cli

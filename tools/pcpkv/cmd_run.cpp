@@ -1,13 +1,20 @@
 // `pcpkv run`: the main job (issue 2 part 4). Publishes one layer's KV rows for a PCP batch with each
 // transport, prints the plan, a stage table per transport and the verification verdict.
 // Exit code: 0 every check passed, 1 a check failed, 2 bad input (nothing written).
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
+#include <string>
+#include <utility>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "pcpkv/commands.h"
+#include "pcpkv/error.h"
 #include "pcpkv/inputs_io.h"
 #include "progress.h"
 #include "run_job.h"
@@ -15,6 +22,28 @@
 
 namespace pcpkv::cli {
 namespace {
+
+// CLI11 converts an out-of-range decimal ("-1" for a uint64, 99999999999999999999 for an int64) by
+// wrapping or clamping it without a word; refuse it, naming the value as typed.
+template <class T>
+CLI::Validator decimal_fits() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        const bool negative = !v.empty() && v[0] == '-';
+        auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
+        const bool decimal =
+            v.size() > (negative ? 1u : 0u) && std::all_of(v.begin() + (negative ? 1 : 0), v.end(), is_digit);
+        if (!decimal) return "";  // other spellings (0x10, 1e3) are CLI11's to accept or refuse
+        T parsed{};
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
+        if (ec != std::errc() || end != v.data() + v.size()) {
+          return fmt::format("{} is out of range [{}, {}]", v, std::numeric_limits<T>::min(),
+                             std::numeric_limits<T>::max());
+        }
+        return "";
+      },
+      "");
+}
 
 int run_command(const RunOptions& o) {
   std::FILE* human = o.json ? stderr : stdout;
@@ -77,12 +106,14 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--config", o->config,
                   "HF config.json overriding the preset (chosen by its model_type unless --model is given)");
   sub->add_option("--pcp", o->pcp, "PCP world size P (ranks, each with its own cache replica)")->capture_default_str();
-  sub->add_option("--tokens", o->tokens, "Tokens of the prefill request (0: no prefill)")->capture_default_str();
+  sub->add_option("--tokens", o->tokens, "Tokens of the prefill request (0: no prefill)")->capture_default_str()
+      ->check(decimal_fits<int64_t>());
   sub->add_option("--decodes", o->decodes, "Decode requests (1 token each), replicated on every rank")
       ->capture_default_str();
   sub->add_option("--decode-context", o->decode_context,
                   "Context length of every decode request (-1: 1000*(i+1)+7*i for decode i)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(decimal_fits<int64_t>());
   sub->add_option("--block-size", o->block_size, "Tokens per cache block (power of two)")->capture_default_str();
   sub->add_option("--kv-format", o->kv_format, "MLA cache format: fp8_ds_mla | fp8 | bf16")->capture_default_str();
   sub->add_option("--ds-mla-scale", o->ds_mla_scale, "fp8_ds_mla tile scales: pow2 | raw")->capture_default_str();
@@ -93,7 +124,9 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--backend", o->backend, "auto (CUDA when built and a GPU is visible, else CPU) | cpu | cuda")
       ->capture_default_str();
   sub->add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
-  sub->add_option("--seed", o->seed, "Seed of the input generator and the block-table shuffle")->capture_default_str();
+  sub->add_option("--seed", o->seed, "Seed of the input generator and the block-table shuffle")
+      ->capture_default_str()
+      ->check(decimal_fits<uint64_t>());
   sub->add_option("--inputs", o->inputs,
                   "Load activations from a safetensors file (q_c, kv, k_pe, index_k, positions, norm weights; "
                   "optional requests and slot_mapping)");
@@ -110,6 +143,16 @@ void add_run_command(CLI::App& app) {
       ->group("");
   sub->callback([o, sub] {
     o->model_given = sub->count("--model") > 0;
+    o->flags_given.clear();
+    for (const CLI::Option* opt : sub->get_options()) {
+      if (opt->count() > 0 && !opt->get_lnames().empty()) o->flags_given.push_back("--" + opt->get_lnames().front());
+    }
+    // `--save ""` (an unset shell variable) must not quietly mean "do not save".
+    for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--inputs", &o->inputs},
+                                      {"--save", &o->save},
+                                      {"--config", &o->config}}) {
+      PCPKV_CHECK(sub->count(flag) == 0 || !value->empty(), "{}: the path is empty", flag);
+    }
     const int code = run_command(*o);
     if (code != 0) throw CLI::RuntimeError("", code);  // the verdict already says why
   });

@@ -1,6 +1,7 @@
 // tools/pcpkv/cmd_serve_bench.cpp: `pcpkv bench-serving`, the serving kernels of SPEC section 7 on the GPU:
-//   router   router GEMM (small-T kernel per experts-per-CTA, cuBLASLt bf16 -> fp32, the dispatch) for each
-//            preset and token count, with the suggested dispatch table (fastest variant per token count);
+//   router   router GEMM (both small-T kernels per experts-per-CTA, with and without PDL, cuBLASLt
+//            bf16 -> fp32, the dispatch) for each preset and token count, with the suggested dispatch table
+//            (fastest variant per token count, also printed as table rows);
 //   allreduce  all-reduce latency by size, W logical ranks on one GPU (one-shot, two-shot, fused);
 //   pdl      chains of pcpkv kernels with PDL off and on, CUDA-graph replay.
 // Timings: CUDA events, median of >= 20 graph replays after warm-up. Output: markdown on stdout (and --md),
@@ -36,17 +37,45 @@ struct ServeBenchOptions {
   std::vector<std::string> presets = {"glm-5", "deepseek-v3.2"};
   std::vector<int64_t> tokens = {1, 2, 4, 8, 16, 32};
   std::vector<int32_t> worlds = {2, 4, 8};
-  std::vector<int64_t> bytes = {4096, 12288, 65536, 98304, 262144, 786432, 1048576, 4194304, 16777216};
+  std::vector<int64_t> bytes = {4096, 12288, 65536, 98304, 262144, 393216, 786432, 1048576, 4194304, 16777216};
   std::vector<int64_t> pdl_tokens = {1, 8, 64};
   int64_t hidden = 6144;
   int32_t iters = 50;
   int32_t warmup = 10;
   bool hot = false;
+  bool router_pdl = true;
   std::string json_path;
   std::string md_path;
 };
 
 #if defined(PCPKV_HAVE_CUDA)
+
+/// Variant names in column order: small/e*, small2/e*, then the same with +pdl.
+std::vector<std::string> router_variant_columns(const std::vector<cuda::RouterBenchRow>& rows) {
+  std::vector<std::string> names;
+  for (const char* pdl : {"", "+pdl"})
+    for (const char* prefix : {"small/", "small2/"})
+      for (const int e : {1, 2, 4, 8}) {
+        const std::string n = fmt::format("{}e{}{}", prefix, e, pdl);
+        for (const auto& r : rows)
+          if (r.variant == n) {
+            names.push_back(n);
+            break;
+          }
+      }
+  return names;
+}
+
+bool is_pdl_variant(const std::string& v) { return v.size() > 4 && v.compare(v.size() - 4, 4, "+pdl") == 0; }
+
+/// The RouterDispatchEntry initializer of a variant name ("cublaslt", "small/e1", "small2/e2").
+std::string dispatch_row(const std::string& variant, const std::string& max_tokens) {
+  if (variant == "cublaslt") return fmt::format("{{{}, RouterPath::kCublasLt, 0, RouterSmallKernel::kRowLoop}}", max_tokens);
+  const bool staged = variant.rfind("small2/", 0) == 0;
+  const std::string e = variant.substr(variant.find("/e") + 2);
+  return fmt::format("{{{}, RouterPath::kSmallT, {}, RouterSmallKernel::{}}}", max_tokens, e,
+                     staged ? "kStaged" : "kRowLoop");
+}
 
 std::string router_markdown(const std::vector<cuda::RouterBenchRow>& rows, bool cold) {
   std::string md;
@@ -57,34 +86,83 @@ std::string router_markdown(const std::vector<cuda::RouterBenchRow>& rows, bool 
     if (std::find(presets.begin(), presets.end(), r.preset) == presets.end()) presets.push_back(r.preset);
     t[r.preset][r.num_tokens][r.variant] = r.us;
   }
+  const std::vector<std::string> cols = router_variant_columns(rows);
   for (const auto& p : presets) {
     md += fmt::format("\n**Router GEMM, {} ({} L2), microseconds per call**\n\n", p, cold ? "cold" : "hot");
-    md += "| T | cuBLASLt | best small-T | auto (dispatch) | cuBLASLt / auto | small/e1 | small/e2 | small/e4 | small/e8 |\n";
-    md += "|---|---|---|---|---|---|---|---|---|\n";
+    md += "| T | cuBLASLt | best small-T | auto (dispatch) | cuBLASLt / auto |";
+    for (const auto& c : cols) md += fmt::format(" {} |", c);
+    md += "\n|---|---|---|---|---|";
+    for (size_t i = 0; i < cols.size(); ++i) md += "---|";
+    md += "\n";
     for (const auto& [T, v] : t[p]) {
       auto get = [&](const std::string& k) { return v.count(k) ? fmt::format("{:.2f}", v.at(k)) : std::string("-"); };
       std::string best = "-";
       double best_us = 1e30;
       for (const auto& [name, us] : v)
-        if (name.rfind("small/", 0) == 0 && us < best_us) {
+        if (name.rfind("small", 0) == 0 && !is_pdl_variant(name) && us < best_us) {
           best_us = us;
           best = fmt::format("{:.2f} ({})", us, name);
         }
       const double ratio = v.count("cublaslt") && v.count("auto") ? v.at("cublaslt") / v.at("auto") : 0.0;
-      md += fmt::format("| {} | {} | {} | {} | {:.2f}x | {} | {} | {} | {} |\n", T, get("cublaslt"), best, get("auto"),
-                        ratio, get("small/e1"), get("small/e2"), get("small/e4"), get("small/e8"));
+      md += fmt::format("| {} | {} | {} | {} | {:.2f}x |", T, get("cublaslt"), best, get("auto"), ratio);
+      for (const auto& c : cols) md += fmt::format(" {} |", get(c));
+      md += "\n";
+    }
+    // PDL: the same calls back to back with PDL on, against cuBLASLt without it.
+    bool any_pdl = false;
+    for (const auto& c : cols) any_pdl = any_pdl || is_pdl_variant(c);
+    if (any_pdl) {
+      md += fmt::format("\nPDL ({}): cuBLASLt / variant, calls back to back in one graph\n\n| T |", p);
+      for (const auto& c : cols)
+        if (is_pdl_variant(c)) md += fmt::format(" {} |", c);
+      md += "\n|---|";
+      for (const auto& c : cols)
+        if (is_pdl_variant(c)) md += "---|";
+      md += "\n";
+      for (const auto& [T, v] : t[p]) {
+        md += fmt::format("| {} |", T);
+        for (const auto& c : cols)
+          if (is_pdl_variant(c))
+            md += v.count(c) && v.count("cublaslt") ? fmt::format(" {:.2f} us ({:.2f}x) |", v.at(c), v.at("cublaslt") / v.at(c))
+                                                   : std::string(" - |");
+        md += "\n";
+      }
     }
   }
-  // Suggested dispatch: the fastest variant per token count, worst case over presets (cold).
-  md += "\n**Suggested dispatch (fastest variant per T, summed over presets; compare with src/cpu/router_dispatch.cpp)**\n\n";
-  md += "| T | fastest | us (sum over presets) |\n|---|---|---|\n";
+  // Suggested dispatch: the fastest variant per token count (without PDL), summed over presets.
+  md += "\n**Suggested dispatch (fastest variant per T without PDL, summed over presets; compare with "
+        "src/cpu/router_dispatch.cpp)**\n\n";
+  md += "| T | fastest | us (sum over presets) | cuBLASLt (sum) |\n|---|---|---|---|\n";
   std::map<int64_t, std::map<std::string, double>> sum;
+  std::map<int64_t, std::map<std::string, int>> seen;
   for (const auto& r : rows)
-    if (r.cold == cold && r.variant != "auto") sum[r.num_tokens][r.variant] += r.us;
+    if (r.cold == cold && r.variant != "auto" && !is_pdl_variant(r.variant)) {
+      sum[r.num_tokens][r.variant] += r.us;
+      ++seen[r.num_tokens][r.variant];
+    }
+  std::vector<std::pair<int64_t, std::string>> fastest;
   for (const auto& [T, v] : sum) {
-    auto best = std::min_element(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
-    md += fmt::format("| {} | {} | {:.2f} |\n", T, best->first, best->second);
+    std::string best;
+    double best_us = 1e30;
+    for (const auto& [name, us] : v)  // only variants measured on every preset
+      if (seen[T][name] == static_cast<int>(presets.size()) && us < best_us) {
+        best_us = us;
+        best = name;
+      }
+    fastest.emplace_back(T, best);
+    md += fmt::format("| {} | {} | {:.2f} | {} |\n", T, best, best_us,
+                      v.count("cublaslt") ? fmt::format("{:.2f}", v.at("cublaslt")) : std::string("-"));
   }
+  // The same as table rows: consecutive token counts with one winner merge; the last row covers the rest.
+  md += "\nAs rows of router_dispatch_table():\n\n```\n";
+  for (size_t i = 0; i < fastest.size(); ++i) {
+    if (i + 1 < fastest.size() && fastest[i + 1].second == fastest[i].second) continue;
+    const bool last = i + 1 == fastest.size();
+    const bool small_last = last && fastest[i].second != "cublaslt";
+    md += dispatch_row(fastest[i].second, last && !small_last ? "INT32_MAX" : std::to_string(fastest[i].first)) + ",\n";
+    if (small_last) md += dispatch_row("cublaslt", "INT32_MAX") + ",\n";
+  }
+  md += "```\n";
   return md;
 }
 
@@ -92,11 +170,12 @@ std::string allreduce_markdown(const std::vector<cuda::AllReduceBenchRow>& rows)
   std::string md = "\n**All-reduce, W logical ranks on one GPU, microseconds per call (bytes per rank)**\n\n";
   std::map<std::pair<int32_t, int64_t>, std::map<std::string, double>> t;
   for (const auto& r : rows) t[{r.world_size, r.bytes}][r.variant] = r.us;
-  md += "| W | bytes | oneshot | twoshot | auto | fused-oneshot | fused-twoshot |\n|---|---|---|---|---|---|---|\n";
+  md += "| W | bytes | oneshot | twoshot | auto | fused-oneshot | fused-twoshot | fused-auto |\n"
+        "|---|---|---|---|---|---|---|---|\n";
   for (const auto& [key, v] : t) {
     auto get = [&](const std::string& k) { return v.count(k) ? fmt::format("{:.2f}", v.at(k)) : std::string("-"); };
-    md += fmt::format("| {} | {} | {} | {} | {} | {} | {} |\n", key.first, key.second, get("oneshot"), get("twoshot"),
-                      get("auto"), get("fused-oneshot"), get("fused-twoshot"));
+    md += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} |\n", key.first, key.second, get("oneshot"),
+                      get("twoshot"), get("auto"), get("fused-oneshot"), get("fused-twoshot"), get("fused-auto"));
   }
   return md;
 }
@@ -131,6 +210,7 @@ void run_serving_bench(const ServeBenchOptions& o) {
       ro.iters = o.iters;
       ro.warmup = o.warmup;
       ro.cold = !o.hot;
+      ro.pdl_variants = o.router_pdl;
       const auto r = cuda::bench_router_gemm(p, router_config(preset(p)), ro);
       rows.insert(rows.end(), r.begin(), r.end());
     }
@@ -141,7 +221,8 @@ void run_serving_bench(const ServeBenchOptions& o) {
                              {"us", r.us}, {"weight_gbps", r.weight_gbps}});
     nlohmann::json table;
     for (const auto& e : router_dispatch_table())
-      table.push_back({{"max_tokens", e.max_tokens}, {"path", to_string(e.path)}, {"experts_per_cta", e.experts_per_cta}});
+      table.push_back({{"max_tokens", e.max_tokens}, {"path", to_string(e.path)}, {"experts_per_cta", e.experts_per_cta},
+                       {"kernel", to_string(e.kernel)}});
     j["router_dispatch_table"] = table;
   }
   if (wants("allreduce")) {
@@ -205,6 +286,7 @@ void add_serving_command(CLI::App& app) {
   sub->add_option("--iters", o->iters, "Timed graph replays per measurement (>= 20)")->capture_default_str();
   sub->add_option("--warmup", o->warmup, "Untimed replays first")->capture_default_str();
   sub->add_flag("--hot", o->hot, "Also time the router with W resident in L2");
+  sub->add_flag("!--no-router-pdl", o->router_pdl, "Skip the router's +pdl variants (calls back to back with PDL)");
   sub->add_option("--json", o->json_path, "Write every row as JSON here");
   sub->add_option("--md", o->md_path, "Write the markdown tables here");
   sub->callback([o] {

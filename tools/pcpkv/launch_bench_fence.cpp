@@ -3,6 +3,7 @@
 // Every rank runs `--layers` fences back to back (one per layer, barrier index alternating like
 // micro-batches), `--iters` times; rank 0 prints each rank's median, p10 and p90 in microseconds and, on
 // CUDA, the per-layer time of a captured CUDA graph of the same fences (replayed --iters times).
+#include <algorithm>
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -22,6 +23,7 @@ struct BenchFenceFlags {
   std::string backend = "auto";
   FenceBenchOptions opt;
   bool json = false;
+  bool md_rows = false;
 };
 
 int bench_fence(const BenchFenceFlags& f, Bootstrap& world) {
@@ -41,11 +43,24 @@ int bench_fence(const BenchFenceFlags& f, Bootstrap& world) {
   world.all_gather(mine, sizeof(mine), all.data());
   if (world.rank() != 0) return 0;
 
+  const int32_t layers = r.layers_run > 0 ? r.layers_run : f.opt.layers;
+  const int32_t iters = r.iters_run > 0 ? r.iters_run : f.opt.iters;
+  const int32_t warmup = r.layers_run > 0 ? r.warmup_run : f.opt.warmup;
   std::string text = fmt::format(
       "pcpkv bench-fence: {} processes, backend {} ({}); {} layers x {} iterations (+{} warm-up), {} barrier "
-      "indices\n  rank   median us   p10 us   p90 us{}\n",
-      world.world_size(), resolved, r.device, f.opt.layers, f.opt.iters, f.opt.warmup, f.opt.num_barriers,
-      resolved == "cuda" && f.opt.graph ? "   graph us/layer" : "");
+      "indices\n",
+      world.world_size(), resolved, r.device, layers, iters, warmup, f.opt.num_barriers);
+  if (layers != f.opt.layers || iters != f.opt.iters || warmup != f.opt.warmup)
+    text += fmt::format("  (scaled down from {} layers x {} iterations (+{} warm-up) to fit the {:.0f} s time budget)\n",
+                        f.opt.layers, f.opt.iters, f.opt.warmup, f.opt.time_budget_s);
+  if (r.max_ranks_per_gpu > 1)
+    text += fmt::format(
+        "  note: up to {} processes share one GPU. Without MPS the GPU time-slices between processes, so a fence "
+        "waits for its peers' time slices: these numbers measure context switches, not the fence (with one GPU "
+        "per process it is microseconds).\n",
+        r.max_ranks_per_gpu);
+  text += fmt::format("  rank   median us   p10 us   p90 us{}\n",
+                      resolved == "cuda" && f.opt.graph ? "   graph us/layer" : "");
   std::vector<double> medians;
   for (int32_t q = 0; q < world.world_size(); ++q) {
     const double* v = all.data() + 5 * q;
@@ -56,14 +71,26 @@ int bench_fence(const BenchFenceFlags& f, Bootstrap& world) {
   }
   text += fmt::format("  fence latency per layer (median over ranks of each rank's median): {:.2f} us\n",
                       percentile(medians, 0.5));
+  if (f.md_rows) {
+    std::vector<double> graph;
+    for (int32_t q = 0; q < world.world_size(); ++q) graph.push_back(all[5 * static_cast<size_t>(q) + 3]);
+    text += fmt::format("md|| {} | {} | {:.2f} | {:.2f} | {:.2f} | {} x {} |{}\n", world.world_size(),
+                        resolved != "cuda"         ? std::string("CPU processes")
+                        : r.max_ranks_per_gpu > 1 ? fmt::format("{} per GPU", r.max_ranks_per_gpu)
+                                                  : std::string("1 per GPU"),
+                        percentile(medians, 0.5), *std::max_element(medians.begin(), medians.end()),
+                        resolved == "cuda" && f.opt.graph ? percentile(graph, 0.5) : 0.0, layers, iters,
+                        r.max_ranks_per_gpu > 1 ? " time-slicing (no MPS): context switches, not the fence |" : " |");
+  }
 
   if (f.json) {
     nlohmann::json j;
     j["world_size"] = world.world_size();
     j["backend"] = resolved;
     j["device"] = r.device;
-    j["layers"] = f.opt.layers;
-    j["iters"] = f.opt.iters;
+    j["layers"] = layers;
+    j["iters"] = iters;
+    j["max_ranks_per_gpu"] = r.max_ranks_per_gpu;
     for (int32_t q = 0; q < world.world_size(); ++q) {
       const double* v = all.data() + 5 * q;
       j["ranks"].push_back({{"rank", q}, {"median_us", v[0]}, {"p10_us", v[1]}, {"p90_us", v[2]},
@@ -94,7 +121,12 @@ void add_bench_fence_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--timeout-ms", f->opt.timeout_ms, "Bound of every fence wait")->capture_default_str();
   sub->add_flag("--no-graph", [f](int64_t) { f->opt.graph = false; }, "CUDA: skip the graph-replay timing");
+  sub->add_option("--time-budget", f->opt.time_budget_s,
+                  "CUDA: seconds the whole measurement may take; iterations (>= 3) and if needed layers are scaled "
+                  "down to fit (processes sharing a GPU time-slice: a fence then costs milliseconds); 0: no limit")
+      ->capture_default_str();
   sub->add_flag("--json", f->json, "JSON on stdout from rank 0 (the table goes to stderr)");
+  sub->add_flag("--md-rows", f->md_rows, "Also print a markdown table row prefixed 'md|' (for docs/perf.md)");
   sub->callback([f] {
     std::unique_ptr<Bootstrap> world;
     const int code = run_as_rank("bench-fence", nullptr, [&] {

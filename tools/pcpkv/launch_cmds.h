@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "pcpkv/bootstrap.h"
 #include "pcpkv/multiproc.h"
@@ -20,6 +21,11 @@ constexpr int kExitPeerFailed = 4;
 
 void add_mp_publish_command(CLI::App& app);   // launch_publish.cpp
 void add_bench_fence_command(CLI::App& app);  // launch_bench_fence.cpp
+void add_bench_allreduce_command(CLI::App& app);  // launch_bench_allreduce.cpp (launched, one GPU per rank)
+void add_bench_link_command(CLI::App& app);   // launch_bench_link.cpp (one process, every GPU)
+
+/// "0,1,3" -> {0, 1, 3}; "" -> {}. Throws pcpkv::Error naming `flag` and the bad item.
+std::vector<int32_t> parse_device_list(const std::string& s, const char* flag);
 
 /// This process's place in the job: from `pcpkv launch` / torchrun variables, or a world of one.
 std::unique_ptr<Bootstrap> connect_world();

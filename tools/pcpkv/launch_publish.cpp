@@ -3,7 +3,12 @@
 // groups of N / tp ranks ({0..P-1}, {P..2P-1}, ...); each group publishes its own batch (seed + group
 // index, so a write that crossed groups would show) with each requested transport, and each group's
 // rank 0 checks every replica of its group byte for byte against the single-process CPU reference and
-// prints the group's stage table (per stage the slowest rank) and verdict.
+// prints the group's stage table and verdict. Stage times (CUDA): each rank's median over --repeats timed
+// runs after --warmup untimed ones (CUDA events per stage), every rank's column, and the max over ranks;
+// the total is each rank's median run total, max over ranks; the speedup over collect of the same run;
+// for staging and direct the bytes each GPU receives through the dispatch's P2P stores and the bandwidth
+// that achieves (with --link-gbps also the floor received bytes / link bandwidth); staging == direct over
+// every replica (FNV-64 of all bytes).
 //
 // Exit code (every rank agrees): 0 all checks passed, 1 a check failed, 2 bad input,
 // 4 a peer failed (killed, stuck past the fence timeout, or gone from the rendezvous).
@@ -26,6 +31,7 @@
 #include "pcpkv/plan.h"
 #include "pcpkv/symmetric.h"
 #include "pcpkv/verify.h"
+#include "transport/publish_layout.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/cuda_multiproc.h"
 #endif
@@ -68,6 +74,10 @@ struct MpPublishFlags {
   std::string collect_via = "auto";
   int32_t graph_replays = 0;
   bool leak_check = false;
+  int32_t warmup = 0;
+  double flush_l2_mb = 0;
+  double link_gbps = 0;
+  bool md_rows = false;
 };
 
 std::vector<Transport> parse_transports(const std::string& s) {
@@ -82,9 +92,25 @@ std::vector<Transport> parse_transports(const std::string& s) {
   return out;
 }
 
+// FNV-1a over bytes: a fingerprint of every replica, to compare transports (staging == direct) cheaply.
+uint64_t fnv1a(const std::vector<uint8_t>& v, uint64_t h = 1469598103934665603ull) {
+  for (uint8_t b : v) h = (h ^ b) * 1099511628211ull;
+  return h;
+}
+
 struct TransportReport {
   Transport transport;
-  std::vector<Stage> stages;        // slowest rank per stage; bytes summed over ranks
+  std::vector<Stage> stages;        // per stage the max over ranks of each rank's median; bytes summed over ranks
+  std::vector<std::vector<double>> rank_stage_ms;  // [rank][stage] each rank's median over the timed runs
+  std::vector<double> rank_total_ms;               // [rank] median over runs of the run's stage sum
+  double total_ms = 0;              // max over ranks of rank_total_ms
+  int32_t samples = 0;              // timed runs per rank
+  uint64_t replicas_hash = 0;       // fingerprint of every replica of the group (checked runs)
+  double stage_ms(const std::string& name) const {
+    for (const Stage& s : stages)
+      if (s.name == name) return s.ms;
+    return 0.0;
+  }
   bool checked = false;
   bool identical = true;            // every replica == the single-process reference, byte for byte
   int64_t bytes_compared = 0;
@@ -98,6 +124,36 @@ struct TransportReport {
   bool q_topk_ok = true;
   bool ok() const { return identical && guard_bad == 0 && q_topk_ok && epochs_ok; }
 };
+
+// Bytes the dispatch's P2P stores move between GPUs (the byte model of mp::stage_bytes_for_rank): direct stores
+// every written row's final cache bytes into every replica; staging stores all M packed rows into every
+// peer's staging slot. Own-replica stores are local, not counted.
+struct P2pBytes {
+  int64_t max_received = 0;  // the GPU that receives the most
+  int64_t max_sent = 0;
+};
+P2pBytes p2p_bytes(const PublishSetup& s, Transport t) {
+  const PcpPlan& plan = *s.plan;
+  const mp::PublishLayout l = mp::make_publish_layout(s);
+  const int32_t W = plan.pcp_world;
+  const int64_t cache_row_bytes = l.row.mla_bytes + (s.fmt.has_indexer ? kIndexerSlotBytes : 0);
+  std::vector<int64_t> sent_per_peer(static_cast<size_t>(W));
+  for (int32_t q = 0; q < W; ++q) {
+    const RankPlan& rp = plan.ranks[static_cast<size_t>(q)];
+    const int64_t written =
+        std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t x) { return x >= 0; });
+    sent_per_peer[static_cast<size_t>(q)] =
+        t == Transport::kDirect ? written * cache_row_bytes : plan.max_local_tokens * l.row.row_bytes;
+  }
+  P2pBytes b;
+  int64_t total = 0;
+  for (int64_t v : sent_per_peer) total += v;
+  for (int32_t r = 0; r < W; ++r) {
+    b.max_received = std::max(b.max_received, total - sent_per_peer[static_cast<size_t>(r)]);
+    b.max_sent = std::max(b.max_sent, sent_per_peer[static_cast<size_t>(r)] * (W - 1));
+  }
+  return b;
+}
 
 int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   const GroupLayout layout = GroupLayout::make(world.world_size(), f.tp);
@@ -151,6 +207,11 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   opt.num_threads = f.threads;
   opt.global_ranks = layout.pcp_group_members(group_idx);
   opt.collect_via = f.collect_via;
+  PCPKV_CHECK(f.warmup >= 0, "--warmup must be >= 0, got {}", f.warmup);
+  PCPKV_CHECK(f.flush_l2_mb >= 0, "--flush-l2-mb must be >= 0, got {}", f.flush_l2_mb);
+  PCPKV_CHECK(f.link_gbps >= 0, "--link-gbps must be >= 0, got {}", f.link_gbps);
+  opt.warmup_runs = f.warmup;
+  opt.flush_l2_bytes = static_cast<int64_t>(f.flush_l2_mb * 1024 * 1024);
   if (f.kill_rank >= 0 && layout.pcp_group_of(f.kill_rank) == group_idx) opt.kill_pcp_rank = layout.pcp_rank_of(f.kill_rank);
   PCPKV_CHECK(f.graph_replays >= 0, "--graph-replays must be >= 0, got {}", f.graph_replays);
   PCPKV_CHECK(f.graph_replays == 0 || backend_name == "cuda", "--graph-replays needs the cuda backend (got {})",
@@ -195,6 +256,13 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   std::unique_ptr<Backend> ref_backend = leader && !f.no_check ? make_cpu_backend(f.threads) : nullptr;
   for (Transport t : transports) {
     RankPublishResult mine = pub->publish(inputs, t);
+    // The timed runs' samples (the graph replays below are not timed). CPU: one sample, the mean.
+    const StageProfile timed_profile = mine.profile;
+    std::vector<std::vector<double>> timed_samples = mine.stage_samples_ms;
+    if (timed_samples.empty()) {
+      timed_samples.emplace_back();
+      for (const Stage& s : timed_profile.stages) timed_samples.back().push_back(s.ms);
+    }
     int32_t replays = 0;
     std::string epochs_note;
     bool epochs_ok = true;
@@ -212,12 +280,36 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
                                 e0.empty() ? 0 : e0[0], e1.empty() ? 0 : e1[0], e0.size() > 1 ? e0[1] : 0,
                                 e1.size() > 1 ? e1[1] : 0, replays);
     }
-    // Stage times of every rank of the group; the leader keeps the slowest per stage.
-    std::vector<double> ms;
-    for (const Stage& s : mine.profile.stages) ms.push_back(s.ms);
-    std::vector<double> all_ms(ms.size() * static_cast<size_t>(group->world_size()));
-    group->all_gather(ms.data(), ms.size() * sizeof(double), all_ms.data());
+    // Every timed run's stage times of every rank: [rank][run][stage], and every rank's stage bytes.
+    const size_t S = timed_profile.stages.size();
+    const size_t R = timed_samples.size();
+    const size_t W = static_cast<size_t>(group->world_size());
+    std::vector<double> flat(R * S, 0.0);
+    for (size_t run = 0; run < R; ++run)
+      for (size_t k = 0; k < S && k < timed_samples[run].size(); ++k) flat[run * S + k] = timed_samples[run][k];
+    std::vector<double> all_flat(flat.size() * W);
+    std::vector<int64_t> bytes(S), all_bytes(S * W);
+    for (size_t k = 0; k < S; ++k) bytes[k] = timed_profile.stages[k].bytes;
+    if (!flat.empty()) {
+      group->all_gather(flat.data(), flat.size() * sizeof(double), all_flat.data());
+      group->all_gather(bytes.data(), bytes.size() * sizeof(int64_t), all_bytes.data());
+    }
     TransportReport rep;
+    rep.samples = static_cast<int32_t>(R);
+    for (size_t q = 0; q < W; ++q) {
+      std::vector<double> per_stage(S), totals(R, 0.0);
+      for (size_t k = 0; k < S; ++k) {
+        std::vector<double> v(R);
+        for (size_t run = 0; run < R; ++run) {
+          v[run] = all_flat[(q * R + run) * S + k];
+          totals[run] += v[run];
+        }
+        per_stage[k] = percentile(v, 0.5);
+      }
+      rep.rank_stage_ms.push_back(per_stage);
+      rep.rank_total_ms.push_back(percentile(totals, 0.5));
+      rep.total_ms = std::max(rep.total_ms, rep.rank_total_ms.back());
+    }
     rep.transport = t;
     rep.graph_replays = replays;
     rep.epochs_note = epochs_note;
@@ -226,21 +318,28 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
     std::vector<uint8_t> all_eok(static_cast<size_t>(group->world_size()));
     group->all_gather(&eok, 1, all_eok.data());
     rep.epochs_ok = std::all_of(all_eok.begin(), all_eok.end(), [](uint8_t v) { return v == 1; });
-    for (size_t k = 0; k < mine.profile.stages.size(); ++k) {
-      Stage s = mine.profile.stages[k];
+    // Bytes: each rank's own byte model, summed (stage names differ from the CPU reference's: the CUDA
+    // collect splits its insert into insert-mla and insert-indexer).
+    for (size_t k = 0; k < S; ++k) {
+      Stage s = timed_profile.stages[k];
+      s.ms = 0;
       s.bytes = 0;
-      for (int32_t q = 0; q < group->world_size(); ++q) s.ms = std::max(s.ms, all_ms[q * ms.size() + k]);
+      for (size_t q = 0; q < W; ++q) {
+        s.ms = std::max(s.ms, rep.rank_stage_ms[q][k]);
+        s.bytes += all_bytes[q * S + k];
+      }
       rep.stages.push_back(s);
     }
     if (ref_backend) {
-      const PublishResult ref = ref_backend->publish(setup, inputs, t);
-      for (size_t k = 0; k < rep.stages.size() && k < ref.profile.stages.size(); ++k)
-        rep.stages[k].bytes = ref.profile.stages[k].bytes;
+      PublishSetup ref_setup = setup;
+      ref_setup.repeats = 1;  // the reference's bytes do not depend on repeats; its time is not reported
+      const PublishResult ref = ref_backend->publish(ref_setup, inputs, t);
       rep.checked = true;
       PublishResult got = ref;  // geometry from the reference, bytes from the replicas
       for (int32_t q = 0; q < group->world_size(); ++q) {
         got.mla_alloc[q] = pub->read_mla_alloc(q);
         got.index_alloc[q] = pub->read_index_alloc(q);
+        rep.replicas_hash = fnv1a(got.index_alloc[q], fnv1a(got.mla_alloc[q], rep.replicas_hash ^ 0x9e37u));
         for (int which = 0; which < 2; ++which) {
           const auto& a = which == 0 ? got.mla_alloc[q] : got.index_alloc[q];
           const auto& b = which == 0 ? ref.mla_alloc[q] : ref.index_alloc[q];
@@ -267,6 +366,7 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
 
   bool ok = leak_ok;
   for (const auto& r : reports) ok = ok && r.ok();
+  bool same_staging_direct = true;
   if (leader) {
     std::string text = fmt::format(
         "pcpkv mp-publish: {} processes, TP {} x PCP {}; PCP group {} = global ranks {}..{}; backend {} ({})\n",
@@ -276,14 +376,45 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
                         model.name, plan.num_global_tokens(), plan.pcp_world, plan.max_local_tokens,
                         to_string(fmt.kv_format), fmt.has_indexer ? "indexer layer" : "shared layer", plan.block_size,
                         group_seed);
+    const double collect_ms = [&] {
+      for (const auto& r : reports)
+        if (r.transport == Transport::kCollect) return r.total_ms;
+      return 0.0;
+    }();
+    const int32_t G = group->world_size();
     for (const auto& r : reports) {
-      text += fmt::format("  {:<8} stage        ms (slowest rank)    MB (all ranks)\n", to_string(r.transport));
-      double total = 0;
-      for (const Stage& s : r.stages) {
-        text += fmt::format("           {:<12} {:>10.3f}            {:>10.2f}\n", s.name, s.ms, s.bytes / 1e6);
-        total += s.ms;
+      // Per stage: each rank's median over the timed runs, and the max over ranks.
+      text += fmt::format("  {:<8} stage           ms: median of {} run(s) per rank{}\n", to_string(r.transport),
+                          r.samples, f.warmup > 0 ? fmt::format(" after {} warm-up", f.warmup) : "");
+      std::string head = fmt::format("           {:<14}", "");
+      for (int32_t q = 0; q < G; ++q) head += fmt::format(" {:>8}", fmt::format("rank {}", q));
+      text += head + fmt::format(" {:>9}   {:>10}\n", "max", "MB (all)");
+      for (size_t k = 0; k < r.stages.size(); ++k) {
+        std::string line = fmt::format("           {:<14}", r.stages[k].name);
+        for (int32_t q = 0; q < G; ++q) line += fmt::format(" {:>8.3f}", r.rank_stage_ms[q][k]);
+        text += line + fmt::format(" {:>9.3f}   {:>10.2f}\n", r.stages[k].ms, r.stages[k].bytes / 1e6);
       }
-      text += fmt::format("           {:<12} {:>10.3f}\n", "total", total);
+      std::string line = fmt::format("           {:<14}", "total");
+      for (int32_t q = 0; q < G; ++q) line += fmt::format(" {:>8.3f}", r.rank_total_ms[q]);
+      text += line + fmt::format(" {:>9.3f}", r.total_ms);
+      if (collect_ms > 0 && r.transport != Transport::kCollect && r.total_ms > 0)
+        text += fmt::format("   {:.2f}x faster than collect", collect_ms / r.total_ms);
+      text += "\n";
+      if (r.transport != Transport::kCollect && G > 1) {
+        // NVLink: what the P2P stores of the dispatch deliver to each GPU from its peers.
+        const P2pBytes b = p2p_bytes(setup, r.transport);
+        const double dispatch_ms = r.stage_ms("dispatch");
+        text += fmt::format(
+            "           P2P stores: up to {:.2f} MB received and {:.2f} MB sent per GPU during dispatch ({:.3f} ms): "
+            "{:.1f} GB/s received per GPU",
+            b.max_received / 1e6, b.max_sent / 1e6, dispatch_ms,
+            dispatch_ms > 0 ? b.max_received / (dispatch_ms * 1e6) : 0.0);
+        if (f.link_gbps > 0)
+          text += fmt::format("; floor received / link ({:.0f} GB/s) = {:.3f} ms, dispatch = {:.2f}x that floor",
+                              f.link_gbps, b.max_received / (f.link_gbps * 1e6),
+                              dispatch_ms / (b.max_received / (f.link_gbps * 1e6)));
+        text += "\n";
+      }
       if (r.checked) {
         text += fmt::format("           replicas == single-process CPU reference: {} ({} bytes compared{})\n",
                             r.identical ? "PASS" : "FAIL", r.bytes_compared,
@@ -299,8 +430,44 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
         text += "           (not checked: --no-check)\n";
       }
     }
+    // staging and direct must leave the same bytes in every replica (both also equal the reference).
+    const TransportReport* staging = nullptr;
+    const TransportReport* direct = nullptr;
+    for (const auto& r : reports) {
+      if (r.checked && r.transport == Transport::kStaging) staging = &r;
+      if (r.checked && r.transport == Transport::kDirect) direct = &r;
+    }
+    if (staging && direct) {
+      same_staging_direct = staging->replicas_hash == direct->replicas_hash;
+      text += fmt::format("  staging == direct (every replica, FNV-64 {:016x}): {}\n", direct->replicas_hash,
+                          same_staging_direct ? "PASS" : "FAIL");
+    }
+    if (f.md_rows) {
+      // Markdown rows for docs/perf.md (scripts/multigpu_run.sh collects the lines starting with "md|").
+      for (const auto& r : reports) {
+        std::string stages;
+        for (const Stage& s : r.stages) stages += fmt::format("{}{} {:.3f}", stages.empty() ? "" : " + ", s.name, s.ms);
+        std::string ranks;
+        for (int32_t q = 0; q < G; ++q) ranks += fmt::format("{}{:.3f}", q ? " / " : "", r.rank_total_ms[q]);
+        std::string p2p = "-";
+        const double dispatch_ms = r.stage_ms("dispatch");
+        if (r.transport != Transport::kCollect && G > 1 && dispatch_ms > 0) {
+          const P2pBytes b = p2p_bytes(setup, r.transport);
+          p2p = fmt::format("{:.0f} GB/s ({:.1f} MB)", b.max_received / (dispatch_ms * 1e6), b.max_received / 1e6);
+          if (f.link_gbps > 0)
+            p2p += fmt::format(", {:.2f}x floor", dispatch_ms / (b.max_received / (f.link_gbps * 1e6)));
+        }
+        text += fmt::format("md|| {} | {} | {} | {} | **{:.3f}** | {} | {} | {} | {} |\n", G, to_string(fmt.kv_format),
+                            to_string(r.transport), stages, r.total_ms, ranks,
+                            r.transport == Transport::kCollect || collect_ms <= 0
+                                ? std::string("1.00x")
+                                : fmt::format("{:.2f}x", collect_ms / r.total_ms),
+                            p2p, !r.checked ? "not checked" : r.ok() ? "PASS" : "FAIL");
+      }
+    }
     if (f.leak_check)
       text += fmt::format("  leak check (rank {}): {} ({})\n", world.rank(), leak_ok ? "PASS" : "FAIL", leak_note);
+    ok = ok && same_staging_direct;
     text += fmt::format("  verdict: {} ({:.2f} s)\n", ok ? "PASS" : "FAIL", total_s);
     if (f.json) {
       nlohmann::json j;
@@ -316,6 +483,10 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
         nlohmann::json t;
         t["transport"] = to_string(r.transport);
         for (const Stage& s : r.stages) t["stages"].push_back({{"name", s.name}, {"ms", s.ms}, {"bytes", s.bytes}});
+        t["rank_total_ms"] = r.rank_total_ms;
+        t["rank_stage_ms"] = r.rank_stage_ms;
+        t["total_ms"] = r.total_ms;
+        t["samples"] = r.samples;
         t["checked"] = r.checked;
         t["identical"] = r.identical;
         t["bytes_compared"] = r.bytes_compared;
@@ -364,8 +535,19 @@ void add_mp_publish_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--seed", f->seed, "Input and block-table seed (PCP group g uses seed + 1000003 g)")
       ->capture_default_str();
-  sub->add_option("--repeats", f->repeats, "Publications per transport (stage times are the mean)")
+  sub->add_option("--repeats", f->repeats,
+                  "Timed publications per transport (CUDA: each rank's median per stage is printed; CPU: the mean)")
       ->capture_default_str();
+  sub->add_option("--warmup", f->warmup, "CUDA: untimed publications per transport before the timed ones")
+      ->capture_default_str();
+  sub->add_option("--flush-l2-mb", f->flush_l2_mb,
+                  "CUDA: before each run, overwrite a scratch buffer of this many MiB (cold L2; 0: off)")
+      ->capture_default_str();
+  sub->add_option("--link-gbps", f->link_gbps,
+                  "Per-GPU receive bandwidth of the links in GB/s (e.g. pcpkv bench-link's all-pairs figure): "
+                  "prints the floor received bytes / link bandwidth of the P2P stores")
+      ->capture_default_str();
+  sub->add_flag("--md-rows", f->md_rows, "Also print markdown table rows prefixed 'md|' (for docs/perf.md)");
   sub->add_option("--threads", f->threads, "CPU threads per rank process")->capture_default_str();
   sub->add_option("--topk-width", f->topk_width, "Fill a top-k buffer [T, width] with -1 (indexer layers; 0: off)")
       ->capture_default_str();

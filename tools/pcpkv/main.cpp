@@ -1,9 +1,12 @@
 // pcpkv: the command-line tool. Subcommands live in cmd_<name>.cpp (commands.h).
 // Exit codes: 0 success, 1 a verification check failed, 2 bad input or usage, 3 internal error (a
 // subcommand may add its own, e.g. the multi-process ones: 4 a peer failed).
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <string>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -11,17 +14,26 @@
 #include "pcpkv/commands.h"
 #include "pcpkv/error.h"
 
-int main(int argc, char** argv) {
-  CLI::App app{
-      "pcpkv: publish PCP KV-cache rows of sparse-MLA models (DeepSeek-V3.2, GLM-5) into every rank's "
-      "cache replica, and verify them byte for byte"};
-  app.require_subcommand(1);
-  pcpkv::cli::add_run_command(app);
-  pcpkv::cli::add_bench_command(app);
-  pcpkv::cli::add_info_command(app);
-  pcpkv::cli::add_launch_command(app);
-  pcpkv::cli::add_attention_command(app);
-  pcpkv::cli::add_serving_command(app);
+namespace {
+
+// "run, bench, info, ...": the registered subcommands, for the unknown-command message.
+std::string command_names(CLI::App& app) {
+  std::string s;
+  for (const CLI::App* sub : app.get_subcommands({})) s += (s.empty() ? "" : ", ") + sub->get_name();
+  return s;
+}
+
+int run_app(CLI::App& app, int argc, char** argv) {
+  // CLI11 reports a mistyped command as "A subcommand is required"; name it instead.
+  if (argc >= 2 && argv[1][0] != '-') {
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == argv[1];
+    if (!known) {
+      fmt::print(stderr, "pcpkv: error: unknown command '{}'; known: {}\nRun 'pcpkv --help' for usage.\n", argv[1],
+                 command_names(app));
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -34,6 +46,10 @@ int main(int argc, char** argv) {
     // Thrown by a subcommand to set the exit code; a message, when present, is the reason.
     if (e.what() && *e.what()) fmt::print(stderr, "pcpkv: error: {}\n", e.what());
     return e.get_exit_code();
+  } catch (const CLI::RequiredError& e) {
+    fmt::print(stderr, "pcpkv: error: {}{}\nRun 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n", e.what(),
+               argc < 2 ? fmt::format("; commands: {}", command_names(app)) : "");
+    return 2;
   } catch (const CLI::ParseError& e) {
     fmt::print(stderr, "pcpkv: error: {}\nRun 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n", e.what());
     return 2;
@@ -49,4 +65,29 @@ int main(int argc, char** argv) {
     return 3;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "pcpkv: publish PCP KV-cache rows of sparse-MLA models (DeepSeek-V3.2, GLM-5) into every rank's "
+      "cache replica, and verify them byte for byte"};
+  app.require_subcommand(1);
+  pcpkv::cli::add_run_command(app);
+  pcpkv::cli::add_bench_command(app);
+  pcpkv::cli::add_info_command(app);
+  pcpkv::cli::add_launch_command(app);
+  pcpkv::cli::add_attention_command(app);
+  pcpkv::cli::add_serving_command(app);
+  int code = run_app(app, argc, argv);
+  // A report that never reached stdout (disk full, closed pipe) must not pass for success.
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    const int err = errno;
+    fmt::print(stderr, "pcpkv: error: cannot write the output to stdout: {}\n",
+               err ? std::strerror(err) : "write error");
+    if (code == 0) code = 3;  // a failed verdict (1) or bad input (2) keeps its code
+  }
+  return code;
 }

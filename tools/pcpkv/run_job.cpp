@@ -2,14 +2,22 @@
 // with each transport, run the single-rank references, and check the results through verify.h.
 #include "run_job.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <limits>
 #include <numeric>
 
 #include "pcpkv/error.h"
 #include "pcpkv/inputs_io.h"
+#include "pcpkv/safetensors.h"
 #include "pcpkv/verify.h"
 #include "progress.h"
 
@@ -28,6 +36,9 @@ Check make_check(std::string name, std::string transport) {
 }
 
 bool is_power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+
+// "1 key", "3 keys".
+std::string count_of(int64_t n, const char* noun) { return fmt::format("{} {}{}", n, noun, n == 1 ? "" : "s"); }
 
 std::string mb(int64_t bytes) { return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6); }
 
@@ -227,6 +238,127 @@ void inject_fault(PublishResult& r, const PcpPlan& plan, const std::string& kind
   alloc.at(static_cast<size_t>(off)) ^= 0x01;
 }
 
+
+// ---- checks made before anything is allocated or written ------------------------------------------
+
+std::string size_text(long double bytes) {
+  if (bytes >= 1e12L) return fmt::format("{:.1f} TB", static_cast<double>(bytes / 1e12L));
+  if (bytes >= 1e9L) return fmt::format("{:.1f} GB", static_cast<double>(bytes / 1e9L));
+  return fmt::format("{:.1f} MB", static_cast<double>(bytes / 1e6L));
+}
+
+// Memory this process may use: physical RAM, or the cgroup limit when lower (a container's OOM killer
+// would end the run with no message).
+long double host_memory_bytes() {
+  long double m = std::numeric_limits<long double>::infinity();
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0) m = static_cast<long double>(pages) * page;
+  for (const char* f : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(f);
+    long double v = 0;
+    if (in >> v && v > 0) m = std::min(m, v);  // "max" (no limit) does not parse
+  }
+  return m;
+}
+
+// A lower bound of what a run holds at once, added up request by request before the plan exists (the
+// plan itself would allocate per token and per block): the inputs, every rank's cache replica, the
+// materialized q_c rows and, for staging, every rank's staging buffer. In long double: flags like
+// --tokens 99999999999 must give a message, not an overflow.
+struct Footprint {
+  int32_t pcp = 1;
+  int64_t block_size = 64;
+  int64_t q_lora_rank = 0;
+  CacheFormat fmt;
+  bool staging = false;
+
+  long double blocks = 1;  // the null block
+  long double tokens = 0, prefill_tokens = 0, decodes = 0;
+
+  std::string partial;  // when the count stopped early: which requests it covers
+
+  /// Adds `count` requests like `r`.
+  void add(const RequestSpec& r, long double count = 1) {
+    blocks += count * std::ceil((static_cast<long double>(r.context_len) + r.num_new_tokens) / block_size);
+    tokens += count * r.num_new_tokens;
+    if (r.kind == RequestKind::kPrefill) {
+      prefill_tokens += count * r.num_new_tokens;
+    } else {
+      decodes += count;
+    }
+  }
+  long double inputs_bytes() const {
+    return tokens * (2.0L * (q_lora_rank + kKvLoraRank + kRopeDims + (fmt.has_indexer ? kIndexHeadDim : 0)) + 8);
+  }
+  // The backends lay out an indexer-K cache for every layer kind.
+  long double replica_bytes() const {
+    return blocks * block_size * static_cast<long double>(mla_row_bytes(fmt.kv_format) + kIndexerSlotBytes);
+  }
+  long double max_local_tokens() const { return std::ceil(prefill_tokens / pcp) + decodes; }
+  long double q_out_bytes() const { return pcp * max_local_tokens() * q_lora_rank * 2.0L; }
+  long double staging_bytes() const {
+    return staging ? pcp * 2.0L * pcp * max_local_tokens() * transport_row_layout(fmt).row_bytes : 0.0L;
+  }
+  long double bytes() const { return inputs_bytes() + pcp * replica_bytes() + q_out_bytes() + staging_bytes(); }
+};
+
+// Refuses a batch whose block ids overflow the int32 block tables or whose footprint exceeds this
+// machine's memory. `batch` names the flags (or the file) the batch came from.
+void check_footprint(const Footprint& f, const std::string& batch) {
+  constexpr auto kMaxBlocks = static_cast<long double>(std::numeric_limits<int32_t>::max());
+  PCPKV_CHECK(f.blocks <= kMaxBlocks,
+              "{}: the cache needs at least {:.0f} blocks of {} slots{}, more than the {} block ids an int32 block "
+              "table holds",
+              batch, static_cast<double>(f.blocks), f.block_size, f.partial, std::numeric_limits<int32_t>::max());
+  const long double need = f.bytes(), have = host_memory_bytes();
+  PCPKV_CHECK(need <= have,
+              "{}: the run needs at least {} of memory{} (inputs {}, {} cache replica{} of {}{}), more than the {} "
+              "of this machine",
+              batch, size_text(need), f.partial, size_text(f.inputs_bytes()), f.pcp, f.pcp == 1 ? "" : "s",
+              size_text(f.replica_bytes()), f.staging ? ", staging buffers " + size_text(f.staging_bytes()) : "",
+              size_text(have));
+}
+
+// --save: the directory must exist and take a new file, and the target, when present, must be a regular
+// file (renaming over a device or a FIFO would replace it). Probes with the writer's temporary name, so
+// a run is not computed only to fail at the end.
+void check_save_target(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  PCPKV_CHECK(!fs::is_directory(path, ec), "--save: '{}' is a directory", path);
+  const fs::file_status st = fs::status(path, ec);
+  PCPKV_CHECK(!fs::exists(st) || fs::is_regular_file(st),
+              "--save: '{}' exists and is not a regular file (a device, FIFO or socket); pcpkv replaces the file "
+              "at that path, so it refuses",
+              path);
+  fs::path target;
+  try {
+    target = write_target(path);
+  } catch (const Error& e) {
+    throw Error(std::string("--save: ") + e.what(), e.where());
+  }
+  const fs::path dir = fs::absolute(target, ec).parent_path();
+  PCPKV_CHECK(fs::exists(dir, ec), "--save: directory '{}' of '{}' does not exist", dir.string(), path);
+  PCPKV_CHECK(fs::is_directory(dir, ec), "--save: '{}' (the directory of '{}') is not a directory", dir.string(),
+              path);
+  const std::string probe = fmt::format("{}.tmp.{}", target.string(), static_cast<long>(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+  PCPKV_CHECK(fd >= 0, "--save: cannot create a file next to '{}' (tried '{}'): {}", path, probe,
+              std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+void check_read_path(const char* flag, const std::string& path, bool regular_only) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  PCPKV_CHECK(fs::exists(st), "{}: no such file '{}'", flag, path);
+  PCPKV_CHECK(!fs::is_directory(st), "{}: '{}' is a directory", flag, path);
+  PCPKV_CHECK(!regular_only || fs::is_regular_file(st),
+              "{}: '{}' is not a regular file (pcpkv seeks in it; copy it to a file first)", flag, path);
+}
+
 }  // namespace
 
 bool RunOutcome::ok() const {
@@ -290,6 +422,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   PCPKV_CHECK(o.decode_context >= -1, "--decode-context: must be >= 0, got {}", o.decode_context);
   PCPKV_CHECK(o.repeats >= 1, "--repeats: must be >= 1, got {}", o.repeats);
   PCPKV_CHECK(o.threads >= 0, "--threads: must be >= 0, got {}", o.threads);
+  PCPKV_CHECK(o.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", o.threads);
   PCPKV_CHECK(o.inject_fault.empty() || o.inject_fault == "row" || o.inject_fault == "guard",
               "--inject-fault: must be row or guard, got '{}'", o.inject_fault);
   PCPKV_CHECK(std::isfinite(o.k_scale) && o.k_scale > 0, "--k-scale: must be positive and finite, got {}", o.k_scale);
@@ -306,17 +439,25 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
               "be a multiple of 16 (B >= 4)",
               o.block_size);
   p.transports = parse_transport_list(o.transport);
-  if (!o.inputs.empty()) {
-    std::error_code ec;
-    PCPKV_CHECK(std::filesystem::is_regular_file(o.inputs, ec), "--inputs: no such file '{}'", o.inputs);
+  // Flags that do not apply to this format or layer: say so rather than ignore them silently.
+  auto given = [&](const char* flag) {
+    return std::find(o.flags_given.begin(), o.flags_given.end(), flag) != o.flags_given.end();
+  };
+  if (given("--topk-fill") && !p.fmt.has_indexer) {
+    p.notes_text.push_back("--topk-fill: not used: a shared layer (--layer shared) has no indexer, so no top-k buffer");
   }
-  if (!o.save.empty()) {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    const fs::path dir = fs::absolute(fs::path(o.save), ec).parent_path();
-    PCPKV_CHECK(fs::is_directory(dir, ec), "--save: directory '{}' of '{}' does not exist", dir.string(), o.save);
-    PCPKV_CHECK(!fs::is_directory(o.save, ec), "--save: '{}' is a directory", o.save);
+  if (given("--ds-mla-scale") && p.fmt.kv_format != KvFormat::kFp8DsMla) {
+    p.notes_text.push_back(fmt::format("--ds-mla-scale: not used: it applies to --kv-format fp8_ds_mla, not {}",
+                                       to_string(p.fmt.kv_format)));
   }
+  if (given("--k-scale") && p.fmt.kv_format != KvFormat::kFp8) {
+    p.notes_text.push_back(
+        fmt::format("--k-scale: not used: it applies to --kv-format fp8, not {}", to_string(p.fmt.kv_format)));
+  }
+  if (!o.inputs.empty()) check_read_path("--inputs", o.inputs, /*regular_only=*/true);
+  // A config may come through a pipe (--config <(...)): only a directory is refused here.
+  if (!o.config.empty()) check_read_path("--config", o.config, /*regular_only=*/false);
+  if (!o.save.empty()) check_save_target(o.save);
 
   step(progress, "loading the model");
   if (!o.config.empty()) {
@@ -328,12 +469,14 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
       return s;
     };
     if (!p.notes.missing.empty()) {
-      p.notes_text.push_back(fmt::format("config: {} keys missing, preset values kept: {}", p.notes.missing.size(),
+      p.notes_text.push_back(fmt::format("config: {} missing, preset values kept: {}",
+                                         count_of(p.notes.missing.size(), "key"),
                                          key_list(p.notes.missing)));
     }
     if (!p.notes.ignored.empty()) {
       p.notes_text.push_back(
-          fmt::format("config: {} keys not used by pcpkv: {}", p.notes.ignored.size(), key_list(p.notes.ignored)));
+          fmt::format("config: {} not used by pcpkv: {}", count_of(p.notes.ignored.size(), "key"),
+                      key_list(p.notes.ignored)));
     }
   } else {
     p.model = preset(o.model);
@@ -347,18 +490,54 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   pc.seed = o.seed;
   InputsBatch batch;
   if (!o.inputs.empty()) batch = read_inputs_batch(o.inputs);
+  Footprint fp;
+  fp.pcp = o.pcp;
+  fp.block_size = o.block_size;
+  fp.q_lora_rank = p.model.q_lora_rank;
+  fp.fmt = p.fmt;
+  fp.staging = std::find(p.transports.begin(), p.transports.end(), Transport::kStaging) != p.transports.end();
+  const std::string geometry = fmt::format("--pcp {} --block-size {}", o.pcp, o.block_size);
   if (!batch.requests.empty()) {
+    int64_t max_context = 0;
+    for (const RequestSpec& r : batch.requests) {
+      fp.add(r);
+      max_context = std::max(max_context, r.context_len);
+    }
+    check_footprint(fp, fmt::format("--inputs {} ({} requests, {} tokens, contexts up to {}) with {}", o.inputs,
+                                    batch.requests.size(), batch.num_tokens, max_context, geometry));
     pc.requests = batch.requests;
     p.batch_source = fmt::format("{} requests from {}", batch.requests.size(), o.inputs);
     p.notes_text.push_back(
         fmt::format("batch: {} describes its requests; --tokens and --decodes are not used", o.inputs));
   } else {
-    if (o.tokens > 0) pc.requests.push_back({RequestKind::kPrefill, o.tokens, 0});
-    for (int32_t i = 0; i < o.decodes; ++i) {
+    PCPKV_CHECK(o.tokens > 0 || o.decodes > 0, "--tokens 0 --decodes 0: the batch is empty");
+    // Sized before any request is stored: --decodes 2000000000 must not allocate first.
+    const std::string flags = fmt::format("--tokens {} --decodes {}{} {}", o.tokens, o.decodes,
+                                          o.decodes > 0 && o.decode_context >= 0
+                                              ? fmt::format(" --decode-context {}", o.decode_context)
+                                              : "",
+                                          geometry);
+    auto decode = [&](int32_t i) {
       const int64_t context = o.decode_context >= 0 ? o.decode_context : 1000 * int64_t{i + 1} + 7 * i;
-      pc.requests.push_back({RequestKind::kDecode, 1, context});
+      return RequestSpec{RequestKind::kDecode, 1, context};
+    };
+    if (o.tokens > 0) fp.add({RequestKind::kPrefill, o.tokens, 0});
+    if (o.decode_context >= 0) {
+      fp.add(decode(0), o.decodes);
+    } else {
+      // Contexts differ per decode: count them one by one, but stop once over (the loop stays short).
+      const long double memory = host_memory_bytes();
+      for (int32_t i = 0; i < o.decodes; ++i) {
+        fp.add(decode(i));
+        if (i + 1 < o.decodes && (fp.blocks > std::numeric_limits<int32_t>::max() || fp.bytes() > memory)) {
+          fp.partial = fmt::format(" (counting only the first {} of the {} decodes)", i + 1, o.decodes);
+          break;
+        }
+      }
     }
-    PCPKV_CHECK(!pc.requests.empty(), "--tokens 0 --decodes 0: the batch is empty");
+    check_footprint(fp, flags);
+    if (o.tokens > 0) pc.requests.push_back({RequestKind::kPrefill, o.tokens, 0});
+    for (int32_t i = 0; i < o.decodes; ++i) pc.requests.push_back(decode(i));
     p.batch_source = fmt::format("--tokens {} --decodes {}", o.tokens, o.decodes);
     if (!o.inputs.empty()) {
       const int64_t n = o.tokens + o.decodes;
@@ -389,11 +568,11 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   p.nonfinite = count_nonfinite(p.inputs);
   if (p.nonfinite.total() > 0) {
     PCPKV_CHECK(o.allow_nonfinite,
-                "inputs ({}): {} non-finite values ({}); refusing to publish them (pass --allow-nonfinite to "
+                "inputs ({}): {} ({}); refusing to publish them (pass --allow-nonfinite to "
                 "publish anyway)",
-                p.inputs_source, p.nonfinite.total(), p.nonfinite.describe());
-    p.notes_text.push_back(fmt::format("inputs: {} non-finite values ({}), published because of --allow-nonfinite",
-                                       p.nonfinite.total(), p.nonfinite.describe()));
+                p.inputs_source, count_of(p.nonfinite.total(), "non-finite value"), p.nonfinite.describe());
+    p.notes_text.push_back(fmt::format("inputs: {} ({}), published because of --allow-nonfinite",
+                                       count_of(p.nonfinite.total(), "non-finite value"), p.nonfinite.describe()));
   }
   return p;
 }

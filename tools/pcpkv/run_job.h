@@ -21,6 +21,7 @@ class Progress;
 struct RunOptions {
   std::string model = "glm-5";
   bool model_given = false;  // --model on the command line (else --config picks by model_type)
+  std::vector<std::string> flags_given;  // long flags on the command line ("--k-scale"), for ignored-flag notes
   std::string config;        // --config PATH (HF config.json)
   int32_t pcp = 8;
   int64_t tokens = 32768;       // one prefill request of this many tokens (0: none)

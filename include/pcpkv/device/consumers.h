@@ -1,15 +1,22 @@
 // pcpkv/device/consumers.h: host+device helpers of the cache consumers (SPEC section 6) that the CPU
 // reference and the CUDA kernels share, so both produce the same bits where the contract asks for it.
 //
-// Indexer score, fixed rounding order (CPU and GPU bit-identical):
-//   logit[h] = q_fp8[h] . k_fp8            each product of two E4M3 values is exact in fp32 (<= 8
-//              significant bits, magnitude in [2^-18, 2^18)), so fma(q, k, s) == s + q*k; the sum follows
-//              token_math.h's canonical order: 16 leaves of 8 dims summed sequentially from 0, then the
-//              pairwise tree over the 16 leaves.
+// Indexer score, fixed rounding (CPU and GPU bit-identical). A head's logit q_fp8[h] . k_fp8 has one of
+// two definitions (IndexerParams::logit, pcpkv/indexer.h):
+//   kExact (default): the exact dot product, rounded once to fp32 (round to nearest even), -0 -> +0.
+//              Every E4M3 value is an integer multiple of 2^-9 below 2^9, so each product is a multiple of
+//              2^-18 below 2^18 and any partial sum of the 128 products a multiple of 2^-18 below 2^25:
+//              43 bits, exact in fp64 in ANY order. The CPU sums in fp64 sequentially, the GPU on fp64
+//              tensor cores (DMMA); both then round the same exact value once.
+//   kFp32Tree: fp32 in token_math.h's canonical order: each product of two E4M3 values is exact in fp32
+//              (<= 8 significant bits), so fma(q, k, s) == s + q*k; 16 leaves of 8 dims summed
+//              sequentially from 0, then the pairwise tree over the 16 leaves.
 //   w[h]     = (weights[h] * c) * q_scale[h],  c = fp32(1 / sqrt(128 * H))   (q_scale a power of two)
-//   acc      = sum over h = 0, 1, ..., H-1 (sequential, from 0) of relu(logit[h]) * w[h]
+//   acc      = sum over h = 0, 1, ..., H-1 (sequential, from +0) of relu(logit[h]) * w[h]
 //              relu(x) = x < 0 ? 0 : x (NaN stays NaN)
-//   score    = acc * k_scale                                        (k_scale: the slot's UE8M0 scale)
+//   score    = canonical_nan(acc * k_scale)                         (k_scale: the slot's UE8M0 scale)
+// canonical_nan: every NaN score is stored as 0x7fffffff (what the GPU produces; x86 would propagate the
+// input NaN's payload instead, e.g. 0x7fc00000 from a NaN weight).
 // Top-k order: scores are compared through order_key() (NaN lowest, -0 == +0); ties go to the lower key
 // position. sort_key() packs both into one unique 64-bit key; larger = selected first.
 //
@@ -41,8 +48,9 @@ constexpr int kMlaVDim = 512;
 /// relu that keeps NaN (torch semantics) and is the same on host and device.
 PCPKV_HD float relu(float x) { return x < 0.0f ? 0.0f : x; }
 
-/// One head's indexer logit: q . k over 128 E4M3 values given as floats, in the canonical order.
-PCPKV_HD float index_logit(const float* q, const float* k) {
+/// One head's indexer logit, kFp32Tree definition: q . k over 128 E4M3 values given as floats, in the
+/// canonical fp32 order.
+PCPKV_HD float index_logit_tree(const float* q, const float* k) {
   float leaf[kIndexLeaves];
 PCPKV_CONSUMERS_UNROLL
   for (int j = 0; j < kIndexLeaves; ++j) {
@@ -57,6 +65,40 @@ PCPKV_CONSUMERS_UNROLL
     for (int i = 0; i + h < kIndexLeaves; i += 2 * h) leaf[i] = fp32::add(leaf[i], leaf[i + h]);
   return leaf[0];
 }
+
+/// kExact definition, last step: the exact dot product (a double that holds it exactly) rounded once to
+/// fp32; an exact zero becomes +0 whatever sign the fp64 sum gave it.
+PCPKV_HD float index_logit_from_exact(double exact) {
+#if PCPKV_ON_DEVICE
+  const float f = __double2float_rn(exact);
+#else
+  const float f = static_cast<float>(exact);  // round to nearest even (the default FP environment)
+#endif
+  return f == 0.0f ? 0.0f : f;
+}
+
+/// kExact definition: q . k over 128 E4M3 values given as floats, summed exactly in fp64 (see the header
+/// comment: no order dependence), then rounded once.
+PCPKV_HD float index_logit_exact(const float* q, const float* k) {
+  double s = 0.0;
+  for (int d = 0; d < kIndexDim; ++d) s += static_cast<double>(q[d]) * static_cast<double>(k[d]);
+  return index_logit_from_exact(s);
+}
+
+/// Every NaN -> the one quiet NaN 0x7fffffff (the score output's canonical NaN); other values unchanged.
+PCPKV_HD float canonical_nan(float x) { return x != x ? fp32::from_bits(0x7fffffffu) : x; }
+
+/// One key's score from its per-head terms (relu(logit[h]) * w[h], h ascending) and its k_scale.
+/// term(h) is called for h = 0..H-1 in order.
+template <class Term>
+PCPKV_HD float index_score(int num_heads, float k_scale, Term&& term) {
+  float acc = 0.0f;
+  for (int h = 0; h < num_heads; ++h) acc = fp32::add(acc, term(h));
+  return canonical_nan(fp32::mul(acc, k_scale));
+}
+
+/// One head's term of the score sum: relu(logit) * w.
+PCPKV_HD float index_term(float logit, float w) { return fp32::mul(relu(logit), w); }
 
 /// Folded head weight w[h] = (weights[h] * c) * q_scale[h]; c = index_weight_scale(H).
 PCPKV_HD float index_head_weight(float weight, float c, float q_scale) {

@@ -1,0 +1,204 @@
+// Every publication variant of the CUDA publisher (cuda_detail::PublishVariant: dispatch kernel simple /
+// prefetch / warp, top-k fill fused or separate, combine 1 / 2 / 4 rows per warp, PDL off / on) against the
+// CPU reference backend, byte for byte: every replica's whole allocations (guards, padding, unwritten slots),
+// q_c_out and the top-k buffer, for every transport; then CUDA graphs of several back-to-back publications
+// with PDL on, replayed on re-poisoned caches (a dependent kernel that read before its grid-dependency wait
+// would see the poison). Skips with the reason when no GPU is visible.
+#include <cuda_runtime_api.h>
+
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "cuda/buffers.h"
+#include "cuda/check.h"
+#include "cuda/publisher.h"
+#include "pcpkv/backend.h"
+#include "pcpkv/cuda.h"
+#include "pcpkv/error.h"
+#include "pcpkv/pdl.h"
+#include "support/bytes.h"
+#include "support/publish_case.h"
+
+namespace pcpkv {
+namespace {
+
+using cuda_detail::Publisher;
+using cuda_detail::PublisherOptions;
+using cuda_detail::PublishVariant;
+
+#define REQUIRE_GPU()                                                                     \
+  do {                                                                                    \
+    std::string why_;                                                                     \
+    if (cuda::device_count(&why_) <= 0) GTEST_SKIP() << "no CUDA device visible: " << why_; \
+  } while (0)
+
+constexpr Transport kTransports[] = {Transport::kCollect, Transport::kStaging, Transport::kDirect};
+
+const char* const kVariants[] = {"prefetch:separate:1", "simple:fused:2",       "warp:fused:4",
+                                 "warp:separate:1",     "warp_pf:fused:4",      "warp:fused:2:pdl",
+                                 "prefetch:fused:4:pdl", "warp_pf:separate:4:pdl", "simple:separate:1:pdl"};
+
+::testing::AssertionResult same_outputs(const PublishResult& want, const PublishResult& got, const CacheFormat& fmt,
+                                        const std::string& what) {
+  ::testing::AssertionResult caches = test::same_caches(want, got, fmt, what);
+  if (!caches) return caches;
+  if (got.q_c_out.size() != want.q_c_out.size()) return ::testing::AssertionFailure() << what << ": q_c_out rank count";
+  for (size_t r = 0; r < want.q_c_out.size(); ++r) {
+    auto eq = test::bytes_equal(want.q_c_out[r].data(), got.q_c_out[r].data(),
+                                static_cast<int64_t>(want.q_c_out[r].size() * 2), fmt::format("{} q_c_out rank {}", what, r));
+    if (!eq) return eq;
+  }
+  if (got.topk.size() != want.topk.size()) return ::testing::AssertionFailure() << what << ": top-k rank count";
+  for (size_t r = 0; r < want.topk.size(); ++r)
+    if (got.topk[r] != want.topk[r]) return ::testing::AssertionFailure() << what << ": top-k of rank " << r << " differs";
+  return ::testing::AssertionSuccess();
+}
+
+struct VariantCase {
+  std::string name;
+  test::CaseSpec spec;
+};
+
+std::vector<VariantCase> variant_cases() {
+  std::vector<VariantCase> v;
+  {  // uneven ranks, decodes, padded allocation inside a shared buffer, top-k fill
+    VariantCase c;
+    c.name = "glm5_pcp4_mixed_padded";
+    c.spec.pcp = 4;
+    c.spec.requests = {{RequestKind::kPrefill, 13 * 8 + 5, 0}, {RequestKind::kDecode, 1, 40},
+                       {RequestKind::kPrefill, 7, 20}, {RequestKind::kDecode, 1, 3}};
+    c.spec.alloc.guard_bytes = 64;
+    c.spec.alloc.base_offset = 4096 + 48;
+    c.spec.alloc.mla_row_pad = 16;
+    c.spec.alloc.mla_block_pad = 48;
+    c.spec.alloc.index_block_pad = 32;
+    c.spec.topk_width = 64;
+    v.push_back(c);
+  }
+  {  // DeepSeek-V3.2 dims (q_lora 1536: 6 of the warp kernel's 8 leaves per lane), static fp8, PCP 8,
+     // enough tokens that every persistent warp loops
+    VariantCase c;
+    c.name = "deepseek_pcp8_fp8_many_tokens";
+    c.spec.model = "deepseek-v3.2";
+    c.spec.pcp = 8;
+    c.spec.block_size = 64;
+    c.spec.requests = {{RequestKind::kPrefill, 12000, 0}, {RequestKind::kDecode, 1, 77}};
+    c.spec.fmt.kv_format = KvFormat::kFp8;
+    c.spec.fmt.k_scale = 0.0213f;
+    c.spec.topk_width = 256;
+    v.push_back(c);
+  }
+  {  // a shared layer (no indexer, no top-k) in bf16
+    VariantCase c;
+    c.name = "glm5_pcp2_bf16_shared";
+    c.spec.pcp = 2;
+    c.spec.requests = {{RequestKind::kPrefill, 301, 0}, {RequestKind::kDecode, 1, 9}};
+    c.spec.fmt.kv_format = KvFormat::kBf16;
+    c.spec.fmt.has_indexer = false;
+    v.push_back(c);
+  }
+  return v;
+}
+
+class PublishVariants : public ::testing::TestWithParam<VariantCase> {};
+
+TEST_P(PublishVariants, EveryVariantEveryTransportEqualsCpu) {
+  REQUIRE_GPU();
+  const VariantCase& vc = GetParam();
+  auto c = test::make_case(vc.spec);
+  auto cpu = make_cpu_backend(2);
+  std::vector<PublishResult> want;
+  for (Transport t : kTransports) want.push_back(cpu->publish(c->setup, c->inputs, t));
+  Publisher pub(c->setup, c->inputs);
+  cuda_detail::Stream stream;
+  for (const char* name : kVariants) {
+    pub.set_variant(PublishVariant::parse(name));
+    EXPECT_EQ(pub.variant().name(), name);
+    for (size_t ti = 0; ti < std::size(kTransports); ++ti) {
+      const Transport t = kTransports[ti];
+      const std::string what = fmt::format("{} {} [{}]", vc.name, to_string(t), name);
+      SCOPED_TRACE(what);
+      pub.poison();
+      pub.enqueue(t, stream.get());
+      stream.sync();
+      pub.check_fence();
+      const PublishResult got = pub.download(t);
+      EXPECT_TRUE(same_outputs(want[ti], got, vc.spec.fmt, what));
+      EXPECT_TRUE(test::replicas_identical(got, vc.spec.fmt));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, PublishVariants, ::testing::ValuesIn(variant_cases()),
+                         [](const ::testing::TestParamInfo<VariantCase>& info) { return info.param.name; });
+
+// PDL on and off inside CUDA graphs: kLayers publications back to back per graph (so PDL overlaps each
+// dispatch with the previous layer's fence / combine), replays on re-poisoned caches equal the CPU bytes,
+// and the fence epochs advance by kLayers per replay.
+class PdlGraph : public ::testing::TestWithParam<Transport> {};
+
+TEST_P(PdlGraph, PdlOnAndOffReplaysEqualCpu) {
+  REQUIRE_GPU();
+  constexpr int kLayers = 3, kReplays = 20;
+  const Transport t = GetParam();
+  test::CaseSpec spec;
+  spec.pcp = 8;
+  spec.requests = {{RequestKind::kPrefill, 8 * 64 + 3, 0}, {RequestKind::kDecode, 1, 40}};
+  spec.alloc.guard_bytes = 64;
+  spec.alloc.base_offset = 4096 + 64;
+  spec.alloc.mla_row_pad = 32;
+  spec.topk_width = 128;
+  auto c = test::make_case(spec);
+  const PublishResult want = make_cpu_backend(2)->publish(c->setup, c->inputs, t);
+  for (const char* name : {"warp:fused:4", "warp:fused:4:pdl", "warp_pf:fused:2:pdl", "prefetch:separate:1:pdl"}) {
+    SCOPED_TRACE(name);
+    PublisherOptions opts;
+    opts.variant = PublishVariant::parse(name);
+    Publisher pub(c->setup, c->inputs, opts);
+    cuda_detail::Stream stream;
+    pub.enqueue(t, stream.get());  // warm-up outside the capture
+    stream.sync();
+    pub.check_fence();
+    const std::vector<uint64_t> base = pub.fence().epochs();
+    cudaGraph_t graph = nullptr;
+    PCPKV_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+    for (int l = 0; l < kLayers; ++l) pub.enqueue(t, stream.get());
+    PCPKV_CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    PCPKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < kReplays; ++i) {
+      pub.poison();
+      PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+      stream.sync();
+      pub.check_fence();
+      const std::vector<uint64_t> e = pub.fence().epochs();
+      for (size_t r = 0; r < e.size(); ++r)
+        ASSERT_EQ(e[r], base[r] + (r % static_cast<size_t>(c->setup.num_ubatches) == 0 ? kLayers * (i + 1) : 0))
+            << "epoch of rank/barrier " << r << " after replay " << i;
+      ASSERT_TRUE(same_outputs(want, pub.download(t), spec.fmt, fmt::format("{} replay {}", name, i)));
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PdlGraph, ::testing::Values(Transport::kStaging, Transport::kDirect),
+                         [](const ::testing::TestParamInfo<Transport>& info) { return std::string(to_string(info.param)); });
+
+TEST(PublishVariant, NamesParseAndBadNamesThrow) {
+  for (const char* name : kVariants) EXPECT_EQ(PublishVariant::parse(name).name(), name);
+  EXPECT_EQ(PublishVariant::parse("warp").name(), fmt::format("warp:separate:{}", cuda_detail::kDefaultCombineRowsPerWarp));
+  EXPECT_THROW(PublishVariant::parse("fast"), Error);
+  EXPECT_THROW(PublishVariant::parse("warp:fuse"), Error);
+  EXPECT_THROW(PublishVariant::parse("warp:fused:3"), Error);
+  EXPECT_THROW(PublishVariant::parse("warp:fused:4:pdx"), Error);
+  EXPECT_THROW(PublishVariant::parse("warp:fused:4:pdl:x"), Error);
+  EXPECT_EQ(cuda_detail::collect_baseline_variant().name(), "prefetch:separate:1");
+}
+
+}  // namespace
+}  // namespace pcpkv
