@@ -59,7 +59,7 @@ case "$phase" in
     say "serving rc=$?"
     say "fence bench"
     for n in 2 4 8; do
-      timeout 40 "$build/pcpkv" launch --nproc $n --gpus 0 --output rank0 -- bench-fence --backend cuda --layers 61 --iters 50
+      timeout 45 "$build/pcpkv" launch --nproc $n --gpus 0 --output rank0 -- bench-fence --backend cuda --layers 61 --iters 50 --time-budget 12
     done >> "$out/attention.log" 2>&1
     say "fence rc=$?"
     tail -n 60 "$out/bench.log"
