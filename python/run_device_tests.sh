@@ -78,6 +78,9 @@ for f in tests/test_*.py; do
   f="$(basename "$f")"
   [ "$f" != test_errors.py ] && files+=("$f")
 done
+if [ -n "${PYTEST_FILES:-}" ]; then  # e.g. PYTEST_FILES="test_errors.py test_ops.py"
+  read -r -a files <<<"$PYTEST_FILES"
+fi
 
 start=$(date +%s)
 summaries=()

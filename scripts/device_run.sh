@@ -67,4 +67,12 @@ case "$phase" in
   python)
     timeout 540 bash python/run_device_tests.sh
     ;;
+  retest)
+    # Re-run named ctest regexes ($2) after fixes, plus the serving bench.
+    build_all
+    timeout 200 ctest --test-dir "$build" -R "${2:-.}" --timeout 150 --output-on-failure > "$out/ctest_retest.log" 2>&1
+    say "retest rc=$?"; grep -E "tests passed|\(Failed\)|\(Timeout\)" "$out/ctest_retest.log"
+    timeout 150 "$build/pcpkv" bench-serving --json "$out/serving.json" --md "$out/serving.md" > "$out/serving.log" 2>&1
+    say "serving rc=$?"; tail -5 "$out/serving.log"
+    ;;
 esac

@@ -160,8 +160,12 @@ void allow_smem(StagedKernel k, int64_t max_smem_bytes) {
   PCPKV_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mu);
   if (done.count({k, device})) return;
+  // The dynamic limit is what the CTA may opt into minus the kernel's own static shared memory, as the
+  // compiler laid it out (not our estimate of it).
+  cudaFuncAttributes attr{};
+  PCPKV_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
   PCPKV_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(max_smem_bytes)));
+                                        static_cast<int>(max_smem_bytes - static_cast<int64_t>(attr.sharedSizeBytes))));
   done.insert({k, device});
 }
 
@@ -193,7 +197,8 @@ void launch_router_staged(const SmallArgs& a, int32_t bucket, int32_t experts_pe
               "router: the staged kernel needs {} bytes of shared memory per CTA for bucket {}, experts_per_cta {}; "
               "the device allows {}",
               smem + static_bytes, bucket, experts_per_cta, max_smem_bytes);
-  if (smem > 48 * 1024) allow_smem(k, max_smem_bytes - static_bytes);
+  // Static + dynamic above the default 48 KB needs the opt-in; raising it once per kernel is cheap.
+  allow_smem(k, max_smem_bytes);
   PCPKV_CUDA_CHECK(pdl::launch(k, dim3(static_cast<unsigned>(a.n_experts / experts_per_cta)), dim3(kBlock),
                                static_cast<size_t>(smem), stream, pdl_on, a, n_u));
 }
