@@ -3,18 +3,16 @@
 // (3 MB for GLM-5, 3.5 MB for DeepSeek-V3.2), so the crossover depends on the token count, not the preset.
 //
 // MEASURED: NVIDIA H200 (one GPU, CUDA 13.0, sm_90), 2026-11-29, `pcpkv bench-serving` (defaults: presets
-// glm-5 and deepseek-v3.2, T = 1, 2, 4, 8, 16, 32, cold L2, median of 50 CUDA-graph replays), its
-// "suggested dispatch" table (fastest variant per T, summed over both presets); microseconds per call,
-// glm-5 / deepseek-v3.2:
-//   T    small/e1 (v1)   cuBLASLt      fastest
-//   1    3.34 / 3.62     6.29 / 6.43   small/e1
-//   2    4.18 / 4.51     6.29 / 6.33   small/e1
-//   4    6.04 / 6.42     6.32 / 6.52   small/e1 (by 4% / 1.5%)
-//   8    9.61 / 10.37    6.35 / 6.54   cublaslt
-//   16   10.00 / 11.03   6.52 / 6.73   cublaslt
-//   32   24.38 / 26.12   6.49 / 6.69   cublaslt
-// (small/e2, e4, e8 were slower than small/e1 at every T.) The staged kernel (small2, v2) was not in that
-// run: replace the rows below with the next run's "suggested dispatch" and update this comment.
+// glm-5 and deepseek-v3.2, cold L2, median of 50 CUDA-graph replays); microseconds per call,
+// glm-5 / deepseek-v3.2 (docs/perf.md has the whole table):
+//   T    small/e1 (v1)   small2 best (v2)      cuBLASLt      fastest
+//   1    3.33 / 3.64     3.11 / 3.33 (e2)      6.26 / 6.40   small2/e2
+//   2    4.17 / 4.52     3.77 / 4.10 (e1)      6.28 / 6.41   small2/e1
+//   4    6.03 / 6.43     4.88 / 5.49 (e1)      6.29 / 6.43   small2/e1
+//   8    9.58 / 10.37    7.68 / 8.63           6.33 / 6.46   cublaslt
+//   16   9.96 / 11.03    -                     6.48 / 6.62   cublaslt
+//   32   24.31 / 26.11   -                     6.50 / 6.69   cublaslt
+// Rows: the bench's "suggested dispatch" of that run.
 #include <climits>
 #include <vector>
 
@@ -25,7 +23,8 @@ namespace pcpkv {
 
 const std::vector<RouterDispatchEntry>& router_dispatch_table() {
   static const std::vector<RouterDispatchEntry> table = {
-      {4, RouterPath::kSmallT, 1, RouterSmallKernel::kRowLoop},  // T = 1..4 (T = 3 runs the bucket-4 kernel)
+      {1, RouterPath::kSmallT, 2, RouterSmallKernel::kStaged},             // T = 1: staged, 2 experts per CTA
+      {4, RouterPath::kSmallT, 1, RouterSmallKernel::kStaged},             // T = 2..4 (T = 3 runs bucket 4)
       {INT32_MAX, RouterPath::kCublasLt, 0, RouterSmallKernel::kRowLoop},  // T >= 5: x re-reads dominate
   };
   return table;

@@ -373,8 +373,10 @@ int resident_ctas(KernelFn fn) {
 }
 
 // The variant kAuto runs. Change it only after `pcpkv bench --variants ...` measured the candidates on the
-// device (docs/perf.md section 4).
-constexpr DispatchVariant kDefaultVariant = DispatchVariant::kPrefetch;
+// device (docs/perf.md section 4). Measured 2026-11-29 on one H200 (`pcpkv bench`, defaults): warp is the
+// fastest single-rank dispatch at 32768 tokens (179.8 us vs prefetch 198.5, separate top-k fill) and the
+// fastest layer variant (warp:separate:1) for staging and direct in 22 of 24 (model, P, kv) cases.
+constexpr DispatchVariant kDefaultVariant = DispatchVariant::kWarp;
 
 DispatchVariant resolve_variant(DispatchVariant v) {
   if (v != DispatchVariant::kAuto) return v;
