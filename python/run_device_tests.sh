@@ -39,7 +39,13 @@ try:
 except ImportError:
     print("transformers: not installed (HF tests will skip)")
 PYEOF
-echo "host compiler: $(${CXX:-c++} --version 2>/dev/null | head -1)"
+# Build with the system compiler. Seen on the H200 image (2026-11-29): the extension built by the
+# /opt/gcc/bin/g++ wrapper that torch picked crashed the process on every C++ exception raised inside an op
+# (test_errors.py: 5 crashes); the same sources built with /usr/bin/g++ passed (6 of 6).
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+fi
+echo "host compiler: $(${CXX:-c++} --version 2>/dev/null | head -1) ($(command -v "${CXX:-c++}"))"
 
 start=$(date +%s)
 if [ "${SKIP_BUILD:-0}" != "1" ]; then
