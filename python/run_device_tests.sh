@@ -42,7 +42,10 @@ PYEOF
 # Build with the system compiler. Seen on the H200 image (2026-11-29): the extension built by the
 # /opt/gcc/bin/g++ wrapper that torch picked crashed the process on every C++ exception raised inside an op
 # (test_errors.py: 5 crashes); the same sources built with /usr/bin/g++ passed (6 of 6).
-if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then
+# The image presets CXX to that wrapper, so override it unless PCPKV_TORCH_CXX names a compiler.
+if [ -n "${PCPKV_TORCH_CXX:-}" ]; then
+  export CXX="$PCPKV_TORCH_CXX"
+elif [ -x /usr/bin/g++ ]; then
   export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 fi
 echo "host compiler: $(${CXX:-c++} --version 2>/dev/null | head -1) ($(command -v "${CXX:-c++}"))"
