@@ -229,6 +229,9 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
   ConfigNotes& n = notes ? *notes : local;
   auto rd = [&](const char* key, auto& field) {
     used.insert(key);
+    // A key pcpkv needs may be absent (the preset value stays) but not null: null means "this model has
+    // none", which the cache layouts cannot serve.
+    PCPKV_CHECK(!(j.contains(key) && j.at(key).is_null()), "{}: '{}' is null; pcpkv needs a value", origin, key);
     if (!r.read(key, field)) n.missing.push_back(fmt::format("{} (kept preset {} value)", key, base_name));
   };
   rd("hidden_size", m.hidden_size);
@@ -294,6 +297,7 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
     PCPKV_CHECK(!strict, "{}: unknown key '{}' (strict mode)", origin, it.key());
     n.ignored.push_back(it.key());
   }
+  m.name = origin;  // messages of validate() name the file, not the base preset
   m.validate();
   return m;
 }

@@ -2,6 +2,7 @@
 #include "pcpkv/plan.h"
 
 #include <algorithm>
+#include <climits>
 #include <numeric>
 #include <unordered_map>
 
@@ -48,9 +49,14 @@ PcpPlan make_plan(const PlanConfig& c) {
   PCPKV_CHECK(is_pow2(c.block_size), "--block-size: {} must be a power of two", c.block_size);
   PCPKV_CHECK(!c.requests.empty(), "plan: the batch has no requests");
   PCPKV_CHECK(c.extra_blocks >= 0, "plan: extra_blocks = {} must be >= 0", c.extra_blocks);
+  // Block ids are int32 (vLLM block tables) and positions int64: refuse sizes that overflow either.
+  constexpr int64_t kMaxTokensPerRequest = int64_t{1} << 40;
   for (size_t i = 0; i < c.requests.size(); ++i) {
     const RequestSpec& q = c.requests[i];
     PCPKV_CHECK(q.context_len >= 0, "requests[{}].context_len = {} must be >= 0", i, q.context_len);
+    PCPKV_CHECK(q.context_len <= kMaxTokensPerRequest && q.num_new_tokens <= kMaxTokensPerRequest,
+                "requests[{}]: context_len = {} / num_new_tokens = {} exceed 2^40 tokens", i, q.context_len,
+                q.num_new_tokens);
     if (q.kind == RequestKind::kDecode)
       PCPKV_CHECK(q.num_new_tokens == 1, "requests[{}]: a decode has num_new_tokens = 1, got {}", i,
                   q.num_new_tokens);
@@ -75,6 +81,9 @@ PcpPlan make_plan(const PlanConfig& c) {
     total += need[i];
   }
   const int64_t first = c.reserve_null_block ? 1 : 0;
+  PCPKV_CHECK(total + c.extra_blocks + first <= int64_t{INT32_MAX},
+              "plan: {} cache blocks needed (block_size {}); block ids are int32, at most {}",
+              total + c.extra_blocks + first, c.block_size, INT32_MAX);
   p.num_blocks = first + total + c.extra_blocks;
   std::vector<int32_t> ids(static_cast<size_t>(p.num_blocks - first));
   std::iota(ids.begin(), ids.end(), static_cast<int32_t>(first));

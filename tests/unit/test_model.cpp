@@ -111,6 +111,10 @@ TEST(Model, BadConfigsNameFieldAndValue) {
   EXPECT_NE(error_of(R"({"model_type": "glm_moe_dsa", "indexer_types": ["full", "half"]})").find("indexer_types[1]"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"model_type": "glm_moe_dsa", "n_group": 3})").find("n_group = 3"), std::string::npos);
+  // Messages name the file, not the base preset; a needed key may not be null.
+  EXPECT_EQ(error_of(R"({"model_type": "glm_moe_dsa", "q_lora_rank": -8})").rfind("test.json: q_lora_rank = -8", 0), 0u);
+  EXPECT_NE(error_of(R"({"model_type": "glm_moe_dsa", "q_lora_rank": null})").find("'q_lora_rank' is null"),
+            std::string::npos);
 }
 
 TEST(Model, ShippedConfigsLoad) {

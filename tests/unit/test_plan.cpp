@@ -149,6 +149,11 @@ TEST(Plan, BadConfigsNameFieldAndValue) {
   EXPECT_NE(plan_error(c).find("num_new_tokens >= 1, got 0"), std::string::npos);
   c.requests.clear();
   EXPECT_NE(plan_error(c).find("no requests"), std::string::npos);
+  // Sizes that overflow int32 block ids or the position range are refused before anything is allocated.
+  c = mixed(2, int64_t{1} << 33, 0, 1);
+  EXPECT_NE(plan_error(c).find("block ids are int32"), std::string::npos);
+  c = mixed(2, int64_t{1} << 41, 0);
+  EXPECT_NE(plan_error(c).find("exceed 2^40 tokens"), std::string::npos);
 }
 
 TEST(Plan, SlotMappingValidation) {
