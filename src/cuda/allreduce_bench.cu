@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/check.h"
+#include "cuda/graph_timer.h"
 #include "pcpkv/allreduce.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/error.h"
@@ -34,10 +35,7 @@ std::vector<uint16_t> bench_bf16(int64_t n, uint64_t seed) {
   }
   return v;
 }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using cuda_detail::graph_median_us_per_call;
 
 }  // namespace
 
@@ -57,9 +55,6 @@ std::vector<AllReduceBenchRow> bench_allreduce(const AllReduceBenchOptions& o) {
   const AllReduceNorm norm{H, dw, 1e-5f};
   cudaStream_t stream = nullptr;
   PCPKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t ev0, ev1;
-  PCPKV_CUDA_CHECK(cudaEventCreate(&ev0));
-  PCPKV_CUDA_CHECK(cudaEventCreate(&ev1));
   std::vector<AllReduceBenchRow> rows;
 
   for (const int32_t W : o.world_sizes) {
@@ -115,26 +110,9 @@ std::vector<AllReduceBenchRow> bench_allreduce(const AllReduceBenchOptions& o) {
           PCPKV_CHECK(got == expect, "bench: all-reduce {} W={} {} B: rank {} differs from the CPU oracle", v.name, W,
                       bytes, r);
         }
-        cudaGraph_t graph;
-        PCPKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int k = 0; k < kCallsPerGraph; ++k) call();
-        PCPKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-        cudaGraphExec_t exec;
-        PCPKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int i = 0; i < o.warmup; ++i) PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-        std::vector<double> us;
-        for (int i = 0; i < o.iters; ++i) {
-          PCPKV_CUDA_CHECK(cudaEventRecord(ev0, stream));
-          PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-          PCPKV_CUDA_CHECK(cudaEventRecord(ev1, stream));
-          PCPKV_CUDA_CHECK(cudaEventSynchronize(ev1));
-          float ms = 0;
-          PCPKV_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
-          us.push_back(ms * 1000.0 / kCallsPerGraph);
-        }
+        const double us_per_call =
+            graph_median_us_per_call([&](cudaStream_t, int64_t) { call(); }, kCallsPerGraph, o.warmup, o.iters, stream);
         ar.check();
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
         AllReduceBenchRow row;
         row.world_size = W;
         row.bytes = bytes;
@@ -145,7 +123,7 @@ std::vector<AllReduceBenchRow> bench_allreduce(const AllReduceBenchOptions& o) {
         part.items_per_chunk = v.fused ? 1 : kAllReduceChunkVectors;
         part.num_segments = algo == AllReduceAlgo::kTwoShot ? W : 1;
         row.num_blocks = allreduce_num_blocks(part, ar.max_blocks());
-        row.us = median(us);
+        row.us = us_per_call;
         row.algbw_gbps = static_cast<double>(bytes) / (row.us * 1e3);
         rows.push_back(row);
       }
@@ -153,8 +131,6 @@ std::vector<AllReduceBenchRow> bench_allreduce(const AllReduceBenchOptions& o) {
     for (int32_t r = 0; r < W; ++r)
       for (uint16_t* p : {in[r], out[r], res[r], y[r]}) cudaFree(p);
   }
-  cudaEventDestroy(ev0);
-  cudaEventDestroy(ev1);
   cudaStreamDestroy(stream);
   cudaFree(dw);
   return rows;

@@ -288,28 +288,7 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
   __shared__ uint8_t* s_dests[kMaxDests];
   __shared__ float s_red[2][6];
   // Device tables -> shared memory once per CTA (the grid is persistent).
-  for (int i = threadIdx.x; i < a.total_targets; i += kThreads) {
-    int r = 0;
-    while (r + 1 < a.num_ranks && i >= a.r[r + 1].target_base) ++r;
-    const CacheTarget ct = a.r[r].targets[i - a.r[r].target_base];
-    TargetLite tl;
-    tl.mla_base = ct.mla_base;
-    tl.row_stride = ct.mla.row_stride;
-    tl.block_stride = ct.mla.block_stride;
-    tl.block_shift = __ffs(ct.mla.block_size) - 1;
-    tl.block_mask = ct.mla.block_size - 1;
-    tl.index_base = ct.index_base;
-    tl.index_block_stride = ct.index.block_stride;
-    tl.index_scale_base = int64_t{ct.index.block_size} * kIndexHeadDim;
-    tl.index_block_shift = ct.index.block_size > 0 ? __ffs(ct.index.block_size) - 1 : 0;
-    tl.index_block_mask = ct.index.block_size > 0 ? ct.index.block_size - 1 : 0;
-    s_targets[i] = tl;
-  }
-  for (int i = threadIdx.x; i < a.total_dests; i += kThreads) {
-    int r = 0;
-    while (r + 1 < a.num_ranks && i >= a.r[r + 1].dest_base) ++r;
-    s_dests[i] = a.r[r].row_dests[i - a.r[r].dest_base];
-  }
+  load_tables_to_smem(a, s_targets, s_dests, kThreads);
   __syncthreads();
   // PDL (pcpkv/pdl.h): the tables above are host-written; everything below may touch the previous kernel's data.
   pdl::wait();

@@ -86,6 +86,36 @@ struct DispatchArgs {
   int64_t total_tokens;
   RankArgs r[kMaxRanks];
 };
+
+/// Copies the device tables of every hosted rank (cache targets, row destinations) into shared memory, once
+/// per CTA of a persistent grid: `num_threads` threads cooperate; the caller synchronizes afterwards. The tables
+/// are host-written before the launch (never by a kernel), so this may run before the PDL wait.
+__device__ __forceinline__ void load_tables_to_smem(const DispatchArgs& a, TargetLite* s_targets, uint8_t** s_dests,
+                                                    int num_threads) {
+  for (int i = threadIdx.x; i < a.total_targets; i += num_threads) {
+    int r = 0;
+    while (r + 1 < a.num_ranks && i >= a.r[r + 1].target_base) ++r;
+    const CacheTarget ct = a.r[r].targets[i - a.r[r].target_base];
+    TargetLite tl;
+    tl.mla_base = ct.mla_base;
+    tl.row_stride = ct.mla.row_stride;
+    tl.block_stride = ct.mla.block_stride;
+    tl.block_shift = __ffs(ct.mla.block_size) - 1;
+    tl.block_mask = ct.mla.block_size - 1;
+    tl.index_base = ct.index_base;
+    tl.index_block_stride = ct.index.block_stride;
+    tl.index_scale_base = int64_t{ct.index.block_size} * kIndexHeadDim;
+    tl.index_block_shift = ct.index.block_size > 0 ? __ffs(ct.index.block_size) - 1 : 0;
+    tl.index_block_mask = ct.index.block_size > 0 ? ct.index.block_size - 1 : 0;
+    s_targets[i] = tl;
+  }
+  for (int i = threadIdx.x; i < a.total_dests; i += num_threads) {
+    int r = 0;
+    while (r + 1 < a.num_ranks && i >= a.r[r + 1].dest_base) ++r;
+    s_dests[i] = a.r[r].row_dests[i - a.r[r].dest_base];
+  }
+}
+
 static_assert(sizeof(DispatchArgs) <= 4096, "kernel parameters must fit the classic 4 KB limit");
 
 __device__ __forceinline__ int find_rank(const DispatchArgs& a, int64_t g) {

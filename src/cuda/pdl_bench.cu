@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda/check.h"
+#include "cuda/graph_timer.h"
 #include "pcpkv/allreduce.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/error.h"
@@ -28,10 +29,7 @@ namespace {
 
 constexpr int kChainsPerGraph = 10;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using cuda_detail::graph_median_us_per_call;
 
 std::vector<uint16_t> filler(int64_t n, uint32_t seed, float scale) {
   std::vector<uint16_t> v(static_cast<size_t>(n));
@@ -61,29 +59,11 @@ struct Arena {
 
 /// Median microseconds per chain of `enqueue(stream, pdl)` captured kChainsPerGraph times.
 double time_chain(const std::function<void(cudaStream_t, bool)>& enqueue, bool pdl, const PdlBenchOptions& o,
-                  cudaStream_t stream, cudaEvent_t ev0, cudaEvent_t ev1) {
+                  cudaStream_t stream) {
   enqueue(stream, pdl);  // eager once: cuBLASLt picks its algorithm outside the capture
   PCPKV_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  PCPKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int k = 0; k < kChainsPerGraph; ++k) enqueue(stream, pdl);
-  PCPKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  PCPKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < o.warmup; ++i) PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<double> us;
-  for (int i = 0; i < o.iters; ++i) {
-    PCPKV_CUDA_CHECK(cudaEventRecord(ev0, stream));
-    PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    PCPKV_CUDA_CHECK(cudaEventRecord(ev1, stream));
-    PCPKV_CUDA_CHECK(cudaEventSynchronize(ev1));
-    float ms = 0;
-    PCPKV_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
-    us.push_back(ms * 1000.0 / kChainsPerGraph);
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  return median(us);
+  return graph_median_us_per_call([&](cudaStream_t st, int64_t) { enqueue(st, pdl); }, kChainsPerGraph, o.warmup,
+                                  o.iters, stream);
 }
 
 }  // namespace
@@ -94,9 +74,6 @@ std::vector<PdlBenchRow> bench_pdl(const PdlBenchOptions& o) {
               o.world_size, kAllReduceMaxRanks);
   cudaStream_t stream = nullptr;
   PCPKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t ev0, ev1;
-  PCPKV_CUDA_CHECK(cudaEventCreate(&ev0));
-  PCPKV_CUDA_CHECK(cudaEventCreate(&ev1));
   std::vector<PdlBenchRow> rows;
 
   for (const int64_t T : o.tokens) {
@@ -134,8 +111,8 @@ std::vector<PdlBenchRow> bench_pdl(const PdlBenchOptions& o) {
       r.chain = "quant>dequant x4";
       r.num_tokens = T;
       r.num_kernels = 2 * kLayers;
-      r.us_off = time_chain(enqueue, false, o, stream, ev0, ev1);
-      r.us_on = time_chain(enqueue, true, o, stream, ev0, ev1);
+      r.us_off = time_chain(enqueue, false, o, stream);
+      r.us_on = time_chain(enqueue, true, o, stream);
       rows.push_back(r);
     }
     // ---- the MoE entry: all-reduce + norm > router > top-k (GLM-5) ----
@@ -173,14 +150,12 @@ std::vector<PdlBenchRow> bench_pdl(const PdlBenchOptions& o) {
       r.chain = fmt::format("allreduce+norm(W={})>router>topk", W);
       r.num_tokens = T;
       r.num_kernels = 3;
-      r.us_off = time_chain(enqueue, false, o, stream, ev0, ev1);
-      r.us_on = time_chain(enqueue, true, o, stream, ev0, ev1);
+      r.us_off = time_chain(enqueue, false, o, stream);
+      r.us_on = time_chain(enqueue, true, o, stream);
       ar.check();
       rows.push_back(r);
     }
   }
-  cudaEventDestroy(ev0);
-  cudaEventDestroy(ev1);
   cudaStreamDestroy(stream);
   return rows;
 }

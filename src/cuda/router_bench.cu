@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cuda/check.h"
+#include "cuda/graph_timer.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/error.h"
 #include "pcpkv/router.h"
@@ -54,10 +55,7 @@ struct DevBuf {
   DevBuf& operator=(const DevBuf&) = delete;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using cuda_detail::graph_median_us_per_call;
 
 }  // namespace
 
@@ -91,9 +89,6 @@ std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const R
   RouterGemm gemm(H, E, RouterWeightDtype::kBf16);
   cudaStream_t stream = nullptr;
   PCPKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t ev0, ev1;
-  PCPKV_CUDA_CHECK(cudaEventCreate(&ev0));
-  PCPKV_CUDA_CHECK(cudaEventCreate(&ev1));
 
   struct Variant {
     std::string name;
@@ -157,39 +152,22 @@ std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const R
       for (const bool cold : {true, false}) {
         if (!cold && o.cold) continue;
         const int64_t n_calls = copies;
-        cudaGraph_t graph;
-        PCPKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int64_t k = 0; k < n_calls; ++k)
-          gemm.run(x.p, H, w.p + (cold ? k : 0) * hw.size(), logits.p, T, stream, v.opt);
-        PCPKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-        cudaGraphExec_t exec;
-        PCPKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int i = 0; i < o.warmup; ++i) PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-        std::vector<double> us;
-        for (int i = 0; i < o.iters; ++i) {
-          PCPKV_CUDA_CHECK(cudaEventRecord(ev0, stream));
-          PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-          PCPKV_CUDA_CHECK(cudaEventRecord(ev1, stream));
-          PCPKV_CUDA_CHECK(cudaEventSynchronize(ev1));
-          float ms = 0;
-          PCPKV_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0, ev1));
-          us.push_back(ms * 1000.0 / static_cast<double>(n_calls));
-        }
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
+        const double us_per_call = graph_median_us_per_call(
+            [&](cudaStream_t st, int64_t k) {
+              gemm.run(x.p, H, w.p + (cold ? k : 0) * hw.size(), logits.p, T, st, v.opt);
+            },
+            n_calls, o.warmup, o.iters, stream);
         RouterBenchRow r;
         r.preset = preset;
         r.num_tokens = T;
         r.variant = v.name;
         r.cold = cold;
-        r.us = median(us);
+        r.us = us_per_call;
         r.weight_gbps = static_cast<double>(w_bytes) / (r.us * 1e3);
         rows.push_back(r);
       }
     }
   }
-  cudaEventDestroy(ev0);
-  cudaEventDestroy(ev1);
   cudaStreamDestroy(stream);
   return rows;
 }

@@ -23,27 +23,12 @@
 #include "pcpkv/error.h"
 #include "pcpkv/model.h"
 #include "pcpkv/router.h"
+#include "support/gpu.h"
 #include "support/random_bf16.h"
 
 namespace pcpkv {
 namespace {
 
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-bool have_gpu(std::string* why) {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess || n == 0) {
-    *why = e != cudaSuccess ? cudaGetErrorString(e) : "0 devices";
-    return false;
-  }
-  return true;
-}
-#define REQUIRE_GPU()                                                  \
-  do {                                                                 \
-    std::string why_;                                                  \
-    if (!have_gpu(&why_)) GTEST_SKIP() << "no CUDA device: " << why_;  \
-  } while (0)
 
 template <typename T>
 struct Dev {
