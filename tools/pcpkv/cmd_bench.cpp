@@ -2,11 +2,16 @@
 // single-rank dispatch against PERF.md's vLLM numbers, and last a summary table per transport (time,
 // bytes, GB/s, fraction of the device-to-device copy bandwidth of the same run, time over its byte floor,
 // speedup over collect, CUDA-graph replay time). --json FILE / --markdown FILE save the same.
-// Built without CUDA, or run without a GPU, it says so and exits with 2.
+// Flags are checked first (bad input: exit code 2, naming the flag and value); then, built without CUDA or
+// run without a GPU, it says so and exits with 2.
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,8 +21,10 @@
 
 #include "pcpkv/backend.h"
 #include "pcpkv/commands.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/error.h"
 #include "pcpkv/layout.h"
+#include "pcpkv/model.h"
 
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/cuda.h"
@@ -52,26 +59,108 @@ struct BenchArgs {
   std::string markdown_path;
 };
 
-#if defined(PCPKV_HAVE_CUDA)
+// ---- flags: every one checked before the GPU check, so a typo is named rather than reported as "needs a
+// CUDA GPU" on a machine without one (and before a long run that would then fail at the end).
 
-std::vector<std::string> split(const std::string& s) {
+// "a,b" -> {"a", "b"}; an empty entry ("2,,4", "2,") is refused, not dropped, and so is an empty list.
+std::vector<std::string> split_list(const std::string& s, const char* flag) {
+  PCPKV_CHECK(!s.empty(), "{}: the list is empty", flag);
   std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
+  size_t pos = 0;
+  while (true) {
+    const size_t comma = s.find(',', pos);
+    out.push_back(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
+    PCPKV_CHECK(!out.back().empty(), "{}: '{}' has an empty entry", flag, s);
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
   return out;
 }
 
-int64_t parse_int(const std::string& s, const char* flag) {
-  try {
-    size_t pos = 0;
-    const long long v = std::stoll(s, &pos);
-    if (pos == s.size()) return v;
-  } catch (...) {
+// A comma list of integers, each >= lo (and <= hi); "none" -> {} when allow_none.
+std::vector<int64_t> parse_int_list(const std::string& s, const char* flag, int64_t lo, int64_t hi,
+                                    bool allow_none = false) {
+  std::vector<int64_t> out;
+  if (allow_none && s == "none") return out;
+  for (const std::string& item : split_list(s, flag)) {
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    PCPKV_CHECK(ec == std::errc() && end == item.data() + item.size(), "{}: '{}' is not an integer (in '{}')", flag,
+                item, s);
+    PCPKV_CHECK(v >= lo && v <= hi, "{}: {} is not in [{}, {}] (in '{}')", flag, v, lo, hi, s);
+    out.push_back(v);
   }
-  PCPKV_FAIL("--{}: '{}' is not an integer", flag, s);
+  return out;
 }
+
+// --json / --markdown are written after the run: refuse a target that cannot be written before it starts.
+void check_output_path(const std::string& path, const char* flag, bool given) {
+  namespace fs = std::filesystem;
+  if (!given) return;
+  PCPKV_CHECK(!path.empty(), "{}: the path is empty", flag);
+  std::error_code ec;
+  PCPKV_CHECK(!fs::is_directory(path, ec), "{}: '{}' is a directory", flag, path);
+  const fs::path dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : fs::path(".");
+  PCPKV_CHECK(fs::is_directory(dir, ec), "{}: directory '{}' of '{}' does not exist", flag, dir.string(), path);
+}
+
+// The one-GPU bench serves 1..8 logical ranks (pcpkv/cuda.h run_bench).
+constexpr int64_t kMaxBenchPcp = 8;
+
+struct CheckedBench {
+  std::vector<std::string> models;
+  std::vector<int32_t> pcp;
+  std::vector<KvFormat> kv_formats;
+  std::vector<Transport> transports;
+  std::vector<int64_t> single_rank_tokens, pdl_tokens;
+  std::vector<std::string> variants, layer_variants;
+};
+
+CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_given) {
+  CheckedBench c;
+  for (const std::string& m : split_list(a.models, "--models")) {
+    try {
+      (void)preset(m);
+    } catch (const Error& e) {
+      // preset() names the single-model flag ("--model: unknown model ..."): name this one.
+      std::string why = e.what();
+      if (why.rfind("--model: ", 0) == 0) why.erase(0, 9);
+      PCPKV_FAIL("--models: {} (in '{}')", why, a.models);
+    }
+    c.models.push_back(m);
+  }
+  for (int64_t p : parse_int_list(a.pcp, "--pcp", 1, kMaxBenchPcp)) c.pcp.push_back(static_cast<int32_t>(p));
+  for (const std::string& f : split_list(a.kv_formats, "--kv-formats"))
+    c.kv_formats.push_back(parse_kv_format(f, "kv-formats"));
+  for (const std::string& t : split_list(a.transports, "--transports")) {
+    PCPKV_CHECK(t == "collect" || t == "staging" || t == "direct",
+                "--transports: unknown transport '{}' (in '{}'); known: collect, staging, direct", t, a.transports);
+    c.transports.push_back(parse_transport(t));
+  }
+  PCPKV_CHECK(a.layer == "indexer" || a.layer == "shared", "--layer: '{}' is not indexer or shared", a.layer);
+  PCPKV_CHECK(a.tokens >= 1, "--tokens: must be >= 1, got {}", a.tokens);
+  PCPKV_CHECK(a.topk_width >= 0, "--topk-width: must be >= 0, got {}", a.topk_width);
+  check_block_size_flag(a.block_size);
+  PCPKV_CHECK(a.iters >= 1, "--iters: must be >= 1, got {}", a.iters);
+  PCPKV_CHECK(a.warmup >= 0, "--warmup: must be >= 0, got {}", a.warmup);
+  c.single_rank_tokens = parse_int_list(a.single, "--single-rank-tokens", 1, std::numeric_limits<int32_t>::max(),
+                                        /*allow_none=*/true);
+  c.variants = split_list(a.variants, "--variants");
+  c.layer_variants = split_list(a.layer_variants, "--layer-variants");
+  c.pdl_tokens = parse_int_list(a.pdl_tokens, "--pdl-tokens", 1, std::numeric_limits<int32_t>::max(),
+                                /*allow_none=*/true);
+  PCPKV_CHECK(a.pdl_pcp >= 1 && a.pdl_pcp <= kMaxBenchPcp, "--pdl-pcp: must be in [1, {}], got {}", kMaxBenchPcp,
+              a.pdl_pcp);
+  PCPKV_CHECK(a.pdl_layers >= 1, "--pdl-layers: must be >= 1, got {}", a.pdl_layers);
+  PCPKV_CHECK(std::isfinite(a.copy_gib) && a.copy_gib > 0.0 && a.copy_gib <= 64.0,
+              "--copy-gib: must be in (0, 64], got {}", a.copy_gib);
+  PCPKV_CHECK(a.device >= 0, "--device: must be >= 0, got {}", a.device);
+  check_output_path(a.json_path, "--json", json_given);
+  check_output_path(a.markdown_path, "--markdown", markdown_given);
+  return c;
+}
+
+#if defined(PCPKV_HAVE_CUDA)
 
 // PERF.md: vLLM's Triton fused_norm_rope on one H200, GLM-5, fp8_ds_mla, indexer layer, top-k fill.
 struct VllmRef {
@@ -285,19 +374,15 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
   }
 }
 
-void run(const BenchArgs& a, const std::string& command) {
+void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) {
   std::string why;
   if (!cuda_backend_available(&why)) throw CLI::RuntimeError(fmt::format("pcpkv bench needs a CUDA GPU: {}", why), 2);
   cuda::BenchOptions o;
   o.device_idx = a.device;
-  o.models = split(a.models);
-  o.pcp.clear();
-  for (const std::string& p : split(a.pcp)) o.pcp.push_back(static_cast<int32_t>(parse_int(p, "pcp")));
-  o.kv_formats.clear();
-  for (const std::string& f : split(a.kv_formats)) o.kv_formats.push_back(parse_kv_format(f, "kv-formats"));
-  o.transports.clear();
-  for (const std::string& t : split(a.transports)) o.transports.push_back(parse_transport(t));
-  PCPKV_CHECK(a.layer == "indexer" || a.layer == "shared", "--layer: '{}' is not indexer or shared", a.layer);
+  o.models = c.models;
+  o.pcp = c.pcp;
+  o.kv_formats = c.kv_formats;
+  o.transports = c.transports;
   o.indexer_layer = a.layer == "indexer";
   o.tokens = a.tokens;
   o.topk_width = a.topk_width;
@@ -305,16 +390,12 @@ void run(const BenchArgs& a, const std::string& command) {
   o.iters = a.iters;
   o.warmup = a.warmup;
   o.graph = !a.no_graph;
-  o.single_rank_tokens.clear();
-  if (a.single != "none")
-    for (const std::string& t : split(a.single)) o.single_rank_tokens.push_back(parse_int(t, "single-rank-tokens"));
+  o.single_rank_tokens = c.single_rank_tokens;
   o.copy_gib = a.copy_gib;
   o.seed = a.seed;
-  o.single_rank_variants = split(a.variants);
-  o.layer_variants = split(a.layer_variants);
-  o.pdl_tokens.clear();
-  if (a.pdl_tokens != "none")
-    for (const std::string& t : split(a.pdl_tokens)) o.pdl_tokens.push_back(parse_int(t, "pdl-tokens"));
+  o.single_rank_variants = c.variants;
+  o.layer_variants = c.layer_variants;
+  o.pdl_tokens = c.pdl_tokens;
   o.pdl_pcp = a.pdl_pcp;
   o.pdl_layers = a.pdl_layers;
   if (a.quick) {  // a smoke run for tests: small and fast, every code path once
@@ -331,7 +412,6 @@ void run(const BenchArgs& a, const std::string& command) {
     o.pdl_pcp = 2;
     o.pdl_layers = 4;
   }
-  for (const std::string& m : o.models) (void)preset(m);  // unknown model: a clear error before any GPU work
   const cuda::BenchReport rep =
       cuda::run_bench(o, [](const std::string& line) { std::fprintf(stderr, "pcpkv bench: %s\n", line.c_str()); });
   report(rep, a, command);
@@ -339,7 +419,7 @@ void run(const BenchArgs& a, const std::string& command) {
 
 #else  // !PCPKV_HAVE_CUDA
 
-void run(const BenchArgs&, const std::string&) {
+void run(const BenchArgs&, const CheckedBench&, const std::string&) {
   throw CLI::RuntimeError(
       "pcpkv bench needs the CUDA backend, but this pcpkv was built without CUDA (nvcc not found at configure "
       "time); rebuild where nvcc exists and run on a machine with a GPU",
@@ -385,12 +465,14 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--copy-gib", a->copy_gib, "size of the copy that measures the copy bandwidth")->capture_default_str();
   sub->add_option("--device", a->device, "CUDA device index")->capture_default_str();
   sub->add_option("--seed", a->seed, "input seed")->capture_default_str();
-  sub->add_option("--json", a->json_path, "write the results as JSON");
-  sub->add_option("--markdown", a->markdown_path, "write the tables as markdown");
+  CLI::Option* json_opt = sub->add_option("--json", a->json_path, "write the results as JSON");
+  CLI::Option* markdown_opt = sub->add_option("--markdown", a->markdown_path, "write the tables as markdown");
   sub->add_flag("--quick", a->quick,
                 "smoke run: glm-5, PCP 2, fp8_ds_mla, 2048 tokens, 3 iterations, layer variants prefetch:separate:1 "
                 "and warp:fused:4, PDL at 8 tokens");
-  sub->callback([a] {
+  sub->callback([a, json_opt, markdown_opt] {
+    // Flags before the GPU check (pcpkv::Error: "pcpkv: error: --flag: ...", exit code 2).
+    const CheckedBench checked = check_flags(*a, json_opt->count() > 0, markdown_opt->count() > 0);
     // The equivalent full command line, for the record in the tables and the JSON.
     const std::string command =
         a->quick ? std::string("pcpkv bench --quick")
@@ -401,7 +483,7 @@ void add_bench_command(CLI::App& app) {
                                a->models, a->pcp, a->kv_formats, a->transports, a->tokens, a->layer, a->topk_width,
                                a->block_size, a->iters, a->warmup, a->single, a->variants, a->layer_variants,
                                a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->copy_gib, a->no_graph ? " --no-graph" : "");
-    run(*a, command);
+    run(*a, checked, command);
   });
 }
 

@@ -4,6 +4,8 @@
 // micro-batches), `--iters` times; rank 0 prints each rank's median, p10 and p90 in microseconds and, on
 // CUDA, the per-layer time of a captured CUDA graph of the same fences (replayed --iters times).
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -25,6 +27,27 @@ struct BenchFenceFlags {
   bool json = false;
   bool md_rows = false;
 };
+
+// A fence bound past a day is a typo, and one near INT64_MAX overflows the deadline into the past.
+constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
+
+// Every flag, before the rendezvous: a bad one is refused by each rank on its own ("pcpkv: error: --flag:
+// ...", exit 2) and nothing is connected, allocated or printed. A timeout <= 0 would otherwise make every
+// fence wait fail at random (0: whenever a peer is a moment late; negative on CUDA: wraps to a huge bound).
+void check_flags(const BenchFenceFlags& f) {
+  const FenceBenchOptions& o = f.opt;
+  PCPKV_CHECK(f.backend == "auto" || f.backend == "cpu" || f.backend == "cuda",
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", f.backend);
+  PCPKV_CHECK(o.layers >= 1, "--layers: must be >= 1, got {}", o.layers);
+  PCPKV_CHECK(o.iters >= 1, "--iters: must be >= 1, got {}", o.iters);
+  PCPKV_CHECK(o.warmup >= 0, "--warmup: must be >= 0, got {}", o.warmup);
+  PCPKV_CHECK(o.num_barriers >= 1, "--barriers: must be >= 1, got {}", o.num_barriers);
+  PCPKV_CHECK(o.num_barriers <= 1024, "--barriers: {} is more than pcpkv supports (1024)", o.num_barriers);
+  PCPKV_CHECK(o.timeout_ms >= 1 && o.timeout_ms <= kMaxTimeoutMs, "--timeout-ms: must be in [1, {}] (one day), got {}",
+              kMaxTimeoutMs, o.timeout_ms);
+  PCPKV_CHECK(std::isfinite(o.time_budget_s) && o.time_budget_s >= 0,
+              "--time-budget: must be >= 0 seconds and finite, got {}", o.time_budget_s);
+}
 
 int bench_fence(const BenchFenceFlags& f, Bootstrap& world) {
   std::string resolved;
@@ -128,6 +151,7 @@ void add_bench_fence_command(CLI::App& app) {
   sub->add_flag("--json", f->json, "JSON on stdout from rank 0 (the table goes to stderr)");
   sub->add_flag("--md-rows", f->md_rows, "Also print a markdown table row prefixed 'md|' (for docs/perf.md)");
   sub->callback([f] {
+    check_flags(*f);  // throws pcpkv::Error: "pcpkv: error: ...", exit code 2
     std::unique_ptr<Bootstrap> world;
     const int code = run_as_rank("bench-fence", nullptr, [&] {
       world = connect_world();

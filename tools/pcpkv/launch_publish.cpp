@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -26,6 +27,7 @@
 #include "launch_cmds.h"
 #include "pcpkv/backend.h"
 #include "pcpkv/error.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/inputs.h"
 #include "pcpkv/model.h"
 #include "pcpkv/plan.h"
@@ -155,16 +157,53 @@ P2pBytes p2p_bytes(const PublishSetup& s, Transport t) {
   return b;
 }
 
+// A fence bound past a day is a typo, and one near INT64_MAX overflows the deadline into the past.
+constexpr int64_t kMaxFenceTimeoutMs = int64_t{24} * 3600 * 1000;
+
+// Every flag that needs no world, cheapest first; run before the rendezvous, so a typo is refused by each
+// rank on its own ("pcpkv: error: --flag: ...", exit 2) and nothing is connected, allocated or printed.
+void check_flags(const MpPublishFlags& f) {
+  PCPKV_CHECK(f.tokens >= 0, "--tokens: must be >= 0, got {}", f.tokens);
+  PCPKV_CHECK(f.decodes >= 0, "--decodes: must be >= 0, got {}", f.decodes);
+  PCPKV_CHECK(f.tokens > 0 || f.decodes > 0, "--tokens 0 --decodes 0: the batch is empty");
+  check_block_size_flag(f.block_size);
+  PCPKV_CHECK(f.tp >= 1, "--tp: must be >= 1, got {}", f.tp);
+  PCPKV_CHECK(f.repeats >= 1, "--repeats: must be >= 1, got {}", f.repeats);
+  PCPKV_CHECK(f.warmup >= 0, "--warmup: must be >= 0, got {}", f.warmup);
+  PCPKV_CHECK(f.threads >= 1, "--threads: must be >= 1, got {}", f.threads);
+  PCPKV_CHECK(f.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", f.threads);
+  PCPKV_CHECK(f.topk_width >= 0, "--topk-width: must be >= 0, got {}", f.topk_width);
+  PCPKV_CHECK(f.guard_bytes >= 0, "--guard-bytes: must be >= 0, got {}", f.guard_bytes);
+  PCPKV_CHECK(f.base_offset >= 0, "--base-offset: must be >= 0, got {}", f.base_offset);
+  PCPKV_CHECK((f.guard_bytes + f.base_offset) % 16 == 0,
+              "--guard-bytes {} --base-offset {}: their sum must be a multiple of 16 (the cache's alignment)",
+              f.guard_bytes, f.base_offset);
+  PCPKV_CHECK(f.fence_timeout_ms >= 1 && f.fence_timeout_ms <= kMaxFenceTimeoutMs,
+              "--fence-timeout-ms: must be in [1, {}] (one day), got {}", kMaxFenceTimeoutMs, f.fence_timeout_ms);
+  PCPKV_CHECK(f.graph_replays >= 0, "--graph-replays: must be >= 0, got {}", f.graph_replays);
+  PCPKV_CHECK(f.kill_rank >= -1, "--kill-rank: must be a rank (>= 0) or -1 (off), got {}", f.kill_rank);
+  PCPKV_CHECK(std::isfinite(f.k_scale) && f.k_scale > 0, "--k-scale: must be positive and finite, got {}", f.k_scale);
+  PCPKV_CHECK(std::isfinite(f.flush_l2_mb) && f.flush_l2_mb >= 0, "--flush-l2-mb: must be >= 0 and finite, got {}",
+              f.flush_l2_mb);
+  PCPKV_CHECK(std::isfinite(f.link_gbps) && f.link_gbps >= 0, "--link-gbps: must be >= 0 and finite, got {}",
+              f.link_gbps);
+  PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: '{}' is not indexer or shared", f.layer);
+  PCPKV_CHECK(f.backend == "auto" || f.backend == "cpu" || f.backend == "cuda",
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", f.backend);
+  PCPKV_CHECK(f.collect_via == "auto" || f.collect_via == "nccl" || f.collect_via == "p2p",
+              "--collect-via: '{}' is not auto, nccl or p2p", f.collect_via);
+  (void)parse_kv_format(f.kv_format, "kv-format");
+  (void)parse_ds_mla_scale(f.ds_mla_scale, "ds-mla-scale");
+  (void)parse_transports(f.transport);
+  if (f.config.empty()) (void)preset(f.model);
+}
+
 int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   const GroupLayout layout = GroupLayout::make(world.world_size(), f.tp);
   const int32_t group_idx = layout.pcp_group_of(world.rank());
-  // Validate everything before the first collective allocation.
+  // Validate everything before the first collective allocation (the flags alone: check_flags).
   ModelConfig model = f.config.empty() ? preset(f.model) : load_hf_config(f.config, f.model);
   model.validate();
-  PCPKV_CHECK(f.tokens >= 0, "--tokens must be >= 0, got {}", f.tokens);
-  PCPKV_CHECK(f.decodes >= 0, "--decodes must be >= 0, got {}", f.decodes);
-  PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: '{}' is not indexer or shared", f.layer);
-  PCPKV_CHECK(f.repeats >= 1, "--repeats must be >= 1, got {}", f.repeats);
   PCPKV_CHECK(f.kill_rank < world.world_size(), "--kill-rank {} is not a rank of this {}-process job", f.kill_rank,
               world.world_size());
   PlanConfig pc;
@@ -207,13 +246,9 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   opt.num_threads = f.threads;
   opt.global_ranks = layout.pcp_group_members(group_idx);
   opt.collect_via = f.collect_via;
-  PCPKV_CHECK(f.warmup >= 0, "--warmup must be >= 0, got {}", f.warmup);
-  PCPKV_CHECK(f.flush_l2_mb >= 0, "--flush-l2-mb must be >= 0, got {}", f.flush_l2_mb);
-  PCPKV_CHECK(f.link_gbps >= 0, "--link-gbps must be >= 0, got {}", f.link_gbps);
   opt.warmup_runs = f.warmup;
   opt.flush_l2_bytes = static_cast<int64_t>(f.flush_l2_mb * 1024 * 1024);
   if (f.kill_rank >= 0 && layout.pcp_group_of(f.kill_rank) == group_idx) opt.kill_pcp_rank = layout.pcp_rank_of(f.kill_rank);
-  PCPKV_CHECK(f.graph_replays >= 0, "--graph-replays must be >= 0, got {}", f.graph_replays);
   PCPKV_CHECK(f.graph_replays == 0 || backend_name == "cuda", "--graph-replays needs the cuda backend (got {})",
               backend_name);
   const auto t0 = std::chrono::steady_clock::now();
@@ -573,6 +608,7 @@ void add_mp_publish_command(CLI::App& app) {
   sub->add_option("--kill-rank", f->kill_rank,
                   "Testing: this global rank SIGKILLs itself after its dispatch, before the fence");
   sub->callback([f] {
+    check_flags(*f);  // throws pcpkv::Error: "pcpkv: error: ...", exit code 2
     std::unique_ptr<Bootstrap> world;
     const int code = run_as_rank("mp-publish", nullptr, [&] {
       world = connect_world();

@@ -16,6 +16,7 @@
 #include <numeric>
 
 #include "pcpkv/error.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/inputs_io.h"
 #include "pcpkv/safetensors.h"
 #include "pcpkv/verify.h"
@@ -34,8 +35,6 @@ Check make_check(std::string name, std::string transport) {
   c.transport = std::move(transport);
   return c;
 }
-
-bool is_power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 // "1 key", "3 keys".
 std::string count_of(int64_t n, const char* noun) { return fmt::format("{} {}{}", n, noun, n == 1 ? "" : "s"); }
@@ -416,7 +415,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   // Flags first, cheapest checks first: nothing is read or written before they pass.
   PCPKV_CHECK(o.pcp >= 1, "--pcp: must be >= 1, got {}", o.pcp);
   PCPKV_CHECK(o.pcp <= 1024, "--pcp: {} ranks is more than pcpkv supports (1024)", o.pcp);
-  PCPKV_CHECK(is_power_of_two(o.block_size), "--block-size: must be a power of two, got {}", o.block_size);
+  check_block_size_flag(o.block_size);
   PCPKV_CHECK(o.tokens >= 0, "--tokens: must be >= 0, got {}", o.tokens);
   PCPKV_CHECK(o.decodes >= 0, "--decodes: must be >= 0, got {}", o.decodes);
   PCPKV_CHECK(o.decode_context >= -1, "--decode-context: must be >= 0, got {}", o.decode_context);
@@ -433,11 +432,6 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   p.fmt.ds_mla_scale = parse_ds_mla_scale(o.ds_mla_scale, "ds-mla-scale");
   p.fmt.k_scale = static_cast<float>(o.k_scale);
   p.fmt.has_indexer = o.layer == "indexer";
-  // The backends lay out the indexer-K cache for every layer kind (a shared layer's stays untouched).
-  PCPKV_CHECK((int64_t{o.block_size} * kIndexerSlotBytes) % 16 == 0,
-              "--block-size: {} is too small: an indexer-K cache block of B slots holds B * 132 bytes, which must "
-              "be a multiple of 16 (B >= 4)",
-              o.block_size);
   p.transports = parse_transport_list(o.transport);
   // Flags that do not apply to this format or layer: say so rather than ignore them silently.
   auto given = [&](const char* flag) {

@@ -1,0 +1,105 @@
+// Flags of the launched subcommands (`mp-publish`, `bench-fence`) that make no sense are refused before the
+// rendezvous: exit code 2, "pcpkv: error: --flag: ..." naming the flag and the value (from every rank under
+// `pcpkv launch`), nothing on stdout and nothing left in the launcher's socket directory.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "test_cli_util.h"
+
+using pcpkv_test::CliResult;
+using pcpkv_test::run_cli;
+using pcpkv_test::ScratchDir;
+
+namespace {
+
+// Checks a refusal: exit 2, every string of `expect` in stderr, stdout empty, the directory empty.
+void expect_refused(const CliResult& r, const std::string& args, const std::vector<std::string>& expect,
+                    const ScratchDir& dir) {
+  EXPECT_EQ(r.exit_code, 2) << args << "\nstderr: " << r.err;
+  EXPECT_NE(r.err.find("pcpkv: error: "), std::string::npos) << args << "\nstderr: " << r.err;
+  for (const auto& e : expect)
+    EXPECT_NE(r.err.find(e), std::string::npos) << args << ": missing '" << e << "' in\n" << r.err;
+  EXPECT_TRUE(r.out.empty()) << args << "\nstdout: " << r.out;
+  const std::vector<std::string> files = dir.files();
+  EXPECT_TRUE(files.empty()) << args << ": left " << files.front();
+}
+
+// `pcpkv <cmd> <args>` as one process (a world of one: the flags are checked before any rendezvous).
+void expect_refused_alone(const std::string& cmd, const std::string& args, const std::vector<std::string>& expect) {
+  ScratchDir dir;
+  expect_refused(run_cli(cmd + " --backend cpu " + args, dir), cmd + " " + args, expect, dir);
+}
+
+// `pcpkv launch --nproc 2 -- <cmd> <args>`: both ranks refuse; --max-time bounds a run that was not refused.
+void expect_refused_launched(const std::string& cmd, const std::string& args, const std::vector<std::string>& expect) {
+  ScratchDir dir;
+  const std::string line = "launch --nproc 2 --max-time 120 --socket-dir '" + dir.file("") + "' -- " + cmd +
+                           " --backend cpu " + args;
+  const CliResult r = run_cli(line, dir);
+  expect_refused(r, line, expect, dir);
+  for (const char* rank : {"[rank 0] pcpkv: error: ", "[rank 1] pcpkv: error: "})
+    EXPECT_NE(r.err.find(rank), std::string::npos) << line << ": missing '" << rank << "' in\n" << r.err;
+}
+
+TEST(CliFlagsLaunch, MpPublishThreadsCapped) {
+  expect_refused_launched("mp-publish", "--threads 100000", {"--threads", "100000", "1024"});
+  expect_refused_alone("mp-publish", "--threads 100000", {"--threads", "100000", "1024"});
+  expect_refused_alone("mp-publish", "--threads 0", {"--threads", "0"});
+  expect_refused_alone("mp-publish", "--threads=-4", {"--threads", "-4"});
+}
+
+TEST(CliFlagsLaunch, MpPublishCountsMustMakeSense) {
+  expect_refused_launched("mp-publish", "--tokens=-5", {"--tokens", "-5"});
+  expect_refused_alone("mp-publish", "--decodes=-2", {"--decodes", "-2"});
+  expect_refused_alone("mp-publish", "--repeats 0", {"--repeats", "0"});
+  expect_refused_alone("mp-publish", "--repeats=-3", {"--repeats", "-3"});
+  expect_refused_alone("mp-publish", "--warmup=-1", {"--warmup", "-1"});
+  expect_refused_alone("mp-publish", "--graph-replays=-1", {"--graph-replays", "-1"});
+  expect_refused_alone("mp-publish", "--topk-width=-8", {"--topk-width", "-8"});
+  expect_refused_alone("mp-publish", "--tp 0", {"--tp", "0"});
+  expect_refused_alone("mp-publish", "--kill-rank=-2", {"--kill-rank", "-2"});
+  expect_refused_alone("mp-publish", "--tokens 0 --decodes 0", {"--tokens 0 --decodes 0", "empty"});
+}
+
+TEST(CliFlagsLaunch, MpPublishBlockSizeAndLayout) {
+  expect_refused_launched("mp-publish", "--block-size 48", {"--block-size", "48", "power of two"});
+  expect_refused_alone("mp-publish", "--block-size 0", {"--block-size", "0", "power of two"});
+  expect_refused_alone("mp-publish", "--block-size=-64", {"--block-size", "-64"});
+  expect_refused_alone("mp-publish", "--block-size 2", {"--block-size", "2", "multiple of 16"});
+  expect_refused_alone("mp-publish", "--guard-bytes=-16", {"--guard-bytes", "-16"});
+  expect_refused_alone("mp-publish", "--base-offset 8", {"--base-offset", "8", "multiple of 16"});
+}
+
+TEST(CliFlagsLaunch, MpPublishScalesAndNames) {
+  expect_refused_alone("mp-publish", "--fence-timeout-ms 0", {"--fence-timeout-ms", "0"});
+  expect_refused_alone("mp-publish", "--fence-timeout-ms=-1", {"--fence-timeout-ms", "-1"});
+  expect_refused_alone("mp-publish", "--k-scale 0", {"--k-scale", "0"});
+  expect_refused_alone("mp-publish", "--k-scale nan", {"--k-scale", "nan"});
+  expect_refused_alone("mp-publish", "--flush-l2-mb=-1", {"--flush-l2-mb", "-1"});
+  expect_refused_alone("mp-publish", "--link-gbps inf", {"--link-gbps", "inf"});
+  expect_refused_alone("mp-publish", "--collect-via shm", {"--collect-via", "shm"});
+  expect_refused_alone("mp-publish", "--kv-format fp4", {"kv-format", "fp4"});
+  expect_refused_alone("mp-publish", "--transport collect,nvls", {"--transport", "nvls"});
+  expect_refused_alone("mp-publish", "--model llama-3", {"--model", "llama-3"});
+}
+
+TEST(CliFlagsLaunch, BenchFenceTimeoutMustBePositive) {
+  expect_refused_launched("bench-fence", "--timeout-ms 0", {"--timeout-ms", "0"});
+  expect_refused_launched("bench-fence", "--timeout-ms=-5", {"--timeout-ms", "-5"});
+  expect_refused_alone("bench-fence", "--timeout-ms 0", {"--timeout-ms", "0"});
+  // Far past a day is a typo, and near INT64_MAX the deadline would overflow into the past.
+  expect_refused_alone("bench-fence", "--timeout-ms 9223372036854775807", {"--timeout-ms", "9223372036854775807"});
+}
+
+TEST(CliFlagsLaunch, BenchFenceCountsMustMakeSense) {
+  expect_refused_alone("bench-fence", "--layers 0", {"--layers", "0"});
+  expect_refused_alone("bench-fence", "--iters 0", {"--iters", "0"});
+  expect_refused_alone("bench-fence", "--warmup=-1", {"--warmup", "-1"});
+  expect_refused_alone("bench-fence", "--barriers 0", {"--barriers", "0"});
+  expect_refused_alone("bench-fence", "--barriers 100000", {"--barriers", "100000"});
+  expect_refused_alone("bench-fence", "--time-budget=-1", {"--time-budget", "-1"});
+}
+
+}  // namespace
