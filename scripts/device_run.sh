@@ -3,6 +3,8 @@
 #   test   build everything (sm_90), run the cuda tier, the multiproc tier (GPU tests included) and the unit tier
 #   bench  pcpkv bench (publication), attention bench, bench-serving, bench-fence (2/4/8 processes)
 #   python build pcpkv_torch and run its pytest suite
+#   check  ncu (hardware counters) on one layer's publication kernels, then compute-sanitizer memcheck over the
+#          cuda test executables and racecheck/synccheck over the kernel tests (each bounded in time)
 # Logs land in $OUT (at most 8 files come back). The build dir (build-gpu) is reused while the machine is warm.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -66,6 +68,38 @@ case "$phase" in
     ;;
   python)
     timeout 540 bash python/run_device_tests.sh
+    ;;
+  check)
+    build_all
+    bench_args=(bench --models glm-5 --pcp 8 --kv-formats fp8_ds_mla --single-rank-tokens 32768 --variants warp
+                --layer-variants warp:separate:1 --iters 1 --warmup 0 --no-graph --pdl-tokens none --copy-gib 0.25)
+    say "ncu"
+    timeout 150 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      -k 'regex:dispatch|combine|insert|gather|fill' -c 24 "$build/pcpkv" "${bench_args[@]}" > "$out/ncu.log" 2>&1
+    say "ncu rc=$?"
+    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Limit|Stall|L2 Hit|L1/TEX Hit" \
+      "$out/ncu.log" | head -150
+    say "memcheck"
+    : > "$out/sanitize.log"
+    for t in "$build"/tests/cuda_test_*; do
+      case "$t" in *.cmake) continue ;; esac
+      [ $((SECONDS - t0)) -gt 420 ] && { echo "SKIPPED (time) $t" >> "$out/sanitize.log"; continue; }
+      echo "== memcheck $(basename "$t")" >> "$out/sanitize.log"
+      timeout 45 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$t" --gtest_brief=1 \
+        >> "$out/sanitize.log" 2>&1
+      echo "== rc=$? $(basename "$t")" >> "$out/sanitize.log"
+    done
+    for tool in racecheck synccheck; do
+      for t in cuda_test_publish_kernels cuda_test_consumers_kernels cuda_test_router cuda_test_allreduce; do
+        [ $((SECONDS - t0)) -gt 500 ] && { echo "SKIPPED (time) $tool $t" >> "$out/sanitize.log"; continue; }
+        echo "== $tool $t" >> "$out/sanitize.log"
+        timeout 40 compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 "$build/tests/$t" \
+          --gtest_brief=1 >> "$out/sanitize.log" 2>&1
+        echo "== rc=$? $tool $t" >> "$out/sanitize.log"
+      done
+    done
+    grep -E "^== rc=|ERROR SUMMARY|SKIPPED|Invalid|Race|Barrier" "$out/sanitize.log" | head -80
     ;;
   retest)
     # Re-run named ctest regexes ($2) after fixes, plus the serving bench.

@@ -28,7 +28,7 @@ struct DispatchJob {
 };
 
 enum class DispatchVariant : uint8_t {
-  kAuto,      // the default (currently kPrefetch; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf overrides)
+  kAuto,      // the default (currently kWarp; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf overrides)
   kSimple,    // persistent CTAs of 4 warps, one token per CTA iteration, loads at the top of each iteration
   kPrefetch,  // same, but the next token's inputs are loaded before the current token is processed
   kWarp,      // persistent, one token per warp, no CTA barrier (dispatch_warp.cu); layouts that are not
