@@ -17,6 +17,9 @@
 // 24 tokens (~130 KB of loads) in flight instead of 8. The warp_pf instance also asks the copy engine for an
 // L2 prefetch of the warp's next token (cp.async.bulk.prefetch.L2: one instruction per input row, no
 // registers), so that token's loads hit L2 and DRAM sees more requests in flight.
+// The norm weights (q_norm_w, kv_norm_w, the indexer's LayerNorm weight and bias: up to 11 KB of fp32) are
+// copied into shared memory once per persistent CTA: every token reads all of them, and from L1 they cost
+// ~100 global loads per token and compete with the rows for L1 (measured 3-5% faster, docs/perf.md 4d).
 #include <cuda_runtime.h>
 
 #include <mutex>
@@ -37,6 +40,10 @@ constexpr int kWarps = 4;  // per CTA; the CTA shares only the target / destinat
 constexpr int kWarpThreads = 32 * kWarps;
 constexpr int kMinBlocks = 6;  // 24 warps (tokens) per SM: caps registers at 80 (no spills; 7 spills)
 constexpr int kQLeaves = 8;    // q_c leaves per lane: q_lora_rank <= 32 * 8 * 8 = 2048
+
+// The CTA's copy of the norm weights (fp32): q_norm_w [q_lora_rank <= 2048], kv_norm_w [512], then the
+// indexer's LayerNorm weight and bias [128] each.
+constexpr int kWQ = 0, kWKv = 8 * 32 * kQLeaves, kWLnW = kWKv + 512, kWLnB = kWLnW + 128, kWFloats = kWLnB + 128;
 
 /// Canonical total of 8 groups: p[v] is this lane's leaf sum of leaf 32 v + lane (group v = 32 lanes).
 /// Reduce-scatter: at offset 1 a lane keeps 4 of its 8 values (the upper half when lane bit 0 is set) and
@@ -101,9 +108,10 @@ __device__ __forceinline__ void prefetch_token(const DispatchArgs& a, int64_t g,
   if (a.c.has_indexer) prefetch_l2(ra.index_k + t * ra.index_k_stride, kIndexHeadDim * 2);
 }
 
+/// 8 weights from the CTA's shared-memory copy (w 16-byte aligned).
 __device__ __forceinline__ void load_w8(const float* w, float (&out)[8]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(w));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(w + 4));
+  const float4 a = *reinterpret_cast<const float4*>(w);
+  const float4 b = *reinterpret_cast<const float4*>(w + 4);
   out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
   out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
@@ -117,17 +125,17 @@ __device__ __forceinline__ void store16_cs(void* p, const uint32_t* w) { stg16_c
 /// (ya / yb are the normalized values; words are the bytes of each leaf in the row, scale_bits the fp8_ds_mla
 /// tile scales of lane 0: tiles 0..3).
 template <KvFormat F>
-__device__ __forceinline__ void encode_kv(const CommonArgs& c, const uint4 (&raw)[2], int lane, uint32_t (&wa)[4],
+__device__ __forceinline__ void encode_kv(const CommonArgs& c, const float* kv_w, const uint4 (&raw)[2], int lane, uint32_t (&wa)[4],
                                           uint32_t (&wb)[4], uint32_t (&scales)[4], float (&ya)[8], float (&yb)[8]) {
   unpack_bf16x8(raw[0], ya);
   unpack_bf16x8(raw[1], yb);
   const float part[2] = {math::leaf_sumsq(ya), math::leaf_sumsq(yb)};
   const float r = math::rms_inv(warp_total2(part, lane), static_cast<int>(kKvLoraRank), c.kv_eps);
   float w[8];
-  load_w8(c.kv_norm_w + 8 * lane, w);
+  load_w8(kv_w + 8 * lane, w);
 #pragma unroll
   for (int k = 0; k < 8; ++k) ya[k] = math::rms_apply(ya[k], r, w[k]);
-  load_w8(c.kv_norm_w + 8 * (lane + 32), w);
+  load_w8(kv_w + 8 * (lane + 32), w);
 #pragma unroll
   for (int k = 0; k < 8; ++k) yb[k] = math::rms_apply(yb[k], r, w[k]);
   if constexpr (F == KvFormat::kBf16) {
@@ -186,15 +194,27 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
     dispatch_warp_kernel(const __grid_constant__ DispatchArgs a) {
   __shared__ TargetLite s_targets[kMaxTargets];
   __shared__ uint8_t* s_dests[kMaxDests];
+  __shared__ __align__(16) float s_w[kWFloats];
   // Device tables -> shared memory once per CTA (the grid is persistent). The tables are set up by the host
   // before the launch (never written by a kernel), so this may run before the PDL wait.
   load_tables_to_smem(a, s_targets, s_dests, kWarpThreads);
-  __syncthreads();
-  // PDL (pcpkv/pdl.h): everything below reads inputs or writes buffers the previous kernel may touch.
+  // PDL (pcpkv/pdl.h): everything below reads inputs or writes buffers the previous kernel may touch (the
+  // norm weights too: an engine may produce them on the same stream).
   pdl::wait();
   pdl::launch_dependents();
 
   const CommonArgs& c = a.c;
+  // (A null weight pointer means no rank of this launch needs that norm.)
+  if (c.q_norm_w != nullptr)
+    for (int i = threadIdx.x; i < c.q_lora_rank; i += kWarpThreads) s_w[kWQ + i] = c.q_norm_w[i];
+  if (c.kv_norm_w != nullptr)
+    for (int i = threadIdx.x; i < static_cast<int>(kKvLoraRank); i += kWarpThreads) s_w[kWKv + i] = c.kv_norm_w[i];
+  if (c.has_indexer && c.index_ln_w != nullptr && c.index_ln_b != nullptr)
+    for (int i = threadIdx.x; i < static_cast<int>(kIndexHeadDim); i += kWarpThreads) {
+      s_w[kWLnW + i] = c.index_ln_w[i];
+      s_w[kWLnB + i] = c.index_ln_b[i];
+    }
+  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int64_t stride = int64_t{gridDim.x} * kWarps;
   for (int64_t g = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); g < a.total_tokens; g += stride) {
@@ -253,7 +273,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
         if (leaf < c.num_q_leaves) {
           float qx[8], w[8];
           unpack_bf16x8(q[v], qx);
-          load_w8(c.q_norm_w + 8 * leaf, w);
+          load_w8(s_w + kWQ + 8 * leaf, w);
 #pragma unroll
           for (int k = 0; k < 8; ++k) qx[k] = math::rms_apply(qx[k], r, w[k]);
           uint32_t packed[4];
@@ -268,7 +288,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
     {
       uint32_t wa[4], wb[4], scales[4] = {0u, 0u, 0u, 0u};
       float ya[8], yb[8];
-      encode_kv<F>(c, kv, lane, wa, wb, scales, ya, yb);
+      encode_kv<F>(c, s_w + kWKv, kv, lane, wa, wb, scales, ya, yb);
       if (ra.kv_c_out != nullptr) {
         uint32_t p[4];
         uint16_t* out = ra.kv_c_out + t * kKvLoraRank;
@@ -325,8 +345,8 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
       for (int k = 0; k < 8; ++k) xf[k] = fp32::sub(xf[k], mu);
       const float r = math::rms_inv(lanes_sum<16>(math::leaf_sumsq(xf), kHalf), static_cast<int>(kIndexHeadDim), c.index_eps);
       float w[8], b[8];
-      load_w8(c.index_ln_w + 8 * leaf, w);
-      load_w8(c.index_ln_b + 8 * leaf, b);
+      load_w8(s_w + kWLnW + 8 * leaf, w);
+      load_w8(s_w + kWLnB + 8 * leaf, b);
 #pragma unroll
       for (int k = 0; k < 8; ++k) xf[k] = math::ln_apply(xf[k], r, w[k], b[k]);
       rope_leaf(xf, leaf, c.index_rope_interleaved, rc, rs, kHalf, leaf < 8);
