@@ -57,6 +57,30 @@ struct DevBuf {
 
 using cuda_detail::graph_median_us_per_call;
 
+// Floors of a small-T router call, timed the same way (graph of back-to-back calls, cold W): what any kernel
+// costs per call (launch and drain inside a graph), and what a kernel that only reads W once costs.
+__global__ void empty_kernel() {}
+
+/// Reads n16 16-byte words of w, issuing every load of a thread before using any (kUnroll per thread and
+/// pass: 6 cover GLM-5's W with 256 x 128 threads), and writes their XOR only if n16 < 0 (never), so the
+/// loads are kept and nothing is written.
+constexpr int kReadUnroll = 8;
+__global__ void __launch_bounds__(128) read_w_kernel(const uint4* w, int64_t n16, uint32_t* sink) {
+  const int64_t threads = int64_t{gridDim.x} * blockDim.x;
+  uint32_t acc = 0;
+  for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < n16; base += threads * kReadUnroll) {
+    uint4 v[kReadUnroll];
+#pragma unroll
+    for (int k = 0; k < kReadUnroll; ++k) {
+      const int64_t i = base + k * threads;
+      v[k] = i < n16 ? __ldcs(w + i) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kReadUnroll; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  }
+  if (n16 < 0) *sink = acc;
+}
+
 }  // namespace
 
 std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const RouterConfig& c,
@@ -103,6 +127,32 @@ std::vector<RouterBenchRow> bench_router_gemm(const std::string& preset, const R
     return opt;
   };
   std::vector<RouterBenchRow> rows;
+  {
+    // The floors (num_tokens 0): an empty kernel, and one that reads W (a different copy per call) with as
+    // many CTAs of 128 threads as the staged kernel uses at T = 1 (one expert per CTA).
+    const int64_t n16 = w_bytes / 16;
+    DevBuf<uint32_t> sink(1);
+    const double empty_us = graph_median_us_per_call(
+        [&](cudaStream_t st, int64_t) { empty_kernel<<<static_cast<unsigned>(E), 128, 0, st>>>(); }, copies,
+        o.warmup, o.iters, stream);
+    const double read_us = graph_median_us_per_call(
+        [&](cudaStream_t st, int64_t k) {
+          read_w_kernel<<<static_cast<unsigned>(E), 128, 0, st>>>(reinterpret_cast<const uint4*>(w.p + k * hw.size()),
+                                                                 n16, sink.p);
+        },
+        copies, o.warmup, o.iters, stream);
+    for (const auto& [name, us] : {std::pair<const char*, double>{"floor/empty-kernel", empty_us},
+                                   std::pair<const char*, double>{"floor/read-W", read_us}}) {
+      RouterBenchRow r;
+      r.preset = preset;
+      r.num_tokens = 0;
+      r.variant = name;
+      r.cold = true;
+      r.us = us;
+      r.weight_gbps = static_cast<double>(w_bytes) / (us * 1e3);
+      rows.push_back(r);
+    }
+  }
   for (const int64_t T : o.tokens) {
     std::vector<Variant> variants;
     if (T <= kRouterSmallMaxTokens) {

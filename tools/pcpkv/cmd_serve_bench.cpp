@@ -81,10 +81,12 @@ std::string router_markdown(const std::vector<cuda::RouterBenchRow>& rows, bool 
   std::string md;
   std::map<std::string, std::map<int64_t, std::map<std::string, double>>> t;  // preset -> T -> variant -> us
   std::vector<std::string> presets;
+  std::map<std::string, std::map<std::string, double>> floors;  // preset -> "floor/..." -> us (num_tokens 0)
   for (const auto& r : rows) {
     if (r.cold != cold) continue;
     if (std::find(presets.begin(), presets.end(), r.preset) == presets.end()) presets.push_back(r.preset);
-    t[r.preset][r.num_tokens][r.variant] = r.us;
+    if (r.num_tokens == 0) floors[r.preset][r.variant] = r.us;
+    else t[r.preset][r.num_tokens][r.variant] = r.us;
   }
   const std::vector<std::string> cols = router_variant_columns(rows);
   for (const auto& p : presets) {
@@ -106,6 +108,16 @@ std::string router_markdown(const std::vector<cuda::RouterBenchRow>& rows, bool 
       const double ratio = v.count("cublaslt") && v.count("auto") ? v.at("cublaslt") / v.at("auto") : 0.0;
       md += fmt::format("| {} | {} | {} | {} | {:.2f}x |", T, get("cublaslt"), best, get("auto"), ratio);
       for (const auto& c : cols) md += fmt::format(" {} |", get(c));
+      md += "\n";
+    }
+    if (floors.count(p) && floors[p].count("floor/empty-kernel") && floors[p].count("floor/read-W")) {
+      const double e = floors[p]["floor/empty-kernel"], rw = floors[p]["floor/read-W"];
+      md += fmt::format("\nFloors, timed the same way: an empty kernel {:.2f} us per call; a kernel that only reads W "
+                        "(cold, one CTA of 128 threads per expert) {:.2f} us.", e, rw);
+      if (t[p].count(1) && t[p][1].count("cublaslt"))
+        md += fmt::format(" At T = 1, cuBLASLt / read-W = {:.2f}x: about the most a kernel that reads W once can gain "
+                          "without PDL.",
+                          t[p][1]["cublaslt"] / rw);
       md += "\n";
     }
     // PDL: the same calls back to back with PDL on, against cuBLASLt without it.
@@ -136,7 +148,7 @@ std::string router_markdown(const std::vector<cuda::RouterBenchRow>& rows, bool 
   std::map<int64_t, std::map<std::string, double>> sum;
   std::map<int64_t, std::map<std::string, int>> seen;
   for (const auto& r : rows)
-    if (r.cold == cold && r.variant != "auto" && !is_pdl_variant(r.variant)) {
+    if (r.cold == cold && r.num_tokens > 0 && r.variant != "auto" && !is_pdl_variant(r.variant)) {
       sum[r.num_tokens][r.variant] += r.us;
       ++seen[r.num_tokens][r.variant];
     }
