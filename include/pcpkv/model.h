@@ -79,12 +79,18 @@ ModelConfig preset(const std::string& name);
 struct ConfigNotes {
   std::vector<std::string> missing;   // "q_lora_rank (kept preset value 2048)"
   std::vector<std::string> ignored;   // keys pcpkv does not use and does not know
+  std::vector<std::string> remarks;   // other decisions worth a line, naming file and key
+                                      // ("c.json: 'rope_scaling' is null: default RoPE (no scaling), ...")
 };
 
 /// Loads a HF config.json. The base preset is chosen by model_type (deepseek_v32 -> deepseek-v3.2,
 /// glm_moe_dsa -> glm-5) unless base_preset is non-empty. Every key pcpkv reads overrides the preset;
-/// a key with the wrong JSON type or an unusable value throws pcpkv::Error naming key and value;
-/// unknown keys are listed in notes->ignored (strict: they throw instead).
+/// a key with the wrong JSON type or an unusable value throws pcpkv::Error naming key and value (every
+/// nlohmann exception included: a number that overflows a double, a syntax error);
+/// unknown keys are listed in notes->ignored (strict: they throw instead). "rope_scaling": null (HF's
+/// "no scaling") selects the default RoPE and adds a line to notes->remarks. RoPE parameters outside sane
+/// ranges (rope_theta in (1, 1e12], YaRN factor [1, 1e4], beta (0, 1e4], mscale and mscale_all_dim
+/// [0, 1e3], table magnitude <= 1e4) and num_hidden_layers < 1 throw.
 ModelConfig load_hf_config(const std::string& path, const std::string& base_preset = {},
                            ConfigNotes* notes = nullptr, bool strict = false);
 

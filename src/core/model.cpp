@@ -4,12 +4,15 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/error.h"
+#include "pcpkv/rope.h"
 
 namespace pcpkv {
 namespace {
@@ -100,32 +103,198 @@ const std::set<std::string>& known_unused_keys() {
   return keys;
 }
 
+// Sane ranges of the RoPE parameters (SPEC section 1). Real configs: rope_theta 1e4..1e7, YaRN factor
+// 4..64, beta 1..32, mscale 0.707..1. The bounds are wide; they only refuse values whose tables would
+// overflow or lose all precision (mscale 1e300 gives cos * mscale = inf; mscale_all_dim < 0 can make the
+// YaRN divisor 0.1 * m * ln(factor) + 1 vanish).
+constexpr double kMaxRopeTheta = 1e12;
+constexpr double kMaxYarnFactor = 1e4;
+constexpr double kMaxYarnBeta = 1e4;
+constexpr double kMaxYarnMscale = 1e3;
+constexpr int64_t kMaxOriginalPositions = int64_t{1} << 40;  // the plan's bound on tokens per request
+// |cos * mscale| and |sin * mscale| bound: the cache formats hold k_pe in bf16/FP8 around unit scale.
+constexpr long double kMaxRopeMagnitude = 1e4L;
+
+// Refuses unusable RoPE parameters. `prefix` names where the scaling keys live ("rope_scaling.",
+// "rope_parameters." or "rope." for a config built in code); messages name key and value.
+void check_rope(const RopeConfig& rope, const std::string& o, const std::string& prefix) {
+  PCPKV_CHECK(std::isfinite(rope.theta) && rope.theta > 1 && rope.theta <= kMaxRopeTheta,
+              "{}: rope_theta = {} must be in (1, {:g}]", o, rope.theta, kMaxRopeTheta);
+  if (rope.scaling != RopeScaling::kDeepseekYarn) return;
+  PCPKV_CHECK(std::isfinite(rope.factor) && rope.factor >= 1 && rope.factor <= kMaxYarnFactor,
+              "{}: {}factor = {} must be in [1, {:g}]", o, prefix, rope.factor, kMaxYarnFactor);
+  PCPKV_CHECK(rope.original_max_position_embeddings >= 1 &&
+                  rope.original_max_position_embeddings <= kMaxOriginalPositions,
+              "{}: {}original_max_position_embeddings = {} must be in [1, 2^40]", o, prefix,
+              rope.original_max_position_embeddings);
+  for (const auto& [key, v] :
+       {std::pair<const char*, double>{"beta_fast", rope.beta_fast}, {"beta_slow", rope.beta_slow}}) {
+    PCPKV_CHECK(std::isfinite(v) && v > 0 && v <= kMaxYarnBeta, "{}: {}{} = {} must be in (0, {:g}]", o, prefix, key,
+                v, kMaxYarnBeta);
+  }
+  for (const auto& [key, v] :
+       {std::pair<const char*, double>{"mscale", rope.mscale}, {"mscale_all_dim", rope.mscale_all_dim}}) {
+    PCPKV_CHECK(std::isfinite(v) && v >= 0 && v <= kMaxYarnMscale, "{}: {}{} = {} must be in [0, {:g}]", o, prefix,
+                key, v, kMaxYarnMscale);
+  }
+  // What the tables are built from: with the ranges above these hold, but a check here keeps any future
+  // range change honest. |cos|, |sin| <= 1, so every table entry is bounded by |mscale|.
+  const long double m = rope_mscale(rope);
+  PCPKV_CHECK(std::isfinite(m) && m > 0 && m <= kMaxRopeMagnitude,
+              "{}: the YaRN magnitude mscale(factor {}, {}mscale {}) / mscale(factor, {}mscale_all_dim {}) = {} "
+              "must be finite and in (0, {:g}]",
+              o, rope.factor, prefix, rope.mscale, prefix, rope.mscale_all_dim, static_cast<double>(m),
+              static_cast<double>(kMaxRopeMagnitude));
+  const auto f = rope_inv_freq(rope);
+  for (int i = 0; i < kRopePairs; ++i) {
+    PCPKV_CHECK(std::isfinite(f[i]) && f[i] > 0,
+                "{}: the RoPE inverse frequency of pair {} is {} (from rope_theta {}, {}factor {}, beta_fast {}, "
+                "beta_slow {})",
+                o, i, static_cast<double>(f[i]), rope.theta, prefix, rope.factor, rope.beta_fast, rope.beta_slow);
+  }
+}
+
+// Where each number of a JSON text sits and how it was written: a second, DOM-free pass over the text
+// (nlohmann's SAX interface) so messages can quote a value as the file spells it ("1e30", not "1e+30")
+// and name the key at which parsing failed (number overflow, a syntax error).
+class JsonPaths final : public nlohmann::json_sax<json> {
+ public:
+  std::map<std::string, std::string> raw_numbers;  // "rope_scaling.factor" -> "40"
+  std::string error_path;                          // key path where the parse failed ("" = top level)
+  std::string error_token;                         // the token at the failure
+
+  bool null() override { return value_done(); }
+  bool boolean(bool) override { return value_done(); }
+  bool number_integer(number_integer_t v) override { return number(std::to_string(v)); }
+  bool number_unsigned(number_unsigned_t v) override { return number(std::to_string(v)); }
+  bool number_float(number_float_t, const string_t& s) override { return number(s); }
+  bool string(string_t&) override { return value_done(); }
+  bool binary(binary_t&) override { return value_done(); }
+  bool start_object(std::size_t) override {
+    stack_.push_back({true, {}, 0});
+    return true;
+  }
+  bool key(string_t& k) override {
+    stack_.back().key = k;
+    return true;
+  }
+  bool end_object() override {
+    stack_.pop_back();
+    return value_done();
+  }
+  bool start_array(std::size_t) override {
+    stack_.push_back({false, {}, 0});
+    return true;
+  }
+  bool end_array() override {
+    stack_.pop_back();
+    return value_done();
+  }
+  bool parse_error(std::size_t, const std::string& token, const nlohmann::detail::exception&) override {
+    error_path = path();
+    error_token = token;
+    return false;
+  }
+
+  /// "rope_scaling.factor", "indexer_types[3]"; "" at the top level.
+  std::string path() const {
+    std::string p;
+    for (const Level& l : stack_) {
+      if (l.object) {
+        if (!l.key.empty()) p += (p.empty() ? "" : ".") + l.key;
+      } else {
+        p += fmt::format("[{}]", l.index);
+      }
+    }
+    return p;
+  }
+
+ private:
+  struct Level {
+    bool object;
+    std::string key;
+    size_t index;
+  };
+  bool number(const std::string& text) {
+    raw_numbers[path()] = text;
+    return value_done();
+  }
+  bool value_done() {
+    if (!stack_.empty() && !stack_.back().object) ++stack_.back().index;
+    return true;
+  }
+  std::vector<Level> stack_;
+};
+
+JsonPaths scan_json(const std::string& text) {
+  JsonPaths paths;
+  json::sax_parse(text, &paths, json::input_format_t::json, /*strict=*/true);  // reports through parse_error
+  return paths;
+}
+
+// How a value is written in the file: numbers as the text spells them, the rest as JSON.
+std::string as_written(const json& v, const JsonPaths* paths, const std::string& path) {
+  if (v.is_number() && paths) {
+    const auto it = paths->raw_numbers.find(path);
+    if (it != paths->raw_numbers.end()) return it->second;
+  }
+  return v.dump();
+}
+
+// "5 (a number)", "null", "\"x\" (a string)".
+std::string with_type(const std::string& written, const json& v) {
+  if (v.is_null()) return "null";
+  const std::string t = v.type_name();
+  const bool vowel = t[0] == 'a' || t[0] == 'o';
+  return fmt::format("{} ({} {})", written, vowel ? "an" : "a", t);
+}
+
 class Reader {
  public:
-  Reader(const json& j, std::string origin) : j_(j), origin_(std::move(origin)) {}
+  // prefix: the key path of the object read ("" top level, "rope_scaling"); origin names it in messages.
+  Reader(const json& j, std::string origin, const JsonPaths* paths = nullptr, std::string prefix = {})
+      : j_(j), origin_(std::move(origin)), paths_(paths), prefix_(std::move(prefix)) {}
 
   template <typename T>
   bool read(const char* key, T& out, const json* obj = nullptr) {
     const json& o = obj ? *obj : j_;
     if (!o.contains(key) || o.at(key).is_null()) return false;
     const json& v = o.at(key);
+    const std::string written = as_written(v, paths_, prefix_.empty() ? key : prefix_ + "." + key);
     try {
       if constexpr (std::is_same_v<T, bool>) {
-        PCPKV_CHECK(v.is_boolean(), "{}: '{}' must be a boolean, got {}", origin_, key, v.dump());
+        PCPKV_CHECK(v.is_boolean(), "{}: '{}' must be a boolean, got {}", origin_, key, with_type(written, v));
         out = v.get<bool>();
       } else if constexpr (std::is_integral_v<T>) {
-        PCPKV_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
-                    "{}: '{}' must be an integer, got {}", origin_, key, v.dump());
-        out = static_cast<T>(v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>()));
+        // The range is checked before any conversion: 1e30 or 2^64 - 2048 must not wrap into a small or
+        // negative value that passes the later checks.
+        constexpr auto lo = std::numeric_limits<T>::min();
+        constexpr auto hi = std::numeric_limits<T>::max();
+        PCPKV_CHECK(v.is_number(), "{}: '{}' must be an integer, got {}", origin_, key, with_type(written, v));
+        // long double holds every int64 and uint64 exactly (64-bit mantissa), and any double.
+        long double value = 0;
+        if (v.is_number_unsigned()) {
+          value = static_cast<long double>(v.get<uint64_t>());
+        } else if (v.is_number_integer()) {
+          value = static_cast<long double>(v.get<int64_t>());
+        } else {
+          const double d = v.get<double>();
+          PCPKV_CHECK(std::isfinite(d) && std::floor(d) == d, "{}: '{}' must be an integer, got {}", origin_, key,
+                      written);
+          value = d;
+        }
+        const bool in_range = value >= static_cast<long double>(lo) && value <= static_cast<long double>(hi);
+        PCPKV_CHECK(in_range, "{}: '{}' = {} is out of range [{}, {}]", origin_, key, written, lo, hi);
+        out = static_cast<T>(value);
       } else if constexpr (std::is_floating_point_v<T>) {
-        PCPKV_CHECK(v.is_number(), "{}: '{}' must be a number, got {}", origin_, key, v.dump());
+        PCPKV_CHECK(v.is_number(), "{}: '{}' must be a number, got {}", origin_, key, with_type(written, v));
         out = v.get<double>();
       } else {
-        PCPKV_CHECK(v.is_string(), "{}: '{}' must be a string, got {}", origin_, key, v.dump());
+        PCPKV_CHECK(v.is_string(), "{}: '{}' must be a string, got {}", origin_, key, with_type(written, v));
         out = v.get<std::string>();
       }
     } catch (const json::exception& e) {
-      PCPKV_FAIL("{}: '{}' has an unusable value {}: {}", origin_, key, v.dump(), e.what());
+      PCPKV_FAIL("{}: '{}' has an unusable value {}: {}", origin_, key, written, e.what());
     }
     return true;
   }
@@ -133,21 +302,42 @@ class Reader {
  private:
   const json& j_;
   std::string origin_;
+  const JsonPaths* paths_;
+  std::string prefix_;
 };
 
-void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& origin, std::set<std::string>& used) {
+void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& origin, std::set<std::string>& used,
+                const JsonPaths& paths, const std::string& base_name, ConfigNotes& notes) {
   r.read("rope_theta", m.rope.theta);
   const json* rs = nullptr;
+  const char* rs_key = nullptr;
+  const char* null_key = nullptr;  // a scaling key present as null: HF's "no scaling"
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
     used.insert(key);
-    if (j.contains(key) && !j.at(key).is_null()) {
-      PCPKV_CHECK(j.at(key).is_object(), "{}: '{}' must be an object, got {}", origin, key, j.at(key).dump());
-      rs = &j.at(key);
-      break;
+    if (!j.contains(key)) continue;
+    if (j.at(key).is_null()) {
+      if (!null_key) null_key = key;
+      continue;
     }
+    PCPKV_CHECK(j.at(key).is_object(), "{}: '{}' must be an object, got {}", origin, key,
+                with_type(j.at(key).dump(), j.at(key)));
+    rs = &j.at(key);
+    rs_key = key;
+    break;
   }
-  if (!rs) return;
-  Reader rr(*rs, origin + ": rope");
+  if (!rs) {
+    if (null_key) {
+      // HF configs write "rope_scaling": null for a model without RoPE scaling; keeping the preset's YaRN
+      // would publish other k_pe bytes than the model computes.
+      const bool was_yarn = m.rope.scaling == RopeScaling::kDeepseekYarn;
+      m.rope.scaling = RopeScaling::kDefault;
+      notes.remarks.push_back(fmt::format(
+          "{}: '{}' is null: default RoPE (no scaling){}", origin, null_key,
+          was_yarn ? fmt::format(", replacing the {} preset's YaRN", base_name) : std::string()));
+    }
+    return;
+  }
+  Reader rr(*rs, fmt::format("{}: {}", origin, rs_key), &paths, rs_key);
   rr.read("rope_theta", m.rope.theta, rs);
   std::string type;
   if (!rr.read("rope_type", type, rs)) rr.read("type", type, rs);
@@ -156,7 +346,8 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
   } else if (type.empty() || type == "default") {
     m.rope.scaling = RopeScaling::kDefault;
   } else {
-    PCPKV_FAIL("{}: rope type '{}' is not supported; supported: default, yarn (DeepSeek flavour)", origin, type);
+    PCPKV_FAIL("{}: {}: rope type '{}' is not supported; supported: default, yarn (DeepSeek flavour)", origin,
+               rs_key, type);
   }
   rr.read("factor", m.rope.factor, rs);
   rr.read("original_max_position_embeddings", m.rope.original_max_position_embeddings, rs);
@@ -164,58 +355,49 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
   rr.read("beta_slow", m.rope.beta_slow, rs);
   rr.read("mscale", m.rope.mscale, rs);
   rr.read("mscale_all_dim", m.rope.mscale_all_dim, rs);
+  check_rope(m.rope, origin, std::string(rs_key) + ".");
 }
 
-}  // namespace
-
-std::vector<std::string> preset_names() { return {"deepseek-v3.2", "glm-5"}; }
-
-std::string config_dir() {
-  if (const char* env = std::getenv("PCPKV_CONFIG_DIR"); env && *env) return env;
-#ifdef PCPKV_CONFIG_DIR
-  return PCPKV_CONFIG_DIR;
-#else
-  return "configs";
-#endif
-}
-
-ModelConfig preset(const std::string& name) {
-  ModelConfig base = builtin(name);  // throws on an unknown name
-  const std::string path = config_dir() + "/" + name + ".json";
-  std::ifstream f(path);
-  if (!f) return base;  // installed without the data files: the built-in values are the same
-  std::stringstream ss;
-  ss << f.rdbuf();
-  ModelConfig m = parse_hf_config(ss.str(), name, nullptr, false, path);
-  m.name = name;
-  return m;
-}
-
-ModelConfig load_hf_config(const std::string& path, const std::string& base_preset, ConfigNotes* notes,
-                           bool strict) {
-  std::ifstream f(path);
-  PCPKV_CHECK(f.good(), "--config: cannot open '{}'", path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  ModelConfig m = parse_hf_config(ss.str(), base_preset, notes, strict, path);
-  m.name = path;
-  return m;
-}
-
-ModelConfig parse_hf_config(const std::string& json_text, const std::string& base_preset, ConfigNotes* notes,
-                            bool strict, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    PCPKV_FAIL("{}: not valid JSON: {}", origin, e.what());
+// A pcpkv::Error for a JSON text nlohmann refused, naming the key where parsing stopped when there is one
+// (a number too large for a double throws out_of_range 406, not parse_error).
+[[noreturn]] void fail_unparsable(const std::string& text, const std::string& origin, const json::exception& e) {
+  const JsonPaths paths = scan_json(text);
+  const std::string at = paths.error_path.empty() ? std::string() : fmt::format(" at '{}'", paths.error_path);
+  if (e.id == 406) {
+    PCPKV_FAIL("{}: '{}' = {} is out of range for a JSON number (it overflows a double)", origin,
+               paths.error_path.empty() ? "(top level)" : paths.error_path, paths.error_token);
   }
-  PCPKV_CHECK(j.is_object(), "{}: top level must be a JSON object", origin);
+  PCPKV_FAIL("{}: not valid JSON{}: {}", origin, at, e.what());
+}
+
+ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std::string& base_preset,
+                          ConfigNotes* notes, bool strict, const std::string& origin) {
+  PCPKV_CHECK(j.is_object(), "{}: top level must be a JSON object, got {}", origin, j.type_name());
+  const JsonPaths paths = scan_json(json_text);
 
   std::string model_type;
-  if (j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"].get<std::string>();
+  if (j.contains("model_type")) {
+    const json& t = j.at("model_type");
+    if (t.is_string()) {
+      model_type = t.get<std::string>();
+    } else {
+      // A number or a list is a broken file; null only says "unknown", which --model can settle.
+      PCPKV_CHECK(t.is_null(), "{}: 'model_type' must be a string (deepseek_v32 or glm_moe_dsa), got {}", origin,
+                  with_type(as_written(t, &paths, "model_type"), t));
+      PCPKV_CHECK(!base_preset.empty(),
+                  "{}: 'model_type' is null, so the base preset is unknown; name one with --model (deepseek-v3.2, "
+                  "glm-5)",
+                  origin);
+    }
+  }
   std::string base_name = base_preset;
-  if (base_name.empty()) base_name = preset_for_model_type(model_type);
+  if (base_name.empty()) {
+    PCPKV_CHECK(j.contains("model_type"),
+                "{}: 'model_type' is missing, so the base preset is unknown; name one with --model (deepseek-v3.2, "
+                "glm-5)",
+                origin);
+    base_name = preset_for_model_type(model_type);
+  }
   PCPKV_CHECK(!base_name.empty(),
               "{}: model_type '{}' is not a known DSA model (known: deepseek_v32, glm_moe_dsa); name a base "
               "preset with --model",
@@ -223,7 +405,7 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
   ModelConfig m = builtin(base_name);
   if (!model_type.empty()) m.model_type = model_type;
 
-  Reader r(j, origin);
+  Reader r(j, origin, &paths);
   std::set<std::string> used = {"model_type"};
   ConfigNotes local;
   ConfigNotes& n = notes ? *notes : local;
@@ -267,12 +449,12 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
   opt("index_topk_freq", m.index_topk_freq);
   opt("index_skip_topk_offset", m.index_skip_topk_offset);
   used.insert("rope_theta");
-  apply_rope(j, m, r, origin, used);
+  apply_rope(j, m, r, origin, used, paths, base_name, n);
 
   for (const char* key : {"indexer_types", "index_topk_pattern"}) {
     used.insert(key);
-    if (!j.contains(key) || j[key].is_null()) continue;
-    const json& v = j[key];
+    if (!j.contains(key) || j.at(key).is_null()) continue;
+    const json& v = j.at(key);
     std::vector<std::string> types;
     if (v.is_array()) {
       for (size_t i = 0; i < v.size(); ++i) {
@@ -287,7 +469,7 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
         types.push_back(c == 'F' ? "full" : "shared");
       }
     } else {
-      PCPKV_FAIL("{}: '{}' must be a list or a string, got {}", origin, key, v.dump());
+      PCPKV_FAIL("{}: '{}' must be a list or a string, got {}", origin, key, with_type(v.dump(), v));
     }
     if (m.indexer_types.empty()) m.indexer_types = std::move(types);
   }
@@ -300,6 +482,59 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
   m.name = origin;  // messages of validate() name the file, not the base preset
   m.validate();
   return m;
+}
+
+}  // namespace
+
+std::vector<std::string> preset_names() { return {"deepseek-v3.2", "glm-5"}; }
+
+std::string config_dir() {
+  if (const char* env = std::getenv("PCPKV_CONFIG_DIR"); env && *env) return env;
+#ifdef PCPKV_CONFIG_DIR
+  return PCPKV_CONFIG_DIR;
+#else
+  return "configs";
+#endif
+}
+
+ModelConfig preset(const std::string& name) {
+  ModelConfig base = builtin(name);  // throws on an unknown name
+  const std::string path = config_dir() + "/" + name + ".json";
+  std::ifstream f(path);
+  if (!f) return base;  // installed without the data files: the built-in values are the same
+  std::stringstream ss;
+  ss << f.rdbuf();
+  ModelConfig m = parse_hf_config(ss.str(), name, nullptr, false, path);
+  m.name = name;
+  return m;
+}
+
+ModelConfig load_hf_config(const std::string& path, const std::string& base_preset, ConfigNotes* notes,
+                           bool strict) {
+  std::ifstream f(path);
+  PCPKV_CHECK(f.good(), "--config: cannot open '{}'", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  ModelConfig m = parse_hf_config(ss.str(), base_preset, notes, strict, path);
+  m.name = path;
+  return m;
+}
+
+ModelConfig parse_hf_config(const std::string& json_text, const std::string& base_preset, ConfigNotes* notes,
+                            bool strict, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    fail_unparsable(json_text, origin, e);
+  }
+  // Any other nlohmann exception below (a type or range error this code did not foresee) still names the
+  // file and reaches the user as bad input, not as an internal error.
+  try {
+    return parse_hf_json(j, json_text, base_preset, notes, strict, origin);
+  } catch (const json::exception& e) {
+    PCPKV_FAIL("{}: unusable value: {}", origin, e.what());
+  }
 }
 
 bool ModelConfig::layer_has_indexer(int64_t layer_idx) const {
@@ -341,15 +576,8 @@ void ModelConfig::validate() const {
               "{}: rms_norm_eps = {} must be in (0, 1)", o, rms_norm_eps);
   PCPKV_CHECK(std::isfinite(index_norm_eps) && index_norm_eps > 0 && index_norm_eps < 1,
               "{}: index_norm_eps = {} must be in (0, 1)", o, index_norm_eps);
-  PCPKV_CHECK(std::isfinite(rope.theta) && rope.theta > 1, "{}: rope_theta = {} must be > 1", o, rope.theta);
-  if (rope.scaling == RopeScaling::kDeepseekYarn) {
-    PCPKV_CHECK(std::isfinite(rope.factor) && rope.factor >= 1, "{}: rope factor = {} must be >= 1", o, rope.factor);
-    PCPKV_CHECK(rope.original_max_position_embeddings > 0,
-                "{}: original_max_position_embeddings = {} must be positive", o,
-                rope.original_max_position_embeddings);
-    PCPKV_CHECK(rope.beta_fast > 0 && rope.beta_slow > 0, "{}: beta_fast = {}, beta_slow = {} must be positive",
-                o, rope.beta_fast, rope.beta_slow);
-  }
+  check_rope(rope, o, "rope.");
+  PCPKV_CHECK(num_hidden_layers >= 1, "{}: num_hidden_layers = {} must be >= 1", o, num_hidden_layers);
   PCPKV_CHECK(index_topk_freq >= 1, "{}: index_topk_freq = {} must be >= 1", o, index_topk_freq);
   PCPKV_CHECK(index_skip_topk_offset >= 0, "{}: index_skip_topk_offset = {} must be >= 0", o,
               index_skip_topk_offset);

@@ -58,7 +58,7 @@ PcpPlan make_plan(const PlanConfig& c) {
                 "requests[{}]: context_len = {} / num_new_tokens = {} exceed 2^40 tokens", i, q.context_len,
                 q.num_new_tokens);
     if (q.kind == RequestKind::kDecode)
-      PCPKV_CHECK(q.num_new_tokens == 1, "requests[{}]: a decode has num_new_tokens = 1, got {}", i,
+      PCPKV_CHECK(q.num_new_tokens == 1, "requests[{}]: a decode request must have num_new_tokens = 1, got {}", i,
                   q.num_new_tokens);
     else
       PCPKV_CHECK(q.num_new_tokens >= 1, "requests[{}]: a prefill needs num_new_tokens >= 1, got {}", i,

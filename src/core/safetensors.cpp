@@ -58,6 +58,13 @@ int64_t read_json_int(const nlohmann::json& v, const std::string& what) {
   return i;
 }
 
+// "file offset 105" for data offset `rel` past data_start, or "file offset 105 + 9223372036854775807"
+// when the sum would overflow int64 (a corrupt header must not print a negative offset).
+std::string file_offset(int64_t data_start, int64_t rel) {
+  if (rel > std::numeric_limits<int64_t>::max() - data_start) return fmt::format("{} + {}", data_start, rel);
+  return std::to_string(data_start + rel);
+}
+
 }  // namespace
 
 const char* to_string(StDtype d) {
@@ -148,6 +155,8 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   } catch (const nlohmann::json::parse_error& e) {
     PCPKV_FAIL("{}: the JSON header is invalid near offset {}: {}", path, kLengthBytes + static_cast<int64_t>(e.byte),
                e.what());
+  } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range 406: a number that overflows a double
+    PCPKV_FAIL("{}: the JSON header at offset 8 holds an unusable value: {}", path, e.what());
   }
   PCPKV_CHECK(header.is_object(), "{}: the JSON header at offset 8 is not an object", path);
 
@@ -179,7 +188,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     info.begin = read_json_int(v["data_offsets"][0], what + ": data_offsets[0]");
     info.end = read_json_int(v["data_offsets"][1], what + ": data_offsets[1]");
     PCPKV_CHECK(info.begin <= info.end, "{}: data_offsets [{}, {}] end before they begin (file offset {})", what,
-                info.begin, info.end, data_start_ + info.begin);
+                info.begin, info.end, file_offset(data_start_, info.begin));
     const int64_t numel = checked_num_elements(info.shape, what);
     PCPKV_CHECK(numel <= std::numeric_limits<int64_t>::max() / dtype_bytes(info.dtype), "{}: shape {} is too large",
                 what, shape_string(info.shape));
@@ -187,7 +196,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     PCPKV_CHECK(info.end - info.begin == want,
                 "{}: data_offsets [{}, {}] hold {} bytes, but {} {} needs {} (file offset {})", what, info.begin,
                 info.end, info.end - info.begin, to_string(info.dtype), shape_string(info.shape), want,
-                data_start_ + info.begin);
+                file_offset(data_start_, info.begin));
     tensors_.push_back(std::move(info));
   }
 
@@ -198,13 +207,14 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   for (const StTensorInfo& t : tensors_) {
     const std::string what = fmt::format("{}: tensor '{}'", path, t.name);
     PCPKV_CHECK(t.begin >= expected_begin, "{}: data [{}, {}) overlaps tensor '{}' (file offset {})", what, t.begin,
-                t.end, prev ? prev->name : "", data_start_ + t.begin);
+                t.end, prev ? prev->name : "", file_offset(data_start_, t.begin));
     PCPKV_CHECK(t.begin == expected_begin,
                 "{}: data begins at {} but the previous tensor ends at {}: a gap in the buffer (file offset {})", what,
-                t.begin, expected_begin, data_start_ + expected_begin);
+                t.begin, expected_begin, file_offset(data_start_, expected_begin));
+    // Compared as data offsets (file size minus header), so no sum can overflow.
     PCPKV_CHECK(t.end <= file_bytes_ - data_start_,
                 "{}: data at file offsets [{}, {}) ends past the end of the file (size {}): the file is truncated",
-                what, data_start_ + t.begin, data_start_ + t.end, file_bytes_);
+                what, file_offset(data_start_, t.begin), file_offset(data_start_, t.end), file_bytes_);
     expected_begin = t.end;
     prev = &t;
   }

@@ -82,6 +82,40 @@ TEST(CliFlagsAttention, OtherFlagsBeforeTheHeader) {
   expect_refused("--bench --topk 0", {"--topk", "0"});
 }
 
+// The same rule as `pcpkv run`: a decimal outside the flag's range is refused, not wrapped (-1 as a uint64
+// seed) or clamped.
+TEST(CliFlagsAttention, OutOfRangeIntegersAreRefused) {
+  expect_refused("--seed -1", {"--seed", "-1", "out of range"});
+  expect_refused("--seed 18446744073709551616", {"--seed", "18446744073709551616", "out of range"});
+  expect_refused("--decode-context 99999999999999999999", {"--decode-context", "99999999999999999999"});
+  expect_refused("--prefill-context=-99999999999999999999", {"--prefill-context", "-99999999999999999999"});
+  expect_refused("--bench --tokens 99999999999999999999", {"--tokens", "99999999999999999999"});
+}
+
+// Flags the format or the mode does not use are named in a note (as `pcpkv run` does), and the run goes on.
+TEST(CliFlagsAttention, UnusedFlagsGetANote) {
+  ScratchDir dir;
+  const std::string small = "--pcp 1 --prefill 8 --decodes 0 --topk 8 --dcp 1";
+  CliResult r = run_cli("attention --kv-format bf16 --ds-mla-scale raw --k-scale 2 " + small, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("note: --ds-mla-scale: not used: it applies to --kv-format fp8_ds_mla, not bf16"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("note: --k-scale: not used: it applies to --kv-format fp8, not bf16"), std::string::npos)
+      << r.out;
+  // --k-scale applies to fp8, --ds-mla-scale does not; bench-only flags without --bench.
+  r = run_cli("attention --kv-format fp8 --k-scale 0.5 --ds-mla-scale raw --tokens 64 --repeats 2 " + small, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(r.out.find("note: --k-scale"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("note: --ds-mla-scale: not used"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("note: --tokens: not used: it applies to --bench"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("note: --repeats: not used: it applies to --bench"), std::string::npos) << r.out;
+  // Defaults are not notes: a flag left alone is not "given".
+  r = run_cli("attention --kv-format bf16 " + small, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(r.out.find("note:"), std::string::npos) << r.out;
+}
+
 // The checked flags still run the check (a small batch: two PCP worlds and the DCP merge).
 TEST(CliFlagsAttention, ValidFlagsStillRun) {
   ScratchDir dir;

@@ -85,6 +85,38 @@ TEST(CliFlagsLaunch, MpPublishScalesAndNames) {
   expect_refused_alone("mp-publish", "--model llama-3", {"--model", "llama-3"});
 }
 
+// mp-publish has no --pcp: the world comes from the launcher. pcpkv's own message names the flag and the
+// value instead of CLI11's "The following arguments were not expected: 0 --pcp".
+TEST(CliFlagsLaunch, MpPublishPcpPointsToLaunch) {
+  for (const char* v : {"0", "99999999999", "4"}) {
+    expect_refused_alone("mp-publish", std::string("--pcp ") + v,
+                         {std::string("--pcp ") + v, "no --pcp flag", "launch --nproc"});
+  }
+  expect_refused_alone("mp-publish", "--pcp=-3", {"--pcp -3", "no --pcp flag"});
+  expect_refused_launched("mp-publish", "--pcp 2", {"--pcp 2", "no --pcp flag", "launch --nproc"});
+}
+
+// `launch` starts rank programs only: a nested launch or a one-process subcommand is refused before any
+// rank starts, listing the rank programs.
+TEST(CliFlagsLaunch, OnlyRankProgramsAreLaunched) {
+  for (const char* cmd : {"launch --nproc 2 -- mp-publish", "run", "info", "attention", "bench-link"}) {
+    ScratchDir dir;
+    const std::string line = "launch --nproc 2 --socket-dir '" + dir.file("") + "' -- " + cmd;
+    const CliResult r = run_cli(line, dir);
+    expect_refused(r, line, {"mp-publish, bench-fence, bench-allreduce"}, dir);
+    EXPECT_EQ(r.err.find("[rank "), std::string::npos) << line << ": a rank started:\n" << r.err;
+  }
+  ScratchDir dir;
+  CliResult r = run_cli("launch --nproc 2 -- launch --nproc 2 -- mp-publish", dir);
+  EXPECT_NE(r.err.find("nested launch"), std::string::npos) << r.err;
+  r = run_cli("launch --nproc 3 -- run --pcp 2", dir);
+  EXPECT_NE(r.err.find("'run' is not a rank program"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--nproc 3"), std::string::npos) << r.err;
+  // --program names another executable: not pcpkv's to judge.
+  r = run_cli("launch --nproc 2 --program /bin/sh -- -c 'exit 0'", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
 TEST(CliFlagsLaunch, BenchFenceTimeoutMustBePositive) {
   expect_refused_launched("bench-fence", "--timeout-ms 0", {"--timeout-ms", "0"});
   expect_refused_launched("bench-fence", "--timeout-ms=-5", {"--timeout-ms", "-5"});

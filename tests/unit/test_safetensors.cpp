@@ -275,6 +275,29 @@ TEST(Safetensors, MalformedHeadersNameTheProblem) {
             std::string::npos);
 }
 
+// Offsets near INT64_MAX must not overflow when the message adds the header size (it printed
+// "file offsets [105, -9223372036854775704)"); a number too large for a double names the file.
+TEST(Safetensors, HugeOffsetsGiveMessagesWithoutOverflow) {
+  TempDir dir;
+  const std::string path = dir.file("huge.safetensors");
+  const std::string max = "9223372036854775807";  // 2^63 - 1
+  for (const std::string& header :
+       {R"({"x":{"dtype":"U8","shape":[)" + max + R"(],"data_offsets":[0,)" + max + "]}}",
+        R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"x":{"dtype":"U8","shape":[1],"data_offsets":[)" +
+            max + "," + max + "]}}"}) {
+    write_file(path, raw_file(header, std::vector<uint8_t>(4, 7)));
+    const std::string msg = error_of([&] { SafetensorsReader r(path); });
+    EXPECT_NE(msg.find("tensor 'x'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(max), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("-9223"), std::string::npos) << "overflowed: " << msg;
+    EXPECT_EQ(msg.find(path), 0u) << msg;
+  }
+  write_file(path, raw_file(R"({"x":{"dtype":"U8","shape":[1e999],"data_offsets":[0,4]}})", std::vector<uint8_t>(4)));
+  const std::string msg = error_of([&] { SafetensorsReader r(path); });
+  EXPECT_EQ(msg.find(path), 0u) << msg;
+  EXPECT_NE(msg.find("overflow"), std::string::npos) << msg;
+}
+
 TEST(Safetensors, WriterRefusesBadTensorsAndLeavesNoFile) {
   TempDir dir;
   const std::vector<float> v(6, 1.0f);

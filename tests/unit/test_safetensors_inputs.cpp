@@ -5,12 +5,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "pcpkv/device/codec.h"
 #include "pcpkv/error.h"
@@ -220,11 +223,35 @@ TEST(InputsFile, Bf16AndF32WeightsAreAccepted) {
   expect_same_inputs(load_inputs(path, model, plan, true), in);
 }
 
+// slot == block_tables[request][pos / B] * B + pos % B for every token of the plan; returns the failures.
+int64_t count_table_mismatches(const PcpPlan& plan) {
+  int64_t bad = 0;
+  const int64_t B = plan.block_size;
+  for (int64_t g = 0; g < plan.num_global_tokens(); ++g) {
+    const int64_t pos = plan.global_positions[g];
+    const auto& table = plan.block_tables[plan.global_request[g]];
+    const auto k = static_cast<size_t>(pos / B);
+    bad += k >= table.size() || plan.global_slots[g] != int64_t{table[k]} * B + pos % B;
+  }
+  return bad;
+}
+
+// A captured mapping of another paged cache: the plan's blocks permuted (whole blocks move, offsets stay).
+std::vector<int64_t> block_permuted_slots(const PcpPlan& plan, uint64_t seed) {
+  std::vector<int64_t> ids(static_cast<size_t>(plan.num_blocks - 1));
+  std::iota(ids.begin(), ids.end(), int64_t{1});
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  std::vector<int64_t> slots = plan.global_slots;
+  const int64_t B = plan.block_size;
+  for (int64_t& s : slots) s = ids[static_cast<size_t>(s / B - 1)] * B + s % B;
+  return slots;
+}
+
 TEST(InputsFile, ApplySlotMappingRewritesEveryRank) {
   const PcpPlan base = make_plan(batch(4));
-  // A captured mapping: the plan's slots, reversed (every slot still distinct and valid).
-  std::vector<int64_t> slots = base.global_slots;
-  std::reverse(slots.begin(), slots.end());
+  ASSERT_EQ(count_table_mismatches(base), 0);
+  const std::vector<int64_t> slots = block_permuted_slots(base, 9);
+  ASSERT_NE(slots, base.global_slots);
   PcpPlan plan = base;
   apply_slot_mapping(plan, slots, "test");
   EXPECT_NO_THROW(validate_plan(plan));
@@ -252,6 +279,98 @@ TEST(InputsFile, ApplySlotMappingRewritesEveryRank) {
     EXPECT_EQ(p.global_slots, base.global_slots);
   }
   PcpPlan p = base;
-  slots.pop_back();
-  EXPECT_NE(error_of([&] { apply_slot_mapping(p, slots, "x"); }).find("entries"), std::string::npos);
+  std::vector<int64_t> short_slots = slots;
+  short_slots.pop_back();
+  EXPECT_NE(error_of([&] { apply_slot_mapping(p, short_slots, "x"); }).find("entries"), std::string::npos);
+}
+
+// The block tables follow the slots actually used, so a --save after --inputs cannot contradict itself.
+TEST(InputsFile, ApplySlotMappingDerivesConsistentBlockTables) {
+  for (int32_t pcp : {1, 3, 4}) {
+    const PcpPlan base = make_plan(batch(pcp));
+    PcpPlan plan = base;
+    apply_slot_mapping(plan, block_permuted_slots(base, 100 + pcp), "test");
+    EXPECT_EQ(count_table_mismatches(plan), 0) << "pcp " << pcp;
+    // Every table has the request's length, ids distinct, never the null block.
+    std::vector<int32_t> all;
+    for (size_t r = 0; r < plan.requests.size(); ++r) {
+      EXPECT_EQ(plan.block_tables[r].size(), base.block_tables[r].size());
+      all.insert(all.end(), plan.block_tables[r].begin(), plan.block_tables[r].end());
+    }
+    std::sort(all.begin(), all.end());
+    EXPECT_EQ(std::adjacent_find(all.begin(), all.end()), all.end());
+    EXPECT_GE(all.front(), 1);
+    EXPECT_LT(all.back(), plan.num_blocks);
+  }
+  // The plan's own slots keep the plan's tables.
+  PcpPlan same = make_plan(batch(2));
+  const auto tables = same.block_tables;
+  apply_slot_mapping(same, same.global_slots, "test");
+  EXPECT_EQ(same.block_tables, tables);
+
+  // A mapping no block table can produce is refused, naming the token, before the plan changes.
+  const PcpPlan base = make_plan(batch(2));
+  std::vector<int64_t> reversed = base.global_slots;
+  std::reverse(reversed.begin(), reversed.end());
+  PcpPlan p = base;
+  std::string msg = error_of([&] { apply_slot_mapping(p, reversed, "in.safetensors"); });
+  // Token 0 gets the last token's slot, which lies at offset 0 by chance: token 1 is the first wrong one.
+  EXPECT_NE(msg.find("in.safetensors: slot_mapping[1] = "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("does not follow a block table"), std::string::npos) << msg;
+  EXPECT_EQ(p.global_slots, base.global_slots);
+  EXPECT_EQ(p.block_tables, base.block_tables);
+  // Two tokens of one logical block in different cache blocks.
+  std::vector<int64_t> split = base.global_slots;
+  std::swap(split[1], split[17]);  // positions 1 and 17 of request 0: same offset, logical blocks 0 and 1
+  msg = error_of([&] { apply_slot_mapping(p, split, "in.safetensors"); });
+  EXPECT_NE(msg.find("slot_mapping[1]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("positions 0..15"), std::string::npos) << msg;
+}
+
+TEST(InputsFile, BlockTablesRoundTripThroughSaveRun) {
+  TempDir dir;
+  const ModelConfig model = preset("glm-5");
+  const PcpPlan base = make_plan(batch(3));
+  PcpPlan plan = base;
+  apply_slot_mapping(plan, block_permuted_slots(base, 4), "test");
+  const GlobalInputs in = generate_inputs(model, plan, true, 11);
+  const CacheFormat fmt;
+  const std::string path = dir.file("run.safetensors");
+  save_run(path, model, plan, fmt, in, fake_result(plan, fmt, 0, 0), SaveInfo{"direct", {}});
+
+  const InputsBatch b = read_inputs_batch(path);
+  ASSERT_EQ(b.block_tables.size(), plan.block_tables.size());
+  // A fresh plan over the file's requests (other seed: other tables), then the file's tables.
+  PlanConfig pc = batch(2);
+  pc.seed = 77;
+  pc.requests = b.requests;
+  PcpPlan loaded = make_plan(pc);
+  ASSERT_NE(loaded.block_tables, plan.block_tables);
+  apply_block_tables(loaded, b.block_tables, "run.safetensors");
+  EXPECT_NO_THROW(validate_plan(loaded));
+  EXPECT_EQ(loaded.block_tables, plan.block_tables);
+  EXPECT_EQ(loaded.global_slots, b.slot_mapping);
+  EXPECT_EQ(count_table_mismatches(loaded), 0);
+
+  // Bad tables are refused before the plan changes, naming the entry.
+  auto refused = [&](std::vector<std::vector<int32_t>> t, const std::string& expect) {
+    PcpPlan q = make_plan(pc);
+    const auto before = q.block_tables;
+    const std::string msg = error_of([&] { apply_block_tables(q, t, "f"); });
+    EXPECT_NE(msg.find(expect), std::string::npos) << msg;
+    EXPECT_EQ(q.block_tables, before);
+  };
+  auto t = b.block_tables;
+  t[0][1] = 0;
+  refused(t, "block_tables[0][1] = 0 is out of range");
+  t = b.block_tables;
+  t[2][0] = t[0][0];
+  refused(t, "duplicates block_tables[0][0]");
+  t = b.block_tables;
+  t.pop_back();
+  refused(t, "2 rows");
+  t = b.block_tables;
+  ASSERT_GT(t[1].size(), plan.block_tables[1].size());  // the decode's row is padded to the longest
+  t[1].back() = 5;
+  refused(t, "block_tables[1][4] = 5");
 }

@@ -112,6 +112,23 @@ struct LaunchFlags {
   std::vector<std::string> command;
 };
 
+// Only the rank programs make sense under launch: another subcommand (run, info, attention, ...) would
+// just run N times side by side, and a nested launch would start N separate jobs of M ranks each.
+void check_rank_program(const std::string& command, int32_t nproc) {
+  std::string names;
+  for (const char* p : kRankPrograms) {
+    if (command == p) return;
+    names += (names.empty() ? "" : ", ") + std::string(p);
+  }
+  PCPKV_CHECK(command != "launch",
+              "launch --nproc {} -- launch: a nested launch is refused: each of the {} ranks would start its own "
+              "separate job; give one launch with the total --nproc. The rank programs are: {}",
+              nproc, nproc, names);
+  PCPKV_FAIL("launch --nproc {} -- {}: '{}' is not a rank program: it would only run {} times side by side, each "
+             "alone. The rank programs are: {} (--program starts another executable)",
+             nproc, command, command, nproc, names);
+}
+
 }  // namespace
 
 void add_launch_command(CLI::App& app) {
@@ -146,6 +163,7 @@ void add_launch_command(CLI::App& app) {
     PCPKV_CHECK(!cmd.empty(),
                 "launch: no command; usage: pcpkv launch --nproc N -- <pcpkv subcommand> [args], e.g. pcpkv launch "
                 "--nproc 4 -- mp-publish --backend cpu");
+    if (f->program.empty()) check_rank_program(cmd.front(), f->nproc);
     LaunchOptions o;
     o.nproc = f->nproc;
     o.bootstrap_timeout_s = f->timeout_s;

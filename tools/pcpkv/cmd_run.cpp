@@ -1,11 +1,10 @@
 // `pcpkv run`: the main job (issue 2 part 4). Publishes one layer's KV rows for a PCP batch with each
 // transport, prints the plan, a stage table per transport and the verification verdict.
-// Exit code: 0 every check passed, 1 a check failed, 2 bad input (nothing written).
-#include <algorithm>
-#include <charconv>
+// Exit code: 0 every check passed, 1 a check failed, 2 bad input (nothing written), 3 the run completed
+// and its report was printed, but --save could not write its file (no partial file is left).
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
-#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -15,6 +14,7 @@
 
 #include "pcpkv/commands.h"
 #include "pcpkv/error.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/inputs_io.h"
 #include "progress.h"
 #include "run_job.h"
@@ -23,26 +23,42 @@
 namespace pcpkv::cli {
 namespace {
 
-// CLI11 converts an out-of-range decimal ("-1" for a uint64, 99999999999999999999 for an int64) by
-// wrapping or clamping it without a word; refuse it, naming the value as typed.
-template <class T>
-CLI::Validator decimal_fits() {
-  return CLI::Validator(
-      [](std::string& v) -> std::string {
-        const bool negative = !v.empty() && v[0] == '-';
-        auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
-        const bool decimal =
-            v.size() > (negative ? 1u : 0u) && std::all_of(v.begin() + (negative ? 1 : 0), v.end(), is_digit);
-        if (!decimal) return "";  // other spellings (0x10, 1e3) are CLI11's to accept or refuse
-        T parsed{};
-        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
-        if (ec != std::errc() || end != v.data() + v.size()) {
-          return fmt::format("{} is out of range [{}, {}]", v, std::numeric_limits<T>::min(),
-                             std::numeric_limits<T>::max());
-        }
-        return "";
-      },
-      "");
+// Writes --save's file; returns "" or why it failed. A failure here comes after a complete run, so it is
+// an I/O error (exit 3), not bad input.
+std::string save_outputs(const RunOptions& o, const PreparedRun& prep, const RunOutcome& out, std::FILE* human) {
+  // Staging and direct leave the same bytes; prefer a fused path's caches, else collect's.
+  const TransportRun* pick = &out.runs.front();
+  for (const TransportRun& r : out.runs) {
+    if (r.transport == Transport::kDirect ||
+        (r.transport == Transport::kStaging && pick->transport == Transport::kCollect)) {
+      pick = &r;
+    }
+  }
+  SaveInfo info;
+  info.transport = to_string(pick->transport);
+  info.metadata["seed"] = std::to_string(o.seed);
+  info.metadata["inputs"] = prep.inputs_source;
+  info.metadata["verdict"] = out.ok() ? "PASS" : "FAIL";
+  // A file-size limit (ulimit -f) would kill the process with SIGXFSZ mid-write; ignored, the write
+  // fails with EFBIG instead and the writer removes its temporary file.
+  std::signal(SIGXFSZ, SIG_IGN);
+  Progress progress(true);
+  progress.step(fmt::format("saving {}", o.save));
+  try {
+    save_run(o.save, prep.model, prep.plan, prep.fmt, prep.inputs, pick->result, info);
+  } catch (const Error& e) {
+    progress.finish();
+    return e.what();
+  } catch (const std::bad_alloc&) {
+    progress.finish();
+    return "out of memory while writing";
+  }
+  progress.finish();
+  fmt::print(human,
+             "saved {}: inputs, requests, slot mapping, positions, block tables and rank 0's caches ({})\n", o.save,
+             info.transport);
+  std::fflush(human);
+  return "";
 }
 
 int run_command(const RunOptions& o) {
@@ -50,46 +66,30 @@ int run_command(const RunOptions& o) {
   Progress progress(true);
   const PreparedRun prep = prepare_run(o, &progress);
   const RunOutcome out = execute_run(prep, &progress);
-
-  std::string saved;
-  std::string saved_note;
-  if (!o.save.empty()) {
-    // Staging and direct leave the same bytes; prefer a fused path's caches, else collect's.
-    const TransportRun* pick = &out.runs.front();
-    for (const TransportRun& r : out.runs) {
-      if (r.transport == Transport::kDirect ||
-          (r.transport == Transport::kStaging && pick->transport == Transport::kCollect)) {
-        pick = &r;
-      }
-    }
-    progress.step(fmt::format("saving {}", o.save));
-    SaveInfo info;
-    info.transport = to_string(pick->transport);
-    info.metadata["seed"] = std::to_string(o.seed);
-    info.metadata["inputs"] = prep.inputs_source;
-    info.metadata["verdict"] = out.ok() ? "PASS" : "FAIL";
-    save_run(o.save, prep.model, prep.plan, prep.fmt, prep.inputs, pick->result, info);
-    saved = o.save;
-    saved_note = fmt::format(
-        "saved {}: inputs, requests, slot mapping, positions, block tables and rank 0's caches "
-        "({})\n",
-        o.save, info.transport);
-  }
   progress.finish();
   const double elapsed = progress.elapsed_s();
 
+  // The report first: a --save that fails (disk full, a file-size limit) must not cost the run's result.
   std::string text = fmt::format("pcpkv run: backend {} ({}){}\n", out.backend_name, out.backend_device,
                                  out.backend_note.empty() ? "" : "; " + out.backend_note);
   text += format_plan(prep) + "\n";
   for (const TransportRun& run : out.runs) text += format_stage_table(run, out.backend_name, o.repeats) + "\n";
   text += format_verdict(out, elapsed);
-  text += saved_note;
   std::fputs(text.c_str(), human);
   std::fflush(human);
+
+  const std::string save_error = o.save.empty() ? std::string() : save_outputs(o, prep, out, human);
+  const std::string saved = o.save.empty() || !save_error.empty() ? std::string() : o.save;
   if (o.json) {
-    std::fputs(run_json(prep, out, elapsed, saved).dump(2).c_str(), stdout);
+    std::fputs(run_json(prep, out, elapsed, saved, save_error).dump(2).c_str(), stdout);
     std::fputs("\n", stdout);
     std::fflush(stdout);
+  }
+  if (!save_error.empty()) {
+    throw CLI::RuntimeError(
+        fmt::format("--save: {} (the run completed, verdict {}; its report is above; nothing was saved)", save_error,
+                    out.ok() ? "PASS" : "FAIL"),
+        3);
   }
   return out.ok() ? 0 : 1;
 }
@@ -107,17 +107,19 @@ void add_run_command(CLI::App& app) {
                   "HF config.json overriding the preset (chosen by its model_type unless --model is given)");
   sub->add_option("--pcp", o->pcp, "PCP world size P (ranks, each with its own cache replica)")->capture_default_str();
   sub->add_option("--tokens", o->tokens, "Tokens of the prefill request (0: no prefill)")->capture_default_str()
-      ->check(decimal_fits<int64_t>());
+      ->check(decimal_fits_int64());
   sub->add_option("--decodes", o->decodes, "Decode requests (1 token each), replicated on every rank")
       ->capture_default_str();
   sub->add_option("--decode-context", o->decode_context,
                   "Context length of every decode request (-1: 1000*(i+1)+7*i for decode i)")
       ->capture_default_str()
-      ->check(decimal_fits<int64_t>());
+      ->check(decimal_fits_int64());
   sub->add_option("--block-size", o->block_size, "Tokens per cache block (power of two)")->capture_default_str();
   sub->add_option("--kv-format", o->kv_format, "MLA cache format: fp8_ds_mla | fp8 | bf16")->capture_default_str();
   sub->add_option("--ds-mla-scale", o->ds_mla_scale, "fp8_ds_mla tile scales: pow2 | raw")->capture_default_str();
-  sub->add_option("--k-scale", o->k_scale, "Per-tensor scale of the static fp8 format")->capture_default_str();
+  sub->add_option("--k-scale", o->k_scale, "Per-tensor scale of the static fp8 format")
+      ->capture_default_str()
+      ->each([o](const std::string& typed) { o->k_scale_text = typed; });
   sub->add_option("--layer", o->layer, "indexer (writes indexer K) | shared (IndexShare layer, no indexer)")
       ->capture_default_str();
   sub->add_option("--transport", o->transport, "all | comma list of collect, staging, direct")->capture_default_str();
@@ -126,7 +128,7 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
   sub->add_option("--seed", o->seed, "Seed of the input generator and the block-table shuffle")
       ->capture_default_str()
-      ->check(decimal_fits<uint64_t>());
+      ->check(decimal_fits_uint64());
   sub->add_option("--inputs", o->inputs,
                   "Load activations from a safetensors file (q_c, kv, k_pe, index_k, positions, norm weights; "
                   "optional requests and slot_mapping)");
@@ -135,6 +137,10 @@ void add_run_command(CLI::App& app) {
   sub->add_flag("--json", o->json, "Print the result as JSON on stdout (everything else goes to stderr)");
   sub->add_flag("--topk-fill", o->topk_fill, "Also fill the top-k index buffer [T, index_topk] with -1 and check it");
   sub->add_flag("--allow-nonfinite", o->allow_nonfinite, "Publish inputs that hold NaN or inf (refused otherwise)");
+  sub->add_option("--memory-limit-gb", o->memory_limit_gb,
+                  "Refuse runs whose estimated peak host memory exceeds this many GB (0: the memory this machine "
+                  "has available)")
+      ->capture_default_str();
   sub->add_option("--repeats", o->repeats, "Run each publication this many times (timing; results from the last)")
       ->capture_default_str();
   // Hidden (empty group): lets tests prove that a corrupted replica fails the verdict with exit code 1.

@@ -2,11 +2,63 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pcpkv/layout.h"
+
+namespace CLI {
+class Validator;
+}
 
 namespace pcpkv::cli {
 
 // --block-size: a power of two (SPEC section 3, paged caches) whose indexer-K cache block (B * 132 bytes:
 // data then scales) stays 16-byte aligned, so B >= 4. Every layer kind lays out the indexer-K cache.
 void check_block_size_flag(int64_t block_size);
+
+/// CLI11 converts an out-of-range decimal ("-1" for a uint64, 99999999999999999999 for an int64) by
+/// wrapping or clamping it without a word; these validators refuse it, naming the value as typed
+/// ("--seed: -1 is out of range [0, 18446744073709551615]", exit 2). Other spellings (0x10, 1e3) are
+/// left to CLI11. Attach with ->check(decimal_fits_uint64()).
+CLI::Validator decimal_fits_int64();
+CLI::Validator decimal_fits_uint64();
+
+/// "note: ..." texts for format flags given on the command line that the format ignores: --ds-mla-scale
+/// applies to fp8_ds_mla only, --k-scale to fp8 only (the same wording as `pcpkv run`).
+std::vector<std::string> unused_format_flag_notes(KvFormat kv_format, bool ds_mla_scale_given, bool k_scale_given);
+
+// ---- memory pre-checks: estimated from the flags, refused before anything is allocated ------------------
+
+/// Memory this process may still take: /proc/meminfo MemAvailable, or the cgroup's limit minus its usage
+/// when lower (a container's OOM killer would end the run with no message). bytes is +inf when neither is
+/// readable; source says where the number came from ("MemAvailable", "cgroup memory.max - memory.current").
+struct HostMemory {
+  long double bytes = 0;
+  std::string source;
+};
+HostMemory available_host_memory();
+
+/// "812.3 MB", "4.1 GB", "3.2 TB" (decimal units).
+std::string format_bytes(long double bytes);
+
+/// A sum of named parts, in long double: flags like --tokens 99999999999 must give a message, not an
+/// overflow. Parts with the same name add up.
+class MemoryEstimate {
+ public:
+  void add(const std::string& name, long double bytes);
+  long double total() const;
+  /// The largest parts first: "caches 8.0 GB, outputs 4.1 GB, 3 more 0.2 GB".
+  std::string describe(size_t max_parts = 4) const;
+
+ private:
+  std::vector<std::pair<std::string, long double>> parts_;
+};
+
+/// Refuses an estimate above `available` bytes: "<flags>: <what> needs about X of <kind> memory (parts),
+/// more than the Y available (<source>)<hint>". kind: "host" | "device". Throws pcpkv::Error.
+void check_memory_fits(const std::string& flags, const std::string& what, const std::string& kind,
+                       const MemoryEstimate& need, long double available, const std::string& source,
+                       const std::string& hint = "");
 
 }  // namespace pcpkv::cli

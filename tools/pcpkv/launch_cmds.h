@@ -16,6 +16,10 @@ class App;
 
 namespace pcpkv::cli {
 
+/// The subcommands that run as one rank of a launched job (they meet the other ranks through the
+/// launcher's PCPKV_BOOTSTRAP); `launch` refuses any other command unless --program names an executable.
+constexpr const char* kRankPrograms[] = {"mp-publish", "bench-fence", "bench-allreduce"};
+
 /// Exit code of a rank whose peer failed (a fence timeout, a rank gone, a rendezvous that failed).
 constexpr int kExitPeerFailed = 4;
 

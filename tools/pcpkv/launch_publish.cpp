@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -80,6 +81,9 @@ struct MpPublishFlags {
   double flush_l2_mb = 0;
   double link_gbps = 0;
   bool md_rows = false;
+  std::string pcp;  // hidden: refused with a pointer to launch --nproc (mp-publish's world comes from the launcher)
+  bool pcp_given = false;
+  bool ds_mla_scale_given = false, k_scale_given = false;  // for the notes on flags the format ignores
 };
 
 std::vector<Transport> parse_transports(const std::string& s) {
@@ -163,6 +167,12 @@ constexpr int64_t kMaxFenceTimeoutMs = int64_t{24} * 3600 * 1000;
 // Every flag that needs no world, cheapest first; run before the rendezvous, so a typo is refused by each
 // rank on its own ("pcpkv: error: --flag: ...", exit 2) and nothing is connected, allocated or printed.
 void check_flags(const MpPublishFlags& f) {
+  // `run` and `attention` take --pcp; here the launcher decides the world (CLI11 alone would say "The
+  // following arguments were not expected: 0 --pcp").
+  PCPKV_CHECK(!f.pcp_given,
+              "--pcp {}: mp-publish has no --pcp flag: its PCP world size is the number of ranks the launcher starts "
+              "divided by --tp, e.g. pcpkv launch --nproc 4 -- mp-publish --tp 1 publishes with PCP 4",
+              f.pcp);
   PCPKV_CHECK(f.tokens >= 0, "--tokens: must be >= 0, got {}", f.tokens);
   PCPKV_CHECK(f.decodes >= 0, "--decodes: must be >= 0, got {}", f.decodes);
   PCPKV_CHECK(f.tokens > 0 || f.decodes > 0, "--tokens 0 --decodes 0: the batch is empty");
@@ -197,6 +207,186 @@ void check_flags(const MpPublishFlags& f) {
   (void)parse_transports(f.transport);
   if (f.config.empty()) (void)preset(f.model);
 }
+
+// ---- memory, estimated from the flags before the rendezvous ------------------------------------------
+//
+// One rank's peak, added up from what it holds at once (long double: --tokens 99999999999 must give a
+// message, not an overflow): the whole group's plan and generated inputs (every rank generates them), the
+// rope table, its own replica (shared memory), its local inputs and q_c_out, the staging / collect
+// buffers of the transports asked for; a PCP group's rank 0 (unless --no-check) also holds the CPU
+// reference's W replicas and scratch, a copy of every replica of its group, and the peers' replicas it
+// reads (their shared-memory pages count in its RSS). The job's need is the sum over this host's ranks.
+// Measured per rank with `pcpkv launch --nproc N --program /usr/bin/time -- -f %M pcpkv mp-publish ...`
+// (CPU backend, glm-5, this 2-core machine), estimate / peak RSS, checking rank (rank 0) and another:
+//   --tokens 65536 (one process, all transports):                  2.85 / 2.29 GB (+24%)
+//   --nproc 2 --tokens 65536:                                      2.77 / 2.49 GB (+11%), 1.30 / 1.06 GB (+22%)
+//   --nproc 4 --tokens 32768 --transport collect:                  1.44 / 1.36 GB (+6%),  0.52 / 0.43 GB (+22%)
+//   --nproc 2 --tokens 20000 --decodes 30 --kv-format fp8 --transport staging:
+//                                                                  3.40 / 3.16 GB (+8%),  1.05 / 0.95 GB (+10%)
+//   --nproc 4 --tp 2 --tokens 40000 --layer shared --kv-format fp8: 1.57 / 1.40 GB (+12%), 0.76 / 0.59 GB (+28%)
+//   --tokens 2000 --decodes 50 --kv-format fp8 --no-check:          1.95 / 1.88 GB (+4%)
+// so the estimate is 4% to 28% above the measured peak (least when the replicas dominate). The sum over
+// ranks counts a shared-memory replica in every rank that touched it, so the job's sum is an upper bound.
+struct MpShape {
+  long double tokens = 0, decodes = 0, block_size = 64, world = 1;  // world: ranks of one PCP group
+  long double q_rank = 0, mla_row = 0, transport_row = 0, in_row = 0, collect_row = 0;
+  long double topk_width = 0, alloc_extra = 0;
+  bool staging = false, collect = false;
+
+  long double num_tokens() const { return tokens + decodes; }
+  // DualChunkSwap: two chunks of ceil(T / 2W) per rank; every rank holds every decode.
+  long double max_local_tokens() const {
+    return (tokens > 0 ? std::min(tokens, 2 * std::ceil(tokens / (2 * world))) : 0) + decodes;
+  }
+  // Null block + the prefill's blocks + decode i's (context 1000 (i + 1) + 7 i, then its token).
+  long double blocks() const {
+    return 1 + std::ceil(tokens / block_size) + decodes * (1001 / block_size + 1) +
+           1007.0L * decodes * (decodes - 1) / (2 * block_size);
+  }
+  long double max_keys() const { return std::max(tokens, decodes > 0 ? 1000 * decodes + 7 * (decodes - 1) + 1 : 0); }
+  long double replica() const { return blocks() * block_size * (mla_row + kIndexerSlotBytes) + alloc_extra; }
+};
+
+MpShape mp_shape(const MpPublishFlags& f, const ModelConfig& model, int64_t group_world) {
+  MpShape s;
+  CacheFormat fmt;
+  fmt.kv_format = parse_kv_format(f.kv_format);
+  fmt.has_indexer = f.layer == "indexer";
+  s.tokens = static_cast<long double>(f.tokens);
+  s.decodes = f.decodes;
+  s.block_size = f.block_size;
+  s.world = static_cast<long double>(group_world);
+  s.q_rank = static_cast<long double>(model.q_lora_rank);
+  s.mla_row = static_cast<long double>(mla_row_bytes(fmt.kv_format));
+  s.transport_row = static_cast<long double>(transport_row_layout(fmt).row_bytes);
+  s.collect_row = (kKvLoraRank + kRopeDims + (fmt.has_indexer ? kIndexHeadDim : 0)) * 2.0L;
+  s.in_row = s.q_rank * 2 + s.collect_row;
+  s.topk_width = fmt.has_indexer ? static_cast<long double>(f.topk_width) : 0;
+  // Two allocations (MLA, indexer), each with guards on both sides and the base offset, 2 MiB rounding.
+  s.alloc_extra = 2 * (2.0L * static_cast<long double>(f.guard_bytes) + static_cast<long double>(f.base_offset)) +
+                  (2 << 20);
+  for (Transport t : parse_transports(f.transport)) {
+    s.staging = s.staging || t == Transport::kStaging;
+    s.collect = s.collect || t == Transport::kCollect;
+  }
+  return s;
+}
+
+constexpr long double kRankBaseBytes = 64e6L;  // binary, libraries, thread stacks, allocator slack
+
+MemoryEstimate mp_host_estimate(const MpShape& s, bool leader) {
+  const long double N = s.num_tokens(), M = s.max_local_tokens(), W = s.world;
+  MemoryEstimate m;
+  m.add("base", kRankBaseBytes);
+  m.add("plan", 20 * N + 32 * W * M + 4 * s.blocks() + 80 * (s.decodes + 1));
+  m.add("inputs", N * (s.in_row + 8));
+  m.add("rope table", s.max_keys() * 64 * 4);
+  m.add("own replica and its copy in the result", 2 * s.replica());
+  m.add("local inputs", M * (s.in_row + 16 + s.q_rank * 2 + s.topk_width * 4));
+  m.add("published q_c_out and top-k", M * (s.q_rank * 2 + s.topk_width * 4));  // the rank's result, kept per transport
+  if (s.staging) m.add("staging buffers", 2 * W * M * s.transport_row);
+  if (s.collect) m.add("collect buffers", 2 * W * M * s.collect_row);
+  if (leader) {
+    // The CPU reference's W replicas, the W copies read back from the ranks (+ one in flight while a copy
+    // replaces another) and the W - 1 peers' shared-memory replicas it reads.
+    m.add("check: replicas", 3 * W * s.replica());
+    long double scratch = W * M * (s.in_row + 16 + s.q_rank * 2 + s.topk_width * 4) + s.max_keys() * 64 * 4;
+    if (s.collect) scratch += W * (M + W * M) * s.collect_row;
+    if (s.staging) scratch += W * 2 * W * M * s.transport_row;
+    m.add("check: reference scratch", scratch);
+  }
+  return m;
+}
+
+#if defined(PCPKV_HAVE_CUDA)
+// One rank's device memory (CUDA backend): its replica, inputs, q_c_out and top-k, rope table, and the
+// staging / collect buffers of the transports asked for (symmetric buffers round up to 2 MiB).
+MemoryEstimate mp_device_estimate(const MpShape& s, const MpPublishFlags& f) {
+  const long double M = s.max_local_tokens(), W = s.world;
+  MemoryEstimate m;
+  m.add("replica", s.replica());
+  m.add("inputs, q_c_out and top-k", M * (s.in_row + 16 + s.q_rank * 2 + s.topk_width * 4));
+  m.add("rope table", s.max_keys() * 64 * 4);
+  if (s.staging) m.add("staging buffers", 2 * W * M * s.transport_row + (2 << 20));
+  if (s.collect) m.add("collect buffers", 2 * W * M * s.collect_row + (2 << 20));
+  m.add("L2 flush scratch", f.flush_l2_mb * 1024 * 1024);
+  return m;
+}
+#endif
+
+std::string mp_sizing_flags(const MpPublishFlags& f, int64_t world, int64_t local) {
+  return fmt::format("--tokens {} --decodes {} --block-size {} --transport {} --tp {}{} ({} rank{}, {} on this host)",
+                     f.tokens, f.decodes, f.block_size, f.transport, f.tp, f.no_check ? " --no-check" : "", world,
+                     world == 1 ? "" : "s", local);
+}
+
+// Refuses, in every rank before the rendezvous, a job whose ranks on this host need more host memory than
+// it has: each rank computes the same sum from the same flags and environment, so all refuse together and
+// none waits for a peer. The world size comes from the launcher's environment (a world of one without it).
+void check_mp_host_memory(const MpPublishFlags& f) {
+  std::optional<BootstrapConfig> cfg;
+  try {
+    cfg = bootstrap_config_from_env();
+  } catch (const Error&) {
+    return;  // a malformed environment: the rendezvous names the variable
+  }
+  const int64_t world = cfg ? cfg->world_size : 1;
+  const int64_t local = cfg ? std::clamp<int64_t>(cfg->local_world_size, 1, world) : 1;
+  const int64_t rank = cfg ? cfg->rank : 0;
+  const int64_t group_world = std::max<int64_t>(1, world / f.tp);
+  const ModelConfig model = f.config.empty() ? preset(f.model) : load_hf_config(f.config, f.model);
+  const MpShape s = mp_shape(f, model, group_world);
+  // This host's ranks: the `local` consecutive ranks around this one; the PCP group leaders among them
+  // (global rank % group size == 0) also check.
+  const int64_t first = rank - rank % local;
+  int64_t leaders = 0;
+  for (int64_t r = first; r < first + local; ++r) leaders += (!f.no_check && r % group_world == 0) ? 1 : 0;
+  const MemoryEstimate leader = mp_host_estimate(s, true), other = mp_host_estimate(s, false);
+  MemoryEstimate job;
+  const int64_t others = local - leaders;
+  job.add(fmt::format("{} checking rank{}", leaders, leaders == 1 ? "" : "s"),
+          static_cast<long double>(leaders) * leader.total());
+  job.add(fmt::format("{} other rank{}", others, others == 1 ? "" : "s"),
+          static_cast<long double>(others) * other.total());
+  const HostMemory host = available_host_memory();
+  std::string per_rank;
+  if (leaders > 0) per_rank += fmt::format("; a checking rank (a PCP group's rank 0) holds {}", leader.describe(3));
+  if (others > 0) per_rank += fmt::format("; {} rank holds {}", leaders > 0 ? "another" : "a", other.describe(3));
+  check_memory_fits(mp_sizing_flags(f, world, local), "the publication", "host", job, host.bytes, host.source,
+                    per_rank + "; give fewer --tokens or --decodes" + (f.no_check ? "" : ", or --no-check"));
+}
+
+#if defined(PCPKV_HAVE_CUDA)
+// Refuses, on every rank together (Bootstrap::agree), a job whose ranks on one GPU need more device memory
+// than it has free. Ranks of this host on the same device index add up (launch --gpus 0 puts them all on
+// one GPU); an index names one GPU only when every rank sees the same devices, as under `pcpkv launch`,
+// so elsewhere (torchrun with per-rank CUDA_VISIBLE_DEVICES) each rank counts alone. Not yet measured on a
+// GPU: the estimate is the sum of the publisher's buffers (src/cuda/multiproc_publisher.cpp).
+void check_mp_device_memory(const MpPublishFlags& f, const ModelConfig& model, Bootstrap& world,
+                            int64_t group_world, int32_t device) {
+  const long double free = static_cast<long double>(cuda::device_free_bytes());  // before anyone allocates
+  const MemoryEstimate mine = mp_device_estimate(mp_shape(f, model, group_world), f);
+  std::vector<int32_t> devices(static_cast<size_t>(world.world_size()));
+  world.all_gather(&device, sizeof(device), devices.data());
+  int64_t sharers = 1;
+  if (world.config().source == "pcpkv launch") {
+    const int32_t local = std::max(1, world.local_world_size());
+    const int32_t first = world.rank() - world.rank() % local;
+    sharers = 0;
+    for (int32_t r = first; r < first + local && r < world.world_size(); ++r)
+      sharers += devices[static_cast<size_t>(r)] == device ? 1 : 0;
+  }
+  const long double need = static_cast<long double>(sharers) * mine.total();
+  std::string why;
+  if (need > free) {
+    why = fmt::format("{}: the publication needs about {} of device memory on device {} ({} rank{} x {}: {}), more "
+                      "than the {} free there; give fewer --tokens or --decodes, or more GPUs (launch --gpus)",
+                      mp_sizing_flags(f, world.world_size(), world.local_world_size()), format_bytes(need), device,
+                      sharers, sharers == 1 ? "" : "s", format_bytes(mine.total()), mine.describe(3), format_bytes(free));
+  }
+  world.agree(why.empty(), why, "the device memory check");
+}
+#endif
 
 int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   const GroupLayout layout = GroupLayout::make(world.world_size(), f.tp);
@@ -238,7 +428,10 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   const RankPublisherFactory factory = rank_publisher_factory(f.backend, &backend_name);
 #if defined(PCPKV_HAVE_CUDA)
   // This rank's device first (round-robin), so that nothing creates a context on another GPU.
-  if (backend_name == "cuda") cuda::select_rank_device(world);
+  if (backend_name == "cuda") {
+    const int32_t device = cuda::select_rank_device(world);
+    check_mp_device_memory(f, model, world, layout.pcp_size, device);  // before the first device allocation
+  }
 #endif
   auto group = make_pcp_group(world, layout);
   RankPublishOptions opt;
@@ -411,6 +604,8 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
                         model.name, plan.num_global_tokens(), plan.pcp_world, plan.max_local_tokens,
                         to_string(fmt.kv_format), fmt.has_indexer ? "indexer layer" : "shared layer", plan.block_size,
                         group_seed);
+    for (const std::string& n : unused_format_flag_notes(fmt.kv_format, f.ds_mla_scale_given, f.k_scale_given))
+      text += fmt::format("  note: {}\n", n);
     const double collect_ms = [&] {
       for (const auto& r : reports)
         if (r.transport == Transport::kCollect) return r.total_ms;
@@ -607,8 +802,13 @@ void add_mp_publish_command(CLI::App& app) {
                 "mappings and free device memory after the second must equal those before it");
   sub->add_option("--kill-rank", f->kill_rank,
                   "Testing: this global rank SIGKILLs itself after its dispatch, before the fence");
-  sub->callback([f] {
+  sub->add_option("--pcp", f->pcp, "Not a flag of mp-publish: the PCP world is launch --nproc / --tp")->group("");
+  sub->callback([f, sub] {
+    f->pcp_given = sub->count("--pcp") > 0;
+    f->ds_mla_scale_given = sub->count("--ds-mla-scale") > 0;
+    f->k_scale_given = sub->count("--k-scale") > 0;
     check_flags(*f);  // throws pcpkv::Error: "pcpkv: error: ...", exit code 2
+    check_mp_host_memory(*f);  // before the rendezvous: every rank refuses on its own, none waits
     std::unique_ptr<Bootstrap> world;
     const int code = run_as_rank("mp-publish", nullptr, [&] {
       world = connect_world();

@@ -14,6 +14,8 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <tuple>
+#include <utility>
 
 #include "pcpkv/error.h"
 #include "pcpkv/flag_checks.h"
@@ -240,82 +242,128 @@ void inject_fault(PublishResult& r, const PcpPlan& plan, const std::string& kind
 
 // ---- checks made before anything is allocated or written ------------------------------------------
 
-std::string size_text(long double bytes) {
-  if (bytes >= 1e12L) return fmt::format("{:.1f} TB", static_cast<double>(bytes / 1e12L));
-  if (bytes >= 1e9L) return fmt::format("{:.1f} GB", static_cast<double>(bytes / 1e9L));
-  return fmt::format("{:.1f} MB", static_cast<double>(bytes / 1e6L));
+// Resident memory of this process now (binary, shared libraries, the config): the baseline the run's
+// allocations come on top of. 0 when /proc is unreadable.
+long double resident_bytes() {
+  std::ifstream in("/proc/self/statm");
+  long double pages_total = 0, pages_resident = 0;
+  if (!(in >> pages_total >> pages_resident)) return 0;
+  const long page = ::sysconf(_SC_PAGE_SIZE);
+  return pages_resident * static_cast<long double>(page > 0 ? page : 4096);
 }
 
-// Memory this process may use: physical RAM, or the cgroup limit when lower (a container's OOM killer
-// would end the run with no message).
-long double host_memory_bytes() {
-  long double m = std::numeric_limits<long double>::infinity();
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0) m = static_cast<long double>(pages) * page;
-  for (const char* f : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream in(f);
-    long double v = 0;
-    if (in >> v && v > 0) m = std::min(m, v);  // "max" (no limit) does not parse
-  }
-  return m;
-}
-
-// A lower bound of what a run holds at once, added up request by request before the plan exists (the
-// plan itself would allocate per token and per block): the inputs, every rank's cache replica, the
-// materialized q_c rows and, for staging, every rank's staging buffer. In long double: flags like
-// --tokens 99999999999 must give a message, not an overflow.
+// Peak resident memory of a run, estimated request by request before the plan exists (the plan itself
+// allocates per token and per block). In long double: flags like --tokens 99999999999 must give a
+// message, not an overflow.
+//
+// What a run holds at its peak (the last transport's single-rank reference publication and its checks),
+// with N new tokens, W ranks, M max_local_tokens, S cache slots, q = q_lora_rank:
+//   inputs              N * (2 * (q + 512 + 64 [+ 128 indexer K]) + 8)     GlobalInputs
+//   per-rank inputs     (W * M + N) * (that + 8)       the CPU backend's per-rank copies (RankInputs, with
+//                                                      slots), rank 0's grown to N by the PCP-1 reference
+//   cache replicas      (W + 1 + T - 1) * S * (MLA row + 132)  W replicas, the reference's, and rank 0's
+//                                                      copy kept for each of the other T - 1 transports
+//   q_c outputs         (W * M + N) * q * 2 [+ W * M * index_topk * 4 with --topk-fill]
+//   collect buffers     W * (W + 1) * M * 2 * (512 + 64 [+ 128]) + 2 * N * that  (kept by the backend)
+//   staging buffers     W * W * M * transport row      (the half of the double buffer layer 0 touches)
+//   checks, plan, RoPE  2 * M * q * 2 + S, 2 * (20 N + 32 W M) + 8 * blocks, positions * 256
+//   process baseline    resident_bytes() when the estimate is made
+// plus a 10% margin on everything but the baseline (allocator slack). Measured (/usr/bin/time %M, CPU
+// backend, 2 threads, glm-5 at --pcp 8 with 4 decodes unless noted), estimate / peak:
+//   --tokens 131072 (all transports)   8.43 / 7.42 GB = 1.14    --tokens 65536 --transport direct   1.11
+//   --tokens 131072 --transport direct 5.03 / 4.52 GB = 1.11    --tokens 65536 --transport staging  1.10
+//   --tokens 65536 --transport collect 3.75 / 3.30 GB = 1.14    --tokens 65536 --pcp 1              1.33
+//   --tokens 0 --decodes 32 --decode-context 16000 --pcp 4      3.29 / 3.01 GB = 1.09
+//   --tokens 65536 --topk-fill --pcp 2 --kv-format bf16         4.09 / 3.69 GB = 1.11
+// so the estimate stays >= the measured peak with a margin of at least 9% (tests/unit/test_cli_run_fixes.cpp
+// keeps these peaks as lower bounds). The CUDA backend keeps host copies of the same results and a
+// single-rank CPU reference, so the same model bounds its host memory too (not measured: no GPU here).
 struct Footprint {
   int32_t pcp = 1;
   int64_t block_size = 64;
   int64_t q_lora_rank = 0;
+  int64_t index_topk = 0;  // > 0 with --topk-fill on an indexer layer
   CacheFormat fmt;
-  bool staging = false;
+  bool collect = false, staging = false;
+  int64_t num_transports = 1;
 
   long double blocks = 1;  // the null block
-  long double tokens = 0, prefill_tokens = 0, decodes = 0;
+  long double tokens = 0, max_local = 0, max_position = 0;
 
   std::string partial;  // when the count stopped early: which requests it covers
 
   /// Adds `count` requests like `r`.
   void add(const RequestSpec& r, long double count = 1) {
-    blocks += count * std::ceil((static_cast<long double>(r.context_len) + r.num_new_tokens) / block_size);
+    const long double len = static_cast<long double>(r.context_len) + r.num_new_tokens;
+    blocks += count * std::ceil(len / block_size);
     tokens += count * r.num_new_tokens;
+    max_position = std::max(max_position, len);
     if (r.kind == RequestKind::kPrefill) {
-      prefill_tokens += count * r.num_new_tokens;
+      // DualChunkSwap: a rank holds at most two chunks of ceil(L / 2W) tokens.
+      const long double chunk = std::ceil(static_cast<long double>(r.num_new_tokens) / (2.0L * pcp));
+      max_local += count * std::min<long double>(r.num_new_tokens, 2 * chunk);
     } else {
-      decodes += count;
+      max_local += count;  // a decode sits on every rank
     }
   }
-  long double inputs_bytes() const {
-    return tokens * (2.0L * (q_lora_rank + kKvLoraRank + kRopeDims + (fmt.has_indexer ? kIndexHeadDim : 0)) + 8);
+  long double slots() const { return blocks * block_size; }
+  long double input_row_bytes() const {
+    return 2.0L * (q_lora_rank + kKvLoraRank + kRopeDims + (fmt.has_indexer ? kIndexHeadDim : 0)) + 8;
   }
   // The backends lay out an indexer-K cache for every layer kind.
   long double replica_bytes() const {
-    return blocks * block_size * static_cast<long double>(mla_row_bytes(fmt.kv_format) + kIndexerSlotBytes);
+    return slots() * static_cast<long double>(mla_row_bytes(fmt.kv_format) + kIndexerSlotBytes);
   }
-  long double max_local_tokens() const { return std::ceil(prefill_tokens / pcp) + decodes; }
-  long double q_out_bytes() const { return pcp * max_local_tokens() * q_lora_rank * 2.0L; }
-  long double staging_bytes() const {
-    return staging ? pcp * 2.0L * pcp * max_local_tokens() * transport_row_layout(fmt).row_bytes : 0.0L;
+  long double local_rows() const { return pcp * max_local; }  // W * M
+
+  // Calls add(name, bytes) for each part of the estimate but the process baseline, margin included.
+  template <class Add>
+  void parts(Add&& add) const {
+    constexpr long double kMargin = 1.10L;
+    const long double W = pcp, M = max_local, N = tokens, q = q_lora_rank;
+    const long double bf16_row = 2.0L * (kKvLoraRank + kRopeDims + (fmt.has_indexer ? kIndexHeadDim : 0));
+    add("inputs", kMargin * N * input_row_bytes());
+    add("per-rank input copies", kMargin * (local_rows() + N) * (input_row_bytes() + 8));
+    add("cache replicas", kMargin * (W + static_cast<long double>(num_transports)) * replica_bytes());
+    add("q_c outputs", kMargin * (local_rows() + N) * q * 2);
+    add("top-k buffers", kMargin * local_rows() * index_topk * 4);
+    if (collect) add("collect buffers", kMargin * (W * (W + 1) * M + 2 * N) * bf16_row);
+    if (staging) add("staging buffers", kMargin * W * W * M * transport_row_layout(fmt).row_bytes);
+    add("checks/plan/RoPE table",
+        kMargin * (4 * M * q + slots() + 2 * (20 * N + 32 * W * M) + 8 * blocks + 256 * max_position));
   }
-  long double bytes() const { return inputs_bytes() + pcp * replica_bytes() + q_out_bytes() + staging_bytes(); }
+  long double model_bytes() const {
+    long double total = 0;
+    parts([&](const char*, long double bytes) { total += bytes; });
+    return total;
+  }
+  MemoryEstimate estimate(long double baseline) const {
+    MemoryEstimate e;
+    parts([&](const char* name, long double bytes) { e.add(name, bytes); });
+    e.add("process baseline", baseline);
+    return e;
+  }
 };
 
-// Refuses a batch whose block ids overflow the int32 block tables or whose footprint exceeds this
-// machine's memory. `batch` names the flags (or the file) the batch came from.
-void check_footprint(const Footprint& f, const std::string& batch) {
+// Refuses a batch whose block ids overflow the int32 block tables or whose estimated peak memory exceeds
+// what this machine has available (or --memory-limit-gb). `batch` names the flags (or the file) the batch
+// came from. Returns the estimate and the limit, for the report.
+std::pair<long double, long double> check_footprint(const Footprint& f, const std::string& batch,
+                                                    double memory_limit_gb) {
   constexpr auto kMaxBlocks = static_cast<long double>(std::numeric_limits<int32_t>::max());
   PCPKV_CHECK(f.blocks <= kMaxBlocks,
               "{}: the cache needs at least {:.0f} blocks of {} slots{}, more than the {} block ids an int32 block "
               "table holds",
               batch, static_cast<double>(f.blocks), f.block_size, f.partial, std::numeric_limits<int32_t>::max());
-  const long double need = f.bytes(), have = host_memory_bytes();
-  PCPKV_CHECK(need <= have,
-              "{}: the run needs at least {} of memory{} (inputs {}, {} cache replica{} of {}{}), more than the {} "
-              "of this machine",
-              batch, size_text(need), f.partial, size_text(f.inputs_bytes()), f.pcp, f.pcp == 1 ? "" : "s",
-              size_text(f.replica_bytes()), f.staging ? ", staging buffers " + size_text(f.staging_bytes()) : "",
-              size_text(have));
+  HostMemory have = available_host_memory();
+  if (memory_limit_gb > 0 && memory_limit_gb * 1e9L < have.bytes) {
+    have.bytes = memory_limit_gb * 1e9L;
+    have.source = fmt::format("--memory-limit-gb {}", memory_limit_gb);
+  }
+  const MemoryEstimate need = f.estimate(resident_bytes());
+  check_memory_fits(batch, "the run" + f.partial, "host", need, have.bytes, have.source,
+                    "; give fewer --tokens or --decodes, a smaller --pcp or fewer transports");
+  return {need.total(), have.bytes};
 }
 
 // --save: the directory must exist and take a new file, and the target, when present, must be a regular
@@ -418,13 +466,25 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   check_block_size_flag(o.block_size);
   PCPKV_CHECK(o.tokens >= 0, "--tokens: must be >= 0, got {}", o.tokens);
   PCPKV_CHECK(o.decodes >= 0, "--decodes: must be >= 0, got {}", o.decodes);
-  PCPKV_CHECK(o.decode_context >= -1, "--decode-context: must be >= 0, got {}", o.decode_context);
+  PCPKV_CHECK(o.decode_context >= -1,
+              "--decode-context: must be >= -1 (-1: context 1000*(i+1)+7*i for decode i; >= 0: that context for "
+              "every decode), got {}",
+              o.decode_context);
+  PCPKV_CHECK(std::isfinite(o.memory_limit_gb) && o.memory_limit_gb >= 0,
+              "--memory-limit-gb: must be >= 0 (0: this machine's available memory), got {}", o.memory_limit_gb);
   PCPKV_CHECK(o.repeats >= 1, "--repeats: must be >= 1, got {}", o.repeats);
   PCPKV_CHECK(o.threads >= 0, "--threads: must be >= 0, got {}", o.threads);
   PCPKV_CHECK(o.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", o.threads);
   PCPKV_CHECK(o.inject_fault.empty() || o.inject_fault == "row" || o.inject_fault == "guard",
               "--inject-fault: must be row or guard, got '{}'", o.inject_fault);
-  PCPKV_CHECK(std::isfinite(o.k_scale) && o.k_scale > 0, "--k-scale: must be positive and finite, got {}", o.k_scale);
+  const std::string k_scale_typed = o.k_scale_text.empty() ? fmt::format("{}", o.k_scale) : o.k_scale_text;
+  PCPKV_CHECK(std::isfinite(o.k_scale) && o.k_scale > 0, "--k-scale: must be positive and finite, got {}",
+              k_scale_typed);
+  // The cache stores k_scale as fp32: 1e-300 would round to 0 and 1e39 to inf, and later checks would
+  // name the rounded value, not the one typed.
+  PCPKV_CHECK(static_cast<float>(o.k_scale) > 0 && std::isfinite(static_cast<float>(o.k_scale)),
+              "--k-scale: {} does not fit a float32 (the cache stores it as fp32: about 1.4e-45 to 3.4e38)",
+              k_scale_typed);
   PCPKV_CHECK(o.layer == "indexer" || o.layer == "shared", "--layer: must be indexer or shared, got '{}'", o.layer);
   PCPKV_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
               "--backend: unknown backend '{}'; known: auto, cpu, cuda", o.backend);
@@ -467,6 +527,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
                                          count_of(p.notes.missing.size(), "key"),
                                          key_list(p.notes.missing)));
     }
+    for (const std::string& remark : p.notes.remarks) p.notes_text.push_back("config: " + remark);
     if (!p.notes.ignored.empty()) {
       p.notes_text.push_back(
           fmt::format("config: {} not used by pcpkv: {}", count_of(p.notes.ignored.size(), "key"),
@@ -488,8 +549,12 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   fp.pcp = o.pcp;
   fp.block_size = o.block_size;
   fp.q_lora_rank = p.model.q_lora_rank;
+  fp.index_topk = o.topk_fill && p.fmt.has_indexer ? p.model.index_topk : 0;
   fp.fmt = p.fmt;
-  fp.staging = std::find(p.transports.begin(), p.transports.end(), Transport::kStaging) != p.transports.end();
+  auto uses = [&](Transport t) { return std::find(p.transports.begin(), p.transports.end(), t) != p.transports.end(); };
+  fp.collect = uses(Transport::kCollect);
+  fp.staging = uses(Transport::kStaging);
+  fp.num_transports = static_cast<int64_t>(p.transports.size());
   const std::string geometry = fmt::format("--pcp {} --block-size {}", o.pcp, o.block_size);
   if (!batch.requests.empty()) {
     int64_t max_context = 0;
@@ -497,8 +562,11 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
       fp.add(r);
       max_context = std::max(max_context, r.context_len);
     }
-    check_footprint(fp, fmt::format("--inputs {} ({} requests, {} tokens, contexts up to {}) with {}", o.inputs,
-                                    batch.requests.size(), batch.num_tokens, max_context, geometry));
+    std::tie(p.memory_estimate, p.memory_limit) =
+        check_footprint(fp,
+                        fmt::format("--inputs {} ({} requests, {} tokens, contexts up to {}) with {}", o.inputs,
+                                    batch.requests.size(), batch.num_tokens, max_context, geometry),
+                        o.memory_limit_gb);
     pc.requests = batch.requests;
     p.batch_source = fmt::format("{} requests from {}", batch.requests.size(), o.inputs);
     p.notes_text.push_back(
@@ -519,17 +587,19 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
     if (o.decode_context >= 0) {
       fp.add(decode(0), o.decodes);
     } else {
-      // Contexts differ per decode: count them one by one, but stop once over (the loop stays short).
-      const long double memory = host_memory_bytes();
+      // Contexts differ per decode: count them one by one, but stop once over (the loop stays short);
+      // the first 1024 are always counted, so an ordinary batch's message states its whole size.
+      const long double memory = available_host_memory().bytes;
       for (int32_t i = 0; i < o.decodes; ++i) {
         fp.add(decode(i));
-        if (i + 1 < o.decodes && (fp.blocks > std::numeric_limits<int32_t>::max() || fp.bytes() > memory)) {
+        if (i >= 1023 && i + 1 < o.decodes &&
+            (fp.blocks > std::numeric_limits<int32_t>::max() || fp.model_bytes() > memory)) {
           fp.partial = fmt::format(" (counting only the first {} of the {} decodes)", i + 1, o.decodes);
           break;
         }
       }
     }
-    check_footprint(fp, flags);
+    std::tie(p.memory_estimate, p.memory_limit) = check_footprint(fp, flags, o.memory_limit_gb);
     if (o.tokens > 0) pc.requests.push_back({RequestKind::kPrefill, o.tokens, 0});
     for (int32_t i = 0; i < o.decodes; ++i) pc.requests.push_back(decode(i));
     p.batch_source = fmt::format("--tokens {} --decodes {}", o.tokens, o.decodes);
@@ -542,10 +612,28 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
     }
   }
   p.plan = make_plan(pc);
-  if (!batch.slot_mapping.empty()) {
-    apply_slot_mapping(p.plan, batch.slot_mapping, "--inputs " + o.inputs);
+  // The file's block tables and slots replace the fresh plan's, so a run loaded from a file (and its --save)
+  // keeps tables and slots that agree: slot = table[pos / B] * B + pos % B.
+  const std::string origin = "--inputs " + o.inputs;
+  if (!batch.block_tables.empty()) {
+    apply_block_tables(p.plan, batch.block_tables, origin);
+    for (size_t g = 0; g < batch.slot_mapping.size(); ++g) {
+      const int64_t pos = p.plan.global_positions[g];
+      const int32_t r = p.plan.global_request[g];
+      PCPKV_CHECK(batch.slot_mapping[g] == p.plan.global_slots[g],
+                  "{}: slot_mapping[{}] = {} contradicts block_tables: token {} (request {}, position {}) lies in "
+                  "block_tables[{}][{}] = {}, slot {} with --block-size {}",
+                  origin, g, batch.slot_mapping[g], g, r, pos, r, pos / o.block_size,
+                  p.plan.block_tables[r][pos / o.block_size], p.plan.global_slots[g], o.block_size);
+    }
     validate_plan(p.plan);
-    p.notes_text.push_back(fmt::format("slots: taken from {} (slot_mapping)", o.inputs));
+    p.notes_text.push_back(fmt::format("slots: taken from {} (block_tables{})", o.inputs,
+                                       batch.slot_mapping.empty() ? "" : "; slot_mapping agrees"));
+  } else if (!batch.slot_mapping.empty()) {
+    apply_slot_mapping(p.plan, batch.slot_mapping, origin);
+    validate_plan(p.plan);
+    p.notes_text.push_back(
+        fmt::format("slots: taken from {} (slot_mapping); the block tables follow from them", o.inputs));
   }
   p.ref_plan = single_rank_plan(p.plan);
 
@@ -641,6 +729,22 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
   }
   if (staging && direct) {
     out.checks.push_back(check_same_cache(staging->result, direct->result, prep.fmt, "staging == direct", ""));
+  }
+  // Saturated values are not held to the bound: when many saturate, a PASS says little about them.
+  std::string saturated;
+  double worst_fraction = 0;
+  for (const Check& c : out.checks) {
+    if (c.num_values <= 0 || c.num_saturated * 100 <= c.num_values) continue;  // <= 1%
+    const double fraction = static_cast<double>(c.num_saturated) / static_cast<double>(c.num_values);
+    worst_fraction = std::max(worst_fraction, fraction);
+    saturated +=
+        fmt::format("{}{} {} of {}", saturated.empty() ? "" : ", ", c.transport, c.num_saturated, c.num_values);
+  }
+  if (!saturated.empty()) {
+    out.notes.push_back(fmt::format(
+        "fp8 bound: up to {:.1f}% of the checked values saturate at 448 * k_scale ({}); saturated values are "
+        "not held to the bound, so the bound check is weak here (--k-scale {} is small for these inputs)",
+        100.0 * worst_fraction, saturated, prep.fmt.k_scale));
   }
   return out;
 }

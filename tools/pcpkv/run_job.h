@@ -31,6 +31,7 @@ struct RunOptions {
   std::string kv_format = "fp8_ds_mla";
   std::string ds_mla_scale = "pow2";
   double k_scale = 1.0;           // static fp8 per-tensor scale
+  std::string k_scale_text;       // --k-scale as typed (for messages), "" when not given
   std::string layer = "indexer";  // indexer | shared
   std::string transport = "all";  // all | comma list of collect, staging, direct
   std::string backend = "auto";
@@ -42,6 +43,7 @@ struct RunOptions {
   bool topk_fill = false;
   bool allow_nonfinite = false;
   int32_t repeats = 1;
+  double memory_limit_gb = 0;  // refuse runs whose estimated peak exceeds this (0: available memory only)
   std::string inject_fault;  // testing aid (hidden flag): "row" or "guard" flips a byte of the last
                              // rank's MLA replica after each publication, so the checks must fail
 };
@@ -60,6 +62,8 @@ struct PreparedRun {
   std::string batch_source;   // where the requests came from
   NonFiniteReport nonfinite;
   std::vector<std::string> notes_text;  // remarks to print (config notes, ignored flags)
+  long double memory_estimate = 0;      // estimated peak resident bytes of the run (see run_job.cpp)
+  long double memory_limit = 0;         // what the pre-check allowed (available memory or --memory-limit-gb)
 };
 
 /// Validates the flags, loads the model, builds the plan, generates or loads the inputs, and refuses
@@ -91,6 +95,7 @@ struct RunOutcome {
   std::string backend_name, backend_device, backend_note;
   std::vector<TransportRun> runs;
   std::vector<Check> checks;
+  std::vector<std::string> notes;  // remarks about the results (e.g. many saturated fp8 values)
   bool ok() const;
 };
 

@@ -1,6 +1,7 @@
 #include "run_report.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -95,6 +96,10 @@ std::string format_plan(const PreparedRun& prep) {
                    f.has_indexer
                        ? fmt::format(", indexer {}", human_bytes(plan.num_blocks * plan.block_size * kIndexerSlotBytes))
                        : ""));
+  const bool limit_known = std::isfinite(static_cast<double>(prep.memory_limit));
+  line("host memory", fmt::format("estimated peak {} (limit {})",
+                                  human_bytes(static_cast<int64_t>(prep.memory_estimate)),
+                                  limit_known ? human_bytes(static_cast<int64_t>(prep.memory_limit)) : "unknown"));
   line("inputs", fmt::format("{}, {}", prep.inputs_source,
                              prep.nonfinite.total() ? fmt::format("{} non-finite", prep.nonfinite.total())
                                                     : std::string("all finite")));
@@ -133,13 +138,14 @@ std::string format_verdict(const RunOutcome& out, double elapsed_s) {
         fmt::format("  {}  {:<{}}  {:<{}}  {}\n", c.pass ? "PASS" : "FAIL", c.transport, t_w, c.name, name_w, c.detail);
     if (!c.pass && !c.worst.empty()) s += fmt::format("  {:<{}}worst: {}\n", "", 8 + t_w + name_w, c.worst);
   }
+  for (const std::string& n : out.notes) s += "note: " + n + "\n";
   s += fmt::format("verdict: {} ({} of {} checks passed) in {:.1f} s\n", out.ok() ? "PASS" : "FAIL", num_pass,
                    out.checks.size(), elapsed_s);
   return s;
 }
 
 nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, double elapsed_s,
-                                const std::string& saved) {
+                                const std::string& saved, const std::string& save_error) {
   using json = nlohmann::ordered_json;
   const PcpPlan& plan = prep.plan;
   const TransportRowLayout row = transport_row_layout(prep.fmt);
@@ -188,7 +194,11 @@ nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, 
                    {"index_k", prep.nonfinite.index_k},
                    {"weights", prep.nonfinite.weights},
                    {"total", prep.nonfinite.total()}}}};
-  j["notes"] = prep.notes_text;
+  json notes = prep.notes_text;
+  for (const std::string& n : out.notes) notes.push_back(n);
+  j["notes"] = notes;
+  j["memory"] = {{"estimate_bytes", static_cast<double>(prep.memory_estimate)},
+                 {"limit_bytes", static_cast<double>(prep.memory_limit)}};
   json transports = json::array();
   for (const TransportRun& run : out.runs) {
     json stages = json::array();
@@ -219,6 +229,7 @@ nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, 
   }
   j["checks"] = checks;
   j["saved"] = saved.empty() ? json(nullptr) : json(saved);
+  j["save_error"] = save_error.empty() ? json(nullptr) : json(save_error);
   return j;
 }
 

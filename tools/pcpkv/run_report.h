@@ -18,7 +18,8 @@ std::string format_stage_table(const TransportRun& run, const std::string& backe
 /// One line per check and the verdict line.
 std::string format_verdict(const RunOutcome& out, double elapsed_s);
 
+/// saved: the --save path when written, else ""; save_error: why --save failed, else "".
 nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, double elapsed_s,
-                                const std::string& saved);
+                                const std::string& saved, const std::string& save_error = {});
 
 }  // namespace pcpkv::cli

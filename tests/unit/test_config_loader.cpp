@@ -1,0 +1,170 @@
+// The HF config loader on configs a new user wrote: "rope_scaling": null (no scaling), numbers nlohmann
+// refuses (1e999), RoPE parameters whose tables overflow, and values of the wrong JSON type or range.
+// Every refusal is a pcpkv::Error naming the file, the key and the value as written.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "pcpkv/backend.h"
+#include "pcpkv/error.h"
+#include "pcpkv/inputs.h"
+#include "pcpkv/model.h"
+#include "pcpkv/plan.h"
+#include "pcpkv/rope.h"
+
+namespace pcpkv {
+namespace {
+
+// The message of the pcpkv::Error parse_hf_config throws ("no error" when it accepts the text). Any other
+// exception type fails the test: the CLI would report it as an internal error (exit 3).
+std::string error_of(const std::string& json_text, const std::string& base = {}) {
+  try {
+    parse_hf_config(json_text, base, nullptr, false, "user.json");
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a pcpkv::Error: " << e.what();
+    return e.what();
+  }
+  return "no error";
+}
+
+void expect_error(const std::string& json_text, const std::vector<std::string>& parts, const std::string& base = {}) {
+  const std::string msg = error_of(json_text, base);
+  EXPECT_EQ(msg.rfind("user.json: ", 0), 0u) << json_text << "\n" << msg;
+  for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' missing in: " << msg;
+}
+
+// Rank 0's MLA cache after a direct publication of a small seeded batch (PCP 2, block 16).
+std::vector<uint8_t> published_cache(const ModelConfig& model) {
+  PlanConfig pc;
+  pc.pcp_world = 2;
+  pc.block_size = 16;
+  pc.seed = 1;
+  // Positions past original_max_position_embeddings (4096) and in the YaRN ramp: scaling shows there.
+  pc.requests = {{RequestKind::kPrefill, 40, 5000}, {RequestKind::kDecode, 1, 300}};
+  const PcpPlan plan = make_plan(pc);
+  const GlobalInputs in = generate_inputs(model, plan, /*has_indexer=*/true, /*seed=*/11);
+  PublishSetup s;
+  s.model = &model;
+  s.plan = &plan;
+  s.fmt.kv_format = KvFormat::kBf16;  // k_pe bytes straight from the rotated values
+  return make_cpu_backend(1)->publish(s, in, Transport::kDirect).mla_alloc[0];
+}
+
+// HF writes "rope_scaling": null for a model without RoPE scaling: the preset's YaRN must not survive it.
+TEST(ConfigLoader, NullRopeScalingMeansDefaultRope) {
+  ConfigNotes notes;
+  const ModelConfig nulled =
+      parse_hf_config(R"({"model_type": "deepseek_v32", "rope_scaling": null})", {}, &notes, false, "user.json");
+  const ModelConfig yarn = preset("deepseek-v3.2");
+  const ModelConfig plain = parse_hf_config(R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "default"}})",
+                                            {}, nullptr, false, "plain.json");
+  ASSERT_EQ(yarn.rope.scaling, RopeScaling::kDeepseekYarn);
+  EXPECT_EQ(nulled.rope.scaling, RopeScaling::kDefault);
+  EXPECT_EQ(nulled.rope.theta, yarn.rope.theta);
+  ASSERT_EQ(notes.remarks.size(), 1u);
+  EXPECT_NE(notes.remarks[0].find("user.json"), std::string::npos) << notes.remarks[0];
+  EXPECT_NE(notes.remarks[0].find("'rope_scaling' is null"), std::string::npos) << notes.remarks[0];
+  EXPECT_NE(notes.remarks[0].find("default RoPE"), std::string::npos) << notes.remarks[0];
+
+  // The tables and the published cache bytes: equal to {"type": "default"}, different from the YaRN preset.
+  const RopeTable t_null = make_rope_table(nulled.rope, 6000), t_plain = make_rope_table(plain.rope, 6000);
+  const RopeTable t_yarn = make_rope_table(yarn.rope, 6000);
+  EXPECT_EQ(t_null.cos_sin, t_plain.cos_sin);
+  EXPECT_NE(t_null.cos_sin, t_yarn.cos_sin);
+  const std::vector<uint8_t> c_null = published_cache(nulled), c_plain = published_cache(plain);
+  const std::vector<uint8_t> c_yarn = published_cache(yarn);
+  EXPECT_EQ(c_null, c_plain);
+  int64_t num_diff = 0;
+  for (size_t i = 0; i < c_null.size(); ++i) num_diff += c_null[i] != c_yarn[i];
+  EXPECT_GT(num_diff, 1000) << "YaRN and default RoPE should give different k_pe bytes";
+
+  // A preset that already has no scaling: still default, and the note does not claim a replacement.
+  ConfigNotes glm_notes;
+  const ModelConfig glm =
+      parse_hf_config(R"({"model_type": "glm_moe_dsa", "rope_scaling": null})", {}, &glm_notes, false, "g.json");
+  EXPECT_EQ(glm.rope.scaling, RopeScaling::kDefault);
+  ASSERT_EQ(glm_notes.remarks.size(), 1u);
+  EXPECT_EQ(glm_notes.remarks[0].find("replacing"), std::string::npos) << glm_notes.remarks[0];
+}
+
+// nlohmann throws out_of_range (not parse_error) for a number that overflows a double; every nlohmann
+// exception must come out as a pcpkv::Error naming the file and, when known, the key.
+TEST(ConfigLoader, JsonExceptionsNameFileAndKey) {
+  expect_error(R"({"rope_theta": 1e999, "model_type": "glm_moe_dsa"})", {"'rope_theta'", "1e999", "overflow"});
+  expect_error(R"({"model_type": "deepseek_v32", "rope_scaling": {"factor": -1e400}})",
+               {"'rope_scaling.factor'", "-1e400"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "indexer_types": ["full", 1e999]})", {"'indexer_types[1]'", "1e999"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 2048,})", {"not valid JSON"});
+  expect_error("[1, 2]", {"top level must be a JSON object"});
+}
+
+// Values that would make cos/sin * mscale overflow, vanish or blow up are refused at load, naming the key.
+TEST(ConfigLoader, UnusableRopeParametersAreRefused) {
+  const std::string yarn = R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "factor": 40, )";
+  expect_error(yarn + R"("mscale": 1e300}})", {"rope_scaling.mscale", "1e+300"});
+  // 0.1 * m * ln(40) + 1 = 0 at m = -2.7109: the YaRN divisor vanishes.
+  expect_error(yarn + R"("mscale_all_dim": -2.7109}})", {"rope_scaling.mscale_all_dim", "-2.7109"});
+  expect_error(yarn + R"("beta_fast": 0}})", {"rope_scaling.beta_fast", "0"});
+  expect_error(yarn + R"("original_max_position_embeddings": 0}})",
+               {"rope_scaling.original_max_position_embeddings", "0"});
+  expect_error(R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "factor": 1e9}})",
+               {"rope_scaling.factor", "1000000000"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "rope_theta": 1e300})", {"rope_theta", "1e+300"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "rope_parameters": {"rope_theta": 0.5}})", {"rope_theta", "0.5"});
+
+  // The shipped configs and the largest sane values pass, and their tables stay bounded.
+  for (const std::string& name : preset_names()) EXPECT_NO_THROW(preset(name)) << name;
+  const ModelConfig big = parse_hf_config(
+      R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "factor": 10000, "mscale": 1000,
+          "mscale_all_dim": 0, "beta_fast": 10000, "beta_slow": 1}})",
+      {}, nullptr, false, "big.json");
+  const RopeTable t = make_rope_table(big.rope, 5000);
+  for (float v : t.cos_sin) ASSERT_TRUE(std::isfinite(v) && std::fabs(v) <= 1e4f) << v;
+
+  // A config built in code goes through the same checks (ModelConfig::validate).
+  ModelConfig m = preset("deepseek-v3.2");
+  m.rope.mscale = std::nan("");
+  try {
+    m.validate();
+    ADD_FAILURE() << "NaN mscale accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mscale = nan"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ConfigLoader, WrongTypesAndRangesNameTheValueAsWritten) {
+  // model_type of the wrong JSON type: say which type, not "model_type ''".
+  expect_error(R"({"model_type": 5})", {"'model_type' must be a string", "5 (a number)"});
+  expect_error(R"({"model_type": [1]})", {"'model_type' must be a string", "an array"});
+  expect_error(R"({"model_type": null})", {"'model_type' is null", "--model"});
+  expect_error(R"({"hidden_size": 5})", {"'model_type' is missing", "--model"});
+  // null with --model: the preset settles it.
+  EXPECT_EQ(error_of(R"({"model_type": null})", "glm-5"), "no error");
+
+  // Integers are range-checked before conversion: no wrap to INT64_MIN or to a small negative number.
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 1e30})", {"'q_lora_rank' = 1e30", "out of range"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 18446744073709549568})",
+               {"'q_lora_rank' = 18446744073709549568", "out of range"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 9.3e18})", {"'q_lora_rank' = 9.3e18", "out of range"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 2048.5})",
+               {"'q_lora_rank' must be an integer", "2048.5"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": true})", {"'q_lora_rank'", "true (a boolean)"});
+  // In range for int64 but not for the field: validate() names the key.
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 1e15})", {"q_lora_rank = 1000000000000000"});
+  // An integral double converts exactly.
+  EXPECT_EQ(parse_hf_config(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 1.024e3})", {}, nullptr, false, "x")
+                .q_lora_rank,
+            1024);
+
+  expect_error(R"({"model_type": "glm_moe_dsa", "num_hidden_layers": -1})", {"num_hidden_layers = -1", ">= 1"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "num_hidden_layers": 0})", {"num_hidden_layers = 0"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "rope_scaling": "yarn"})",
+               {"'rope_scaling' must be an object", "(a string)"});
+}
+
+}  // namespace
+}  // namespace pcpkv
