@@ -8,7 +8,12 @@
 #                            speedup over collect, P2P bandwidth vs the link, byte oracle, staging == direct
 #   3. bench-allreduce       symmetric memory (one-shot, two-shot, fused + RMSNorm) vs NCCL, 8 KiB .. 64 MiB
 #   4. bench-fence           across GPUs, then 2/4/8 processes on ONE GPU (time-sliced, time-bounded)
+# MULTIGPU_SKIP_TESTS=1 and MULTIGPU_SKIP_SHARED_FENCE=1 leave those steps out when device time is short.
 # Logs (7 files) under $OUT: build.log, tests.log, link.log, publish.log, allreduce.log, fence.log, summary.md.
+# Dry run (MULTIGPU_DRY_RUN=1, or automatically on a machine with one GPU): the same steps and summary with
+# 2 processes sharing GPU 0, collect through P2P copies instead of NCCL (NCCL refuses two ranks on one GPU),
+# 5 repeats; the link and all-reduce steps need 2 GPUs and are listed as skipped. It checks the harness,
+# not the numbers (processes sharing a GPU time-slice).
 # NVLink multicast stays off (SPEC section 5; these machines forbid it).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -50,9 +55,19 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 { nvidia-smi -L; nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; } \
   > "$out/build.log" 2>&1
 say "$ngpu GPUs"
-gpus_of() { seq -s, 0 $(($1 - 1)); }
+dry="${MULTIGPU_DRY_RUN:-0}"
+[ "$ngpu" -eq 1 ] && dry=1
+gpus_of() { if [ "$dry" = 1 ]; then echo 0; else seq -s, 0 $(($1 - 1)); fi; }
 pcps=()
 for p in 2 4 8; do [ "$p" -le "$ngpu" ] && pcps+=("$p"); done
+collect_via=nccl
+repeats=30
+if [ "$dry" = 1 ]; then
+  pcps=(2)
+  collect_via=p2p
+  repeats=5
+  say "dry run: 2 processes on GPU 0, collect via p2p, $repeats repeats"
+fi
 
 # ---- build: the CLI and the multigpu tests only ----
 if [ ! -f "$build/build.ninja" ]; then
@@ -67,16 +82,20 @@ if [ $build_rc -ne 0 ] || [ ! -x "$pcpkv" ]; then
   say "build failed; nothing else runs"
 fi
 
-if [ -x "$pcpkv" ] && [ "$ngpu" -ge 2 ]; then
+if [ -x "$pcpkv" ] && { [ "$ngpu" -ge 2 ] || [ "$dry" = 1 ]; }; then
   # ---- tests ----
-  if [ -x "$build/tests/multigpu_launch_gpus" ]; then
+  if [ -x "$build/tests/multigpu_launch_gpus" ] && [ "${MULTIGPU_SKIP_TESTS:-0}" != 1 ]; then
     # The 32K-token shared-layer test is left to ctest: the measurements below check 32K-token replicas anyway.
     step tests 110 "$out/tests.log" "$build/tests/multigpu_launch_gpus" --gtest_color=no \
       --gtest_filter='-*ThirtyTwoK*'
   fi
 
   # ---- links ----
-  step bench-link 40 "$out/link.log" "$pcpkv" bench-link --mib 256 --iters 10 --md-rows
+  if [ "$ngpu" -ge 2 ]; then
+    step bench-link 40 "$out/link.log" "$pcpkv" bench-link --mib 256 --iters 10 --md-rows
+  else
+    steps+=("| bench-link | skipped (needs 2 GPUs) | 0 |")
+  fi
   link_gbps=$(sed -n 's/^link-gbps-all-pairs-recv=//p' "$out/link.log" | tail -1)
   link_flag=()
   [ -n "$link_gbps" ] && link_flag=(--link-gbps "$link_gbps")
@@ -86,7 +105,7 @@ if [ -x "$pcpkv" ] && [ "$ngpu" -ge 2 ]; then
     for kv in fp8 fp8_ds_mla; do
       step "mp-publish PCP $p $kv" 75 "$out/publish.log" "$pcpkv" launch --nproc "$p" --gpus "$(gpus_of "$p")" \
         --output rank0 -- mp-publish --backend cuda --model glm-5 --tokens 32768 --decodes 4 --kv-format "$kv" \
-        --layer indexer --collect-via nccl --repeats 30 --warmup 5 --flush-l2-mb 256 --threads 8 \
+        --layer indexer --collect-via "$collect_via" --repeats "$repeats" --warmup 5 --flush-l2-mb 256 --threads 8 \
         "${link_flag[@]}" --md-rows
     done
   done
@@ -94,6 +113,10 @@ if [ -x "$pcpkv" ] && [ "$ngpu" -ge 2 ]; then
   # ---- all-reduce: symmetric memory vs NCCL on 2 and on every GPU (<= 8) ----
   ar_worlds=(2)
   [ "$ngpu" -gt 2 ] && ar_worlds+=($((ngpu > 8 ? 8 : ngpu)))
+  if [ "$ngpu" -lt 2 ]; then
+    ar_worlds=()
+    steps+=("| bench-allreduce | skipped (needs 2 GPUs: NCCL refuses two ranks on one GPU) | 0 |")
+  fi
   for w in "${ar_worlds[@]}"; do
     step "bench-allreduce $w GPUs" 60 "$out/allreduce.log" "$pcpkv" launch --nproc "$w" --gpus "$(gpus_of "$w")" \
       --output rank0 -- bench-allreduce --md-rows
@@ -101,10 +124,12 @@ if [ -x "$pcpkv" ] && [ "$ngpu" -ge 2 ]; then
 
   # ---- fence: across GPUs, then processes sharing ONE GPU (time-sliced without MPS: bounded) ----
   for p in "${pcps[@]}"; do
+    [ "$dry" = 1 ] && break  # the processes-on-GPU-0 rows below are the dry run's fence
     step "bench-fence $p GPUs" 30 "$out/fence.log" "$pcpkv" launch --nproc "$p" --gpus "$(gpus_of "$p")" \
       --output rank0 -- bench-fence --backend cuda --layers 61 --iters 50 --md-rows
   done
   for p in 2 4 8; do
+    [ "${MULTIGPU_SKIP_SHARED_FENCE:-0}" = 1 ] && break
     step "bench-fence $p processes on GPU 0" 25 "$out/fence.log" "$pcpkv" launch --nproc "$p" --gpus 0 \
       --output rank0 -- bench-fence --backend cuda --layers 61 --iters 50 --time-budget 12 --md-rows
   done
@@ -113,6 +138,7 @@ fi
 # ---- summary (markdown, for docs/perf.md) ----
 md() { grep -h '^md|' "$@" 2>/dev/null | sed 's/^md|//'; }
 {
+  [ "$dry" = 1 ] && echo "## DRY RUN on one GPU (harness check; not a multi-GPU measurement)" && echo
   echo "## Multi-GPU run ($(date -u +%Y-%m-%d), ${ngpu} x $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nvidia-smi topo -m 2>/dev/null | awk '$1=="GPU0" && $2=="X"{print $3; exit}'))"
   echo
   echo "Command: \`scripts/multigpu_run.sh\` (NCCL_NVLS_ENABLE=0, no multicast). One process per GPU unless said."
@@ -136,9 +162,9 @@ md() { grep -h '^md|' "$@" 2>/dev/null | sed 's/^md|//'; }
   echo
   echo "### Publication per layer (GLM-5, 32768-token prefill + 4 decodes, indexer layer, block 64)"
   echo
-  echo "Per rank the median of 30 runs after 5 warm-up (CUDA events per stage, cold L2: 256 MiB overwritten before"
+  echo "Per rank the median of $repeats runs after 5 warm-up (CUDA events per stage, cold L2: 256 MiB overwritten before"
   echo "each run); a stage's ms is the max over ranks of the per-rank medians; total = max over ranks of each"
-  echo "rank's median total. collect = dispatch + 3 NCCL all-gathers + insert; staging = dispatch with P2P stores"
+  echo "rank's median total. collect = dispatch + 3 all-gathers ($collect_via) + insert; staging = dispatch with P2P stores"
   echo "+ fence + combine; direct = dispatch with P2P stores + fence. P2P = bytes each GPU receives from its peers"
   echo "during dispatch / dispatch time, and dispatch / (received / all-pairs link bandwidth${link_gbps:+ = $link_gbps GB/s}). Oracle: every replica"
   echo "== the single-process CPU reference byte for byte, guard bytes intact, staging == direct."

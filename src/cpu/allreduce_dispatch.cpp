@@ -15,8 +15,14 @@
 //          interpolation puts the crossover near 500 KiB: one-shot up to 384 KiB (32 rows of 6144), a size
 //          the bench now measures by default.
 // W = 3, 5, 6, 7 take the next larger measured W's threshold. These are logical ranks sharing ONE GPU's
-// SMs and HBM (one-shot's W x reads all land on the same memory); across GPUs over NVLink the crossover
-// moves, and that measurement belongs to the multi-GPU issue.
+// SMs and HBM (one-shot's W x reads all land on the same memory).
+// ACROSS GPUs (W = 2 only so far): 2 x H200 NV18, one process per GPU, 2026-11-29, `scripts/multigpu_run.sh`
+// (docs/results/2026-11-29-h200x2/allreduce.log):
+//   plain  4 MiB 51.76 vs 54.20, 8 MiB 99.66 vs 99.19                -> one-shot up to 4 MiB (unchanged)
+//   fused  768 KiB 28.48 vs 29.11, 1536 KiB 51.24 vs 46.98            -> one-shot up to 768 KiB (was 4 MiB)
+// There ncclAllReduce beats both from 128 KiB (plain: 7.37 vs 7.50 one-shot; 4 MiB 33.06 vs 51.76), and the
+// fused NCCL + norm ties two-shot at 48 MiB. This function only splits one-shot / two-shot; routing large
+// messages to NCCL is not done (docs/perf.md section 10 says what to measure first).
 #include <cstdint>
 
 #include "pcpkv/allreduce.h"
@@ -30,7 +36,7 @@ AllReduceAlgo choose_allreduce_algo(int64_t bytes, int32_t world_size, bool fuse
               world_size, kAllReduceMaxRanks);
   int64_t one_shot_max = 0;
   if (world_size <= 2)
-    one_shot_max = int64_t{4} << 20;
+    one_shot_max = fused ? int64_t{768} << 10 : int64_t{4} << 20;
   else if (world_size <= 4)
     one_shot_max = int64_t{1} << 20;
   else

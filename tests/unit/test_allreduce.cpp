@@ -317,6 +317,10 @@ TEST(AllReduce, PartitionCoversEveryItemOnceAndDispatchIsMonotone) {
   EXPECT_EQ(choose_allreduce_algo(98304, 8, true), AllReduceAlgo::kOneShot);
   EXPECT_EQ(choose_allreduce_algo(786432, 8, true), AllReduceAlgo::kTwoShot);
   EXPECT_EQ(choose_allreduce_algo(786432, 4, true), AllReduceAlgo::kOneShot);
+  // W = 2 fused, measured across 2 GPUs: one-shot up to 768 KiB, two-shot from 1536 KiB.
+  EXPECT_EQ(choose_allreduce_algo(786432, 2, true), AllReduceAlgo::kOneShot);
+  EXPECT_EQ(choose_allreduce_algo(int64_t{1536} << 10, 2, true), AllReduceAlgo::kTwoShot);
+  EXPECT_EQ(choose_allreduce_algo(int64_t{4} << 20, 2, false), AllReduceAlgo::kOneShot);
   EXPECT_THROW(choose_allreduce_algo(4096, 9, true), Error);
   EXPECT_THROW(choose_allreduce_algo(-1, 2), Error);
 }

@@ -141,7 +141,8 @@ void add_bench_allreduce_command(CLI::App& app) {
       "bench-allreduce",
       "Symmetric-memory all-reduce (one-shot, two-shot, fused + RMSNorm) vs ncclAllReduce across rank processes, one "
       "GPU each: pcpkv launch --nproc N --gpus 0,..,N-1 -- bench-allreduce");
-  sub->add_option("--bytes", f->bytes, "Message sizes in bytes per rank (default 8 KiB .. 64 MiB, x2 steps)");
+  sub->add_option("--bytes", f->bytes, "Message sizes in bytes per rank, comma- or space-separated (default 8 KiB .. 64 MiB, x2 steps)")
+      ->delimiter(',');
   sub->add_option("--hidden", f->hidden, "Row length of the fused variant (GLM-5: 6144)")->capture_default_str();
   sub->add_option("--repeats", f->repeats, "Graph replays per size and variant (median)")->capture_default_str();
   sub->add_flag("--no-check", f->no_check, "Skip the byte comparison with the CPU oracle");
