@@ -497,14 +497,21 @@ std::string config_dir() {
 #endif
 }
 
+namespace {
+/// The whole text of an opened file.
+std::string read_all(std::ifstream& f) {
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+}  // namespace
+
 ModelConfig preset(const std::string& name) {
   ModelConfig base = builtin(name);  // throws on an unknown name
   const std::string path = config_dir() + "/" + name + ".json";
   std::ifstream f(path);
   if (!f) return base;  // installed without the data files: the built-in values are the same
-  std::stringstream ss;
-  ss << f.rdbuf();
-  ModelConfig m = parse_hf_config(ss.str(), name, nullptr, false, path);
+  ModelConfig m = parse_hf_config(read_all(f), name, nullptr, false, path);
   m.name = name;
   return m;
 }
@@ -513,9 +520,7 @@ ModelConfig load_hf_config(const std::string& path, const std::string& base_pres
                            bool strict) {
   std::ifstream f(path);
   PCPKV_CHECK(f.good(), "--config: cannot open '{}'", path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  ModelConfig m = parse_hf_config(ss.str(), base_preset, notes, strict, path);
+  ModelConfig m = parse_hf_config(read_all(f), base_preset, notes, strict, path);
   m.name = path;
   return m;
 }
