@@ -41,6 +41,7 @@ struct InputsBatch {
   std::vector<int64_t> slot_mapping;  // empty when the file has no 'slot_mapping' tensor; else [N]
   std::vector<std::vector<int32_t>> block_tables;  // empty when the file has no 'block_tables' tensor; else
                                                    // its rows as stored ([R][max_blocks], -1 padded)
+  int64_t saved_block_size = 0;  // the `block_size` of the file's metadata (a `pcpkv run --save` file), else 0
 };
 
 /// Reads the header and the optional 'requests' / 'slot_mapping' / 'block_tables' tensors of an inputs file. Throws

@@ -2,6 +2,7 @@
 #include "pcpkv/inputs_io.h"
 
 #include <algorithm>
+#include <charconv>
 
 #include "pcpkv/device/codec.h"
 #include "pcpkv/error.h"
@@ -69,6 +70,11 @@ InputsBatch read_inputs_batch(const std::string& path) {
               to_string(kv.dtype), shape_string(kv.shape));
   b.num_tokens = kv.shape[0];
   b.has_index_k = r.has("index_k");
+  if (const auto it = r.metadata().find("block_size"); it != r.metadata().end()) {
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
+    if (ec == std::errc() && end == it->second.data() + it->second.size() && v > 0) b.saved_block_size = v;
+  }
   if (r.has("requests")) {
     const auto rows = r.read_as<int64_t>("requests", StDtype::kI64, {-1, 3});
     const size_t num_requests = rows.size() / 3;

@@ -127,3 +127,11 @@ TEST(CliFlagsAttention, ValidFlagsStillRun) {
 }
 
 }  // namespace
+
+// A flag given twice takes its last value, as in `pcpkv run` (README), and progress goes to stderr.
+TEST(CliFlagsAttention, RepeatedFlagTakesTheLastValue) {
+  ScratchDir dir;
+  const CliResult r = run_cli("attention --pcp 1 --prefill 8 --topk 8 --dcp 1 --decodes 1 --decodes 0", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("pcpkv attention: PCP 1 (1 of 1)"), std::string::npos) << r.err;
+}

@@ -295,3 +295,26 @@ TEST(CliRunFixes, MessagesNameFlagFileAndValue) {
   EXPECT_NE(r.out.find("note: config: " + config + ": 'rope_scaling' is null: default RoPE"), std::string::npos)
       << r.out;
 }
+
+// A saved file's slots and block tables belong to the block size it was saved with (its metadata): another
+// --block-size is refused naming both, instead of an out-of-range block id deep in the tables.
+TEST(CliRunFixes, SavedFileNeedsItsBlockSize) {
+  ScratchDir dir;
+  const std::string s = dir.file("bs16.safetensors");
+  CliResult r = run_cli("run --pcp 2 --tokens 64 --decodes 1 --block-size 16 --backend cpu --save '" + s + "'", dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = run_cli("run --pcp 2 --backend cpu --inputs '" + s + "'", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("saved with block_size 16"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--block-size is 64"), std::string::npos) << r.err;
+  r = run_cli("run --pcp 2 --block-size 16 --backend cpu --inputs '" + s + "'", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+// A run whose memory is mostly the process itself says so instead of asking for fewer tokens.
+TEST(CliRunFixes, BaselineDominatedRefusalSaysSo) {
+  ScratchDir dir;
+  const CliResult r = run_cli("run --tokens 1 --decodes 0 --pcp 1 --backend cpu --memory-limit-gb 0.001", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("most of it is the process itself"), std::string::npos) << r.err;
+}

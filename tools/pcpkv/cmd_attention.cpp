@@ -506,10 +506,11 @@ std::unique_ptr<ConsumerKernels> make_consumers_named(const std::string& name, S
 int run_bench(const AttentionOptions& o, const CheckedOptions& c) {
 #if PCPKV_CLI_CUDA
   const ModelConfig model = preset(o.model);
-  const ConsumerBenchResult r = cuda::bench_consumers(c.bench, model);
   fmt::print("pcpkv attention --bench: {} one layer, {} tokens (one causal prefill), top-k {}, {}\n", model.name,
              c.bench.num_tokens, c.bench.topk, o.kv_format);
   for (const std::string& n : c.notes) fmt::print("note: {}\n", n);
+  std::fflush(stdout);  // the header survives a run that is stopped
+  const ConsumerBenchResult r = cuda::bench_consumers(c.bench, model);
   std::fputs("\n", stdout);
   std::fputs(r.describe().c_str(), stdout);
   return 0;
@@ -530,8 +531,11 @@ int run_checks(const AttentionOptions& o, const CheckedOptions& c) {
              o.transport, publisher->device(), consumers->name(),
              o.consumers == "cuda" ? " (attention " + o.attention_kernel + ")" : std::string(), o.topk);
   for (const std::string& n : c.notes) fmt::print("note: {}\n", n);
+  std::fflush(stdout);  // the header survives a run that is stopped
   bool ok = true;
   for (size_t i = 0; i < c.worlds.size(); ++i) {
+    // Progress on stderr: each world publishes and serves a whole batch (minutes for large ones).
+    fmt::print(stderr, "pcpkv attention: PCP {} ({} of {})...\n", c.worlds[i], i + 1, c.worlds.size());
     AttentionCheckConfig cfg = c.cfg;
     cfg.plan.pcp_world = static_cast<int32_t>(c.worlds[i]);
     // The reference and DCP checks do not depend on P: run them once.
@@ -541,6 +545,7 @@ int run_checks(const AttentionOptions& o, const CheckedOptions& c) {
     }
     const AttentionCheckReport rep = run_attention_check(cfg, model, *publisher, *consumers);
     std::fputs(rep.describe().c_str(), stdout);
+    std::fflush(stdout);
     ok = ok && rep.passed();
   }
   std::fflush(stdout);
@@ -554,6 +559,7 @@ void add_attention_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "attention", "Serve the published replicas with the indexer + sparse MLA attention; check PCP == one rank, "
                    "the CPU reference and DCP + LSE merge (--bench: time the CUDA consumers)");
+  sub->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a repeated flag: the last wins
   sub->add_option("--model", o->model, "Model preset: glm-5 | deepseek-v3.2")->capture_default_str();
   sub->add_option("--pcp", o->pcp, "Comma list of PCP world sizes, each checked against one rank")
       ->capture_default_str();
