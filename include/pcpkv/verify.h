@@ -43,6 +43,7 @@ struct Fp8Report {
   int64_t num_values = 0;
   int64_t num_over_bound = 0;
   int64_t num_saturated = 0;
+  int64_t num_flushed = 0;  // static fp8: nonzero values below 2^-10 * k_scale, which encode as 0 (still checked)
   double max_abs_err = 0.0;
   double max_err_over_bound = 0.0;  // max |err| / bound (<= 1 passes)
   std::string worst;                // where the worst value lies

@@ -243,6 +243,8 @@ struct BoundCheck {
       ++rep.num_saturated;
       return;
     }
+    // Below half the smallest E4M3 subnormal (2^-9 s) a static-scale value encodes as 0: counted, still checked.
+    if (can_saturate && exact != 0.0 && std::fabs(exact) < 0x1p-10 * s) ++rep.num_flushed;
     value(tensor, i, got, exact, 0x1p-4 + bf16_extra, 0x1p-10 * s);
   }
   // A scale must lie in [lo, hi]; outside counts as one value over the bound.

@@ -259,6 +259,11 @@ TEST(CliRunFixes, ManySaturatedValuesGiveANote) {
   r = run_cli(base + "--k-scale 1", dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out.find("saturate"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("encode as 0"), std::string::npos) << r.out;
+  // The other end: a huge scale flushes the values to 0, and the bound's absolute term lets them pass.
+  r = run_cli(base + "--k-scale 1e30", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("encode as 0"), std::string::npos) << r.out;
 }
 
 TEST(CliRunFixes, MessagesNameFlagFileAndValue) {

@@ -200,6 +200,7 @@ Check check_bound(const PublishResult& r, const PreparedRun& prep) {
   c.num_values = f.num_values;
   c.num_over_bound = f.num_over_bound;
   c.num_saturated = f.num_saturated;
+  c.num_flushed = f.num_flushed;
   c.max_abs_err = f.max_abs_err;
   c.max_err_over_bound = f.max_err_over_bound;
   c.pass = f.num_over_bound == 0 && f.num_values > 0;
@@ -763,6 +764,23 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
         "fp8 bound: up to {:.1f}% of the checked values saturate at 448 * k_scale ({}); saturated values are "
         "not held to the bound, so the bound check is weak here (--k-scale {} is small for these inputs)",
         100.0 * worst_fraction, saturated, prep.fmt.k_scale));
+  }
+  // The other end: values below the smallest E4M3 step encode as 0 and meet the bound through its absolute
+  // term (2^-10 * k_scale), which a huge scale makes large.
+  std::string flushed;
+  double worst_flushed = 0;
+  for (const Check& c : out.checks) {
+    if (c.num_values <= 0 || c.num_flushed * 100 <= c.num_values) continue;  // <= 1%
+    const double fraction = static_cast<double>(c.num_flushed) / static_cast<double>(c.num_values);
+    worst_flushed = std::max(worst_flushed, fraction);
+    flushed += fmt::format("{}{} {} of {}", flushed.empty() ? "" : ", ", c.transport, c.num_flushed, c.num_values);
+  }
+  if (!flushed.empty()) {
+    out.notes.push_back(fmt::format(
+        "fp8 bound: up to {:.1f}% of the checked values lie below 2^-10 * k_scale and encode as 0 ({}); the "
+        "bound's absolute term lets them pass, so the bound check is weak here (--k-scale {} is large for these "
+        "inputs)",
+        100.0 * worst_flushed, flushed, prep.fmt.k_scale));
   }
   return out;
 }

@@ -80,7 +80,7 @@ struct Check {
   std::string worst;   // fp8 bound: where the worst value lies (printed when the check fails)
   // fp8 bound numbers (only for the "fp8 bound" check)
   double max_abs_err = 0, max_err_over_bound = 0;
-  int64_t num_values = 0, num_over_bound = 0, num_saturated = 0;
+  int64_t num_values = 0, num_over_bound = 0, num_saturated = 0, num_flushed = 0;
   // byte comparisons
   int64_t num_bytes = 0, num_diff = 0;
 };

@@ -218,6 +218,7 @@ nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, 
       cj["num_values"] = c.num_values;
       cj["num_over_bound"] = c.num_over_bound;
       cj["num_saturated"] = c.num_saturated;
+      cj["num_flushed"] = c.num_flushed;
       cj["max_abs_err"] = c.max_abs_err;
       cj["max_err_over_bound"] = c.max_err_over_bound;
       cj["worst"] = c.worst;
