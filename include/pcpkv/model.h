@@ -90,7 +90,14 @@ struct ConfigNotes {
 /// unknown keys are listed in notes->ignored (strict: they throw instead). "rope_scaling": null (HF's
 /// "no scaling") selects the default RoPE and adds a line to notes->remarks. RoPE parameters outside sane
 /// ranges (rope_theta in (1, 1e12], YaRN factor [1, 1e4], beta (0, 1e4], mscale and mscale_all_dim
-/// [0, 1e3], table magnitude <= 1e4) and num_hidden_layers < 1 throw.
+/// [0, 1e3], table magnitude <= 1e4), YaRN beta_fast < beta_slow (an inverted ramp), max_position_embeddings
+/// < 1 and num_hidden_layers < 1 throw. Sub-keys of rope_scaling / rope_parameters: each YaRN key the file
+/// lacks (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim) adds a
+/// remark naming the preset value used (and HF transformers' differing fallback, if any); a key pcpkv does
+/// not know adds a remark ("c.json: 'rope_scaling.bogus' ...", strict: throws); a YaRN key under the
+/// default type adds a "not used" remark. attention_factor (HF: replaces the mscale ratio as the cos/sin
+/// multiplier) throws unless it equals mscale(factor, mscale) / mscale(factor, mscale_all_dim);
+/// truncate: false (HF's unfloored ramp ends) throws; rope_type and type that disagree throw.
 ModelConfig load_hf_config(const std::string& path, const std::string& base_preset = {},
                            ConfigNotes* notes = nullptr, bool strict = false);
 

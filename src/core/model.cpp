@@ -1,6 +1,7 @@
 // Model presets (SPEC section 1) and the HF config.json loader.
 #include "pcpkv/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -132,6 +133,14 @@ void check_rope(const RopeConfig& rope, const std::string& o, const std::string&
     PCPKV_CHECK(std::isfinite(v) && v > 0 && v <= kMaxYarnBeta, "{}: {}{} = {} must be in (0, {:g}]", o, prefix, key,
                 v, kMaxYarnBeta);
   }
+  // beta_fast counts rotations at the high-frequency end of the ramp, beta_slow at the low one. Swapped,
+  // the ramp (i - low) / (high - low) is still finite but inverted: it interpolates the high-frequency
+  // dims and extrapolates the low ones, the opposite of YaRN; almost surely swapped keys, so refuse.
+  // Equal values give a one-step ramp, which the reference handles (high += 0.001): accepted.
+  PCPKV_CHECK(rope.beta_fast >= rope.beta_slow,
+              "{}: {}beta_fast = {} is less than {}beta_slow = {}: YaRN needs beta_fast >= beta_slow (else the "
+              "ramp is inverted; swapped keys?)",
+              o, prefix, rope.beta_fast, prefix, rope.beta_slow);
   for (const auto& [key, v] :
        {std::pair<const char*, double>{"mscale", rope.mscale}, {"mscale_all_dim", rope.mscale_all_dim}}) {
     PCPKV_CHECK(std::isfinite(v) && v >= 0 && v <= kMaxYarnMscale, "{}: {}{} = {} must be in [0, {:g}]", o, prefix,
@@ -306,8 +315,42 @@ class Reader {
   std::string prefix_;
 };
 
+// Sub-keys of rope_scaling / rope_parameters pcpkv reads for DeepSeek YaRN (SPEC section 1).
+constexpr const char* kYarnKeys[] = {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                     "original_max_position_embeddings"};
+
+// Where a missing YaRN sub-key's value comes from, and what HF transformers' _compute_yarn_parameters
+// would use instead when that differs: the user's engine may be HF, so the difference is worth a line.
+std::string yarn_fallback(const std::string& key, const ModelConfig& m, bool preset_had_yarn,
+                          const std::string& base_name, const std::set<std::string>& present) {
+  const RopeConfig& r = m.rope;
+  std::string value;
+  if (key == "factor") value = fmt::format("{}", r.factor);
+  if (key == "beta_fast") value = fmt::format("{}", r.beta_fast);
+  if (key == "beta_slow") value = fmt::format("{}", r.beta_slow);
+  if (key == "mscale") value = fmt::format("{}", r.mscale);
+  if (key == "mscale_all_dim") value = fmt::format("{}", r.mscale_all_dim);
+  if (key == "original_max_position_embeddings") value = fmt::format("{}", r.original_max_position_embeddings);
+  std::string s = fmt::format("using {} from the {} preset{}", value, base_name,
+                              preset_had_yarn ? "" : " (it has no YaRN: pcpkv's built-in default)");
+  if (key == "original_max_position_embeddings" && r.original_max_position_embeddings != m.max_position_embeddings) {
+    s += fmt::format("; HF transformers would use max_position_embeddings ({})", m.max_position_embeddings);
+  } else if ((key == "mscale" || key == "mscale_all_dim") && r.factor > 1) {
+    // HF: `if mscale and mscale_all_dim: ratio, else get_mscale(factor)`; say it once, on mscale.
+    const bool other_present = present.count(key == "mscale" ? "mscale_all_dim" : "mscale") > 0;
+    if (key == "mscale" || other_present) {
+      s += fmt::format("; HF transformers, lacking mscale or mscale_all_dim, would scale cos/sin by "
+                       "0.1 * ln(factor) + 1 = {}",
+                       0.1 * std::log(r.factor) + 1.0);
+    }
+  } else if (key == "factor") {
+    s += "; HF transformers requires factor for YaRN";
+  }
+  return s;
+}
+
 void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& origin, std::set<std::string>& used,
-                const JsonPaths& paths, const std::string& base_name, ConfigNotes& notes) {
+                const JsonPaths& paths, const std::string& base_name, ConfigNotes& notes, bool strict) {
   r.read("rope_theta", m.rope.theta);
   const json* rs = nullptr;
   const char* rs_key = nullptr;
@@ -337,10 +380,25 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
     }
     return;
   }
+  const std::string pre = std::string(rs_key) + ".";  // "rope_scaling."
+  const auto full = [&](const std::string& key) { return pre + key; };
+  // Present and not null: a null sub-key counts as absent, as HF's `.get(key) or default` does.
+  std::set<std::string> present;
+  for (auto it = rs->begin(); it != rs->end(); ++it) {
+    if (!it.value().is_null()) present.insert(it.key());
+  }
+
   Reader rr(*rs, fmt::format("{}: {}", origin, rs_key), &paths, rs_key);
   rr.read("rope_theta", m.rope.theta, rs);
-  std::string type;
-  if (!rr.read("rope_type", type, rs)) rr.read("type", type, rs);
+  std::string type, type_alias;
+  rr.read("rope_type", type, rs);
+  rr.read("type", type_alias, rs);
+  // HF writes both for older configs (it copies type into rope_type); two different ones are a broken file.
+  PCPKV_CHECK(type.empty() || type_alias.empty() || type == type_alias,
+              "{}: '{}' = \"{}\" and '{}' = \"{}\" disagree", origin, full("rope_type"), type, full("type"),
+              type_alias);
+  if (type.empty()) type = type_alias;
+  const bool preset_had_yarn = m.rope.scaling == RopeScaling::kDeepseekYarn;
   if (type == "yarn" || type == "deepseek_yarn") {
     m.rope.scaling = RopeScaling::kDeepseekYarn;
   } else if (type.empty() || type == "default") {
@@ -349,13 +407,64 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
     PCPKV_FAIL("{}: {}: rope type '{}' is not supported; supported: default, yarn (DeepSeek flavour)", origin,
                rs_key, type);
   }
-  rr.read("factor", m.rope.factor, rs);
-  rr.read("original_max_position_embeddings", m.rope.original_max_position_embeddings, rs);
-  rr.read("beta_fast", m.rope.beta_fast, rs);
-  rr.read("beta_slow", m.rope.beta_slow, rs);
-  rr.read("mscale", m.rope.mscale, rs);
-  rr.read("mscale_all_dim", m.rope.mscale_all_dim, rs);
-  check_rope(m.rope, origin, std::string(rs_key) + ".");
+  const bool yarn = m.rope.scaling == RopeScaling::kDeepseekYarn;
+
+  std::set<std::string> known = {"rope_type", "type", "rope_theta"};
+  if (yarn) {
+    known.insert(std::begin(kYarnKeys), std::end(kYarnKeys));
+    known.insert({"attention_factor", "truncate"});
+    rr.read("factor", m.rope.factor, rs);
+    rr.read("original_max_position_embeddings", m.rope.original_max_position_embeddings, rs);
+    rr.read("beta_fast", m.rope.beta_fast, rs);
+    rr.read("beta_slow", m.rope.beta_slow, rs);
+    rr.read("mscale", m.rope.mscale, rs);
+    rr.read("mscale_all_dim", m.rope.mscale_all_dim, rs);
+    // After the reads: the HF comparison needs the file's factor; a missing key kept the preset value.
+    for (const char* key : kYarnKeys) {
+      if (!present.count(key)) {
+        notes.remarks.push_back(fmt::format("{}: '{}' is missing: {}", origin, full(key),
+                                            yarn_fallback(key, m, preset_had_yarn, base_name, present)));
+      }
+    }
+    // HF's truncate (default true) floors/ceils the ramp ends as DeepSeek's reference and pcpkv do;
+    // false keeps fractional ends, other inverse frequencies than pcpkv's tables.
+    bool truncate = true;
+    rr.read("truncate", truncate, rs);
+    PCPKV_CHECK(truncate,
+                "{}: '{}' = false is not supported: pcpkv builds the YaRN ramp with floor/ceil ends (DeepSeek's "
+                "reference, HF's default truncate = true); remove the key or set it to true",
+                origin, full("truncate"));
+  }
+  check_rope(m.rope, origin, pre);
+  if (yarn && present.count("attention_factor")) {
+    // HF's _compute_yarn_parameters multiplies cos/sin by attention_factor in place of
+    // mscale(factor, mscale) / mscale(factor, mscale_all_dim); vLLM's DeepSeek YaRN ignores the key.
+    // pcpkv's tables (rope.cpp) use the mscale ratio, so only a value equal to it gives HF's bytes.
+    double attention_factor = 0;
+    rr.read("attention_factor", attention_factor, rs);
+    const long double ratio = rope_mscale(m.rope);
+    PCPKV_CHECK(static_cast<long double>(attention_factor) == ratio,
+                "{}: '{}' = {} is not supported: HF transformers multiplies cos/sin by it instead of "
+                "mscale(factor, mscale) / mscale(factor, mscale_all_dim) = {} (pcpkv's value; vLLM's DeepSeek "
+                "YaRN ignores the key), so k_pe bytes would depend on the engine; remove the key or set mscale "
+                "and mscale_all_dim for the magnitude you want",
+                origin, full("attention_factor"), as_written(rs->at("attention_factor"), &paths,
+                                                             full("attention_factor")),
+                static_cast<double>(ratio));
+  }
+  for (auto it = rs->begin(); it != rs->end(); ++it) {
+    const std::string& key = it.key();
+    if (known.count(key)) continue;
+    const bool yarn_only = std::find(std::begin(kYarnKeys), std::end(kYarnKeys), key) != std::end(kYarnKeys) ||
+                           key == "attention_factor" || key == "truncate";
+    if (yarn_only) {  // a key of another scaling type than the one chosen: harmless, but worth a line
+      notes.remarks.push_back(fmt::format("{}: '{}' is not used: the rope type is default (no scaling)", origin,
+                                          full(key)));
+      continue;
+    }
+    PCPKV_CHECK(!strict, "{}: unknown key '{}' (strict mode)", origin, full(key));
+    notes.remarks.push_back(fmt::format("{}: '{}' is not a RoPE key pcpkv knows: ignored", origin, full(key)));
+  }
 }
 
 // A pcpkv::Error for a JSON text nlohmann refused, naming the key where parsing stopped when there is one
@@ -428,6 +537,11 @@ ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std
   rd("index_topk", m.index_topk);
   rd("rms_norm_eps", m.rms_norm_eps);
   rd("max_position_embeddings", m.max_position_embeddings);
+  // Positions past it are a run-time matter (plan checks); 0 or less cannot describe any model.
+  PCPKV_CHECK(m.max_position_embeddings >= 1, "{}: 'max_position_embeddings' = {} must be >= 1", origin,
+              j.contains("max_position_embeddings")
+                  ? as_written(j.at("max_position_embeddings"), &paths, "max_position_embeddings")
+                  : std::to_string(m.max_position_embeddings));
   rd("num_hidden_layers", m.num_hidden_layers);
   rd("n_routed_experts", m.n_routed_experts);
   rd("num_experts_per_tok", m.num_experts_per_tok);
@@ -449,7 +563,7 @@ ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std
   opt("index_topk_freq", m.index_topk_freq);
   opt("index_skip_topk_offset", m.index_skip_topk_offset);
   used.insert("rope_theta");
-  apply_rope(j, m, r, origin, used, paths, base_name, n);
+  apply_rope(j, m, r, origin, used, paths, base_name, n, strict);
 
   for (const char* key : {"indexer_types", "index_topk_pattern"}) {
     used.insert(key);

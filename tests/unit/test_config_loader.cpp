@@ -166,5 +166,147 @@ TEST(ConfigLoader, WrongTypesAndRangesNameTheValueAsWritten) {
                {"'rope_scaling' must be an object", "(a string)"});
 }
 
+
+// Notes of a config the loader accepts (fails the test when it refuses).
+ConfigNotes notes_of(const std::string& json_text, bool strict = false) {
+  ConfigNotes notes;
+  try {
+    parse_hf_config(json_text, {}, &notes, strict, "user.json");
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "refused: " << e.what() << "\n" << json_text;
+  }
+  return notes;
+}
+
+// The one remark that names `key` (quoted, as the loader writes it); "" (and a failure) when none or several.
+std::string remark_on(const ConfigNotes& notes, const std::string& key) {
+  std::vector<std::string> hits;
+  for (const std::string& r : notes.remarks) {
+    if (r.find("'" + key + "'") != std::string::npos) hits.push_back(r);
+  }
+  EXPECT_EQ(hits.size(), 1u) << key;
+  return hits.size() == 1 ? hits[0] : std::string();
+}
+
+void expect_parts(const std::string& text, const std::vector<std::string>& parts) {
+  EXPECT_EQ(text.rfind("user.json: ", 0), 0u) << text;
+  for (const std::string& p : parts) EXPECT_NE(text.find(p), std::string::npos) << "'" << p << "' missing in: " << text;
+}
+
+const std::string kFullYarn =
+    R"("type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+       "mscale": 1.0, "mscale_all_dim": 1.0)";
+
+// Sub-keys pcpkv does not read are named (file and full key), never dropped silently; strict refuses them.
+TEST(ConfigLoader, UnknownRopeSubKeysAreNoted) {
+  const std::string text = R"({"model_type": "deepseek_v32", "rope_scaling": {)" + kFullYarn + R"(, "bogus": 1}})";
+  const ConfigNotes notes = notes_of(text);
+  ASSERT_EQ(notes.remarks.size(), 1u);
+  expect_parts(remark_on(notes, "rope_scaling.bogus"), {"not a RoPE key pcpkv knows"});
+  EXPECT_TRUE(notes.ignored.empty());
+  const std::string msg = [&] {
+    try {
+      parse_hf_config(text, {}, nullptr, /*strict=*/true, "user.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  }();
+  expect_parts(msg, {"unknown key 'rope_scaling.bogus'", "strict"});
+
+  // GLM-5's rope_parameters: the same, and YaRN keys under the default type are named as unused.
+  const ConfigNotes glm = notes_of(
+      R"({"model_type": "glm_moe_dsa", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "factor": 4,
+          "extra": true}})");
+  ASSERT_EQ(glm.remarks.size(), 2u);
+  expect_parts(remark_on(glm, "rope_parameters.factor"), {"not used", "default"});
+  expect_parts(remark_on(glm, "rope_parameters.extra"), {"not a RoPE key"});
+  // The shipped configs carry no such key: no remark at all.
+  for (const std::string& name : preset_names()) {
+    ConfigNotes n;
+    load_hf_config(config_dir() + "/" + name + ".json", {}, &n, /*strict=*/true);
+    EXPECT_TRUE(n.remarks.empty()) << name << ": " << n.remarks.front();
+  }
+}
+
+// {"type": "yarn", "factor": 40} alone: every other YaRN key takes the preset value, and each says so.
+TEST(ConfigLoader, MissingYarnSubKeysAreNotedWithTheirSource) {
+  const ConfigNotes ds =
+      notes_of(R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "factor": 40}})");
+  EXPECT_EQ(ds.remarks.size(), 5u);
+  expect_parts(remark_on(ds, "rope_scaling.mscale"), {"missing", "using 1 from the deepseek-v3.2 preset",
+                                                       "0.1 * ln(factor) + 1 = 1.3688"});
+  expect_parts(remark_on(ds, "rope_scaling.mscale_all_dim"), {"missing", "using 1 from the deepseek-v3.2 preset"});
+  expect_parts(remark_on(ds, "rope_scaling.original_max_position_embeddings"),
+               {"missing", "using 4096 from the deepseek-v3.2 preset", "max_position_embeddings (163840)"});
+  expect_parts(remark_on(ds, "rope_scaling.beta_fast"), {"missing", "using 32 from the deepseek-v3.2 preset"});
+  expect_parts(remark_on(ds, "rope_scaling.beta_slow"), {"missing", "using 1 from the deepseek-v3.2 preset"});
+
+  // GLM-5 has no YaRN in its preset: the values are pcpkv's built-in defaults, and the note says so.
+  ConfigNotes glm_notes;
+  const ModelConfig glm = parse_hf_config(
+      R"({"model_type": "glm_moe_dsa", "rope_parameters": {"rope_type": "yarn", "factor": 4, "rope_theta": 1e6,
+          "beta_fast": 32, "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1}})",
+      {}, &glm_notes, false, "user.json");
+  EXPECT_EQ(glm.rope.scaling, RopeScaling::kDeepseekYarn);
+  EXPECT_EQ(glm.rope.original_max_position_embeddings, 4096);
+  ASSERT_EQ(glm_notes.remarks.size(), 1u);
+  expect_parts(remark_on(glm_notes, "rope_parameters.original_max_position_embeddings"),
+               {"missing", "using 4096 from the glm-5 preset", "no YaRN", "max_position_embeddings (202752)"});
+  // A complete YaRN block: no remark.
+  EXPECT_TRUE(notes_of(R"({"model_type": "deepseek_v32", "rope_scaling": {)" + kFullYarn + "}}").remarks.empty());
+}
+
+// HF's attention_factor replaces the mscale ratio as the cos/sin multiplier; pcpkv's tables use the ratio,
+// so a different value is refused (not dropped), and a value equal to the ratio is accepted.
+TEST(ConfigLoader, AttentionFactorIsRefusedUnlessItEqualsTheMscaleRatio) {
+  const std::string head = R"({"model_type": "deepseek_v32", "rope_scaling": {)" + kFullYarn;
+  expect_error(head + R"(, "attention_factor": 2.0}})",
+               {"'rope_scaling.attention_factor' = 2.0", "not supported", "mscale_all_dim) = 1"});
+  expect_error(head + R"(, "attention_factor": "x"}})", {"attention_factor", "\"x\" (a string)"});
+  const ConfigNotes ok = notes_of(head + R"(, "attention_factor": 1}})");
+  EXPECT_TRUE(ok.remarks.empty()) << ok.remarks.front();
+  // Under the default type it is one more unused key.
+  const ConfigNotes plain =
+      notes_of(R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "default", "attention_factor": 2}})");
+  ASSERT_EQ(plain.remarks.size(), 1u);
+  expect_parts(remark_on(plain, "rope_scaling.attention_factor"), {"not used"});
+  // truncate: true is what pcpkv computes; false (fractional ramp ends) is refused.
+  EXPECT_TRUE(notes_of(head + R"(, "truncate": true}})").remarks.empty());
+  expect_error(head + R"(, "truncate": false}})", {"'rope_scaling.truncate' = false", "not supported"});
+  // rope_type and type must agree when both are given.
+  expect_error(R"({"model_type": "deepseek_v32", "rope_scaling": {"rope_type": "yarn", "type": "default"}})",
+               {"'rope_scaling.rope_type' = \"yarn\"", "'rope_scaling.type' = \"default\"", "disagree"});
+}
+
+// beta_fast < beta_slow inverts the ramp (finite, but not YaRN): refused naming both keys and values.
+TEST(ConfigLoader, SwappedYarnBetasAreRefused) {
+  const std::string yarn = R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "factor": 40, )";
+  expect_error(yarn + R"("beta_fast": 1, "beta_slow": 32}})",
+               {"rope_scaling.beta_fast = 1", "rope_scaling.beta_slow = 32", "beta_fast >= beta_slow"});
+  // The preset's beta_slow (1) against a file's beta_fast 0.5: the same check.
+  expect_error(yarn + R"("beta_fast": 0.5}})", {"rope_scaling.beta_fast = 0.5", "rope_scaling.beta_slow = 1"});
+  // Equal betas: a one-step ramp the reference handles; accepted.
+  EXPECT_EQ(error_of(yarn + R"("beta_fast": 8, "beta_slow": 8}})"), "no error");
+  // A config built in code: validate() refuses the same way.
+  ModelConfig m = preset("deepseek-v3.2");
+  std::swap(m.rope.beta_fast, m.rope.beta_slow);
+  try {
+    m.validate();
+    ADD_FAILURE() << "swapped betas accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rope.beta_fast = 1 is less than rope.beta_slow = 32"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(ConfigLoader, MaxPositionEmbeddingsBelowOneIsRefused) {
+  expect_error(R"({"model_type": "deepseek_v32", "max_position_embeddings": 0})",
+               {"'max_position_embeddings' = 0", ">= 1"});
+  expect_error(R"({"model_type": "glm_moe_dsa", "max_position_embeddings": -5})",
+               {"'max_position_embeddings' = -5", ">= 1"});
+  EXPECT_EQ(error_of(R"({"model_type": "glm_moe_dsa", "max_position_embeddings": 1})"), "no error");
+}
+
 }  // namespace
 }  // namespace pcpkv
