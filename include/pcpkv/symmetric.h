@@ -56,6 +56,11 @@ class SymmetricMemory {
 std::unique_ptr<SymmetricMemory> make_host_symmetric(Bootstrap& group, int64_t bytes, const std::string& name,
                                                      uint8_t fill = 0);
 
+/// The size check of every symmetric allocation (host and device): all-gathers `bytes` over `group` and
+/// throws pcpkv::Error, on every rank alike, naming `what` and the first rank whose size differs from rank 0's
+/// or is not > 0 (a smaller peer buffer would be written out of bounds). Collective.
+void agree_symmetric_size(Bootstrap& group, int64_t bytes, const std::string& what);
+
 /// Test hook: when set (>= 0), make_host_symmetric on this group rank fails to map the peer buffers, with
 /// reason `why`, so that tests can check the all-or-nothing agreement. -1 (default): off.
 void set_host_symmetric_failure_for_test(int32_t group_rank, const std::string& why);

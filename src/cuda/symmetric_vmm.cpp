@@ -20,6 +20,7 @@
 #include "pcpkv/bootstrap.h"
 #include "pcpkv/cuda_multiproc.h"
 #include "pcpkv/error.h"
+#include "pcpkv/symmetric.h"
 
 namespace pcpkv::cuda {
 namespace {
@@ -238,12 +239,7 @@ std::unique_ptr<SymmetricMemory> make_device_symmetric(Bootstrap& group, int64_t
   const int32_t world = group.world_size();
   const int32_t me = group.rank();
   const std::string what = fmt::format("device symmetric memory '{}' ({} bytes per rank, {} ranks)", name, bytes, world);
-  std::vector<int64_t> sizes(static_cast<size_t>(world));
-  group.all_gather(&bytes, sizeof(bytes), sizes.data());
-  for (int32_t r = 0; r < world; ++r)
-    PCPKV_CHECK(sizes[static_cast<size_t>(r)] == sizes[0] && sizes[0] > 0,
-                "{}: rank {} asks for {} bytes, rank 0 for {}; every rank must allocate the same size (> 0)", what, r,
-                sizes[static_cast<size_t>(r)], sizes[0]);
+  agree_symmetric_size(group, bytes, what);
   int device = -1;
   std::string why;
   if (cudaGetDevice(&device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess)  // make the primary context current

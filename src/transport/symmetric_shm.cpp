@@ -68,6 +68,16 @@ class HostSymmetric final : public SymmetricMemory {
 
 }  // namespace
 
+void agree_symmetric_size(Bootstrap& group, int64_t bytes, const std::string& what) {
+  const int32_t world = group.world_size();
+  std::vector<int64_t> sizes(static_cast<size_t>(world));
+  group.all_gather(&bytes, sizeof(bytes), sizes.data());
+  for (size_t r = 0; r < sizes.size(); ++r)
+    PCPKV_CHECK(sizes[r] == sizes[0] && sizes[r] > 0,
+                "{}: rank {} asks for {} bytes, rank 0 for {}; every rank must allocate the same size (> 0)", what,
+                r, sizes[r], sizes[0]);
+}
+
 void set_host_symmetric_failure_for_test(int32_t group_rank, const std::string& why) {
   g_fail_why = why;
   g_fail_rank = group_rank;
@@ -78,13 +88,7 @@ std::unique_ptr<SymmetricMemory> make_host_symmetric(Bootstrap& group, int64_t b
   const int32_t world = group.world_size();
   const int32_t me = group.rank();
   const std::string what = fmt::format("symmetric memory '{}' ({} bytes per rank, {} ranks)", name, bytes, world);
-  // Sizes must agree everywhere: a smaller peer buffer would be written out of bounds.
-  std::vector<int64_t> sizes(world);
-  group.all_gather(&bytes, sizeof(bytes), sizes.data());
-  for (int32_t r = 0; r < world; ++r)
-    PCPKV_CHECK(sizes[r] == sizes[0] && sizes[r] > 0,
-                "{}: rank {} asks for {} bytes, rank 0 for {}; every rank must allocate the same size (> 0)", what,
-                r, sizes[r], sizes[0]);
+  agree_symmetric_size(group, bytes, what);
 
   auto mem = std::make_unique<HostSymmetric>(name, me, bytes, world);
   // 1. Create and fill the local buffer. The name is unlinked at once: the descriptors and mappings keep

@@ -18,17 +18,11 @@
 #include "pcpkv/cuda.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/codec_hw.h"
+#include "support/gpu.h"
 
 namespace pcpkv {
 namespace {
 
-#define REQUIRE_GPU()                                                                     \
-  do {                                                                                    \
-    std::string why_;                                                                     \
-    if (cuda::device_count(&why_) <= 0) GTEST_SKIP() << "no CUDA device visible: " << why_; \
-  } while (0)
-
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
 
 constexpr uint32_t kLaneMix = 0x9E3779B9u;
 constexpr int64_t kChunk = int64_t{1} << 26;  // patterns per GPU round trip

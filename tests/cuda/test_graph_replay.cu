@@ -17,15 +17,10 @@
 #include "pcpkv/cuda.h"
 #include "support/bytes.h"
 #include "support/publish_case.h"
+#include "support/gpu.h"
 
 namespace pcpkv {
 namespace {
-
-#define REQUIRE_GPU()                                                                     \
-  do {                                                                                    \
-    std::string why_;                                                                     \
-    if (cuda::device_count(&why_) <= 0) GTEST_SKIP() << "no CUDA device visible: " << why_; \
-  } while (0)
 
 constexpr int kReplays = 100;
 

@@ -14,15 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/cuda.h"
+#include "support/gpu.h"
 
 namespace pcpkv {
 namespace {
-
-#define REQUIRE_GPU()                                                                     \
-  do {                                                                                    \
-    std::string why_;                                                                     \
-    if (cuda::device_count(&why_) <= 0) GTEST_SKIP() << "no CUDA device visible: " << why_; \
-  } while (0)
 
 std::string slurp(const std::string& path) {
   std::ifstream in(path);

@@ -15,18 +15,13 @@
 #include "cuda/local_fence.h"
 #include "pcpkv/cuda.h"
 #include "pcpkv/error.h"
+#include "support/gpu.h"
 
 namespace pcpkv {
 namespace {
 
 using cuda_detail::LocalFence;
 using cuda_detail::Stream;
-
-#define REQUIRE_GPU()                                                                     \
-  do {                                                                                    \
-    std::string why_;                                                                     \
-    if (cuda::device_count(&why_) <= 0) GTEST_SKIP() << "no CUDA device visible: " << why_; \
-  } while (0)
 
 TEST(GpuFence, EpochsAdvancePerCallAndPerBarrier) {
   REQUIRE_GPU();

@@ -22,17 +22,12 @@
 #include "pcpkv/rope.h"
 #include "support/bytes.h"
 #include "support/random_bf16.h"
+#include "support/gpu.h"
 
 namespace pcpkv {
 namespace {
 
 using cuda_detail::DeviceBuffer;
-
-#define REQUIRE_GPU()                                                                     \
-  do {                                                                                    \
-    std::string why_;                                                                     \
-    if (cuda::device_count(&why_) <= 0) GTEST_SKIP() << "no CUDA device visible: " << why_; \
-  } while (0)
 
 constexpr int64_t kGuard = 64;
 

@@ -22,6 +22,7 @@
 #include "pcpkv/pdl.h"
 #include "support/bytes.h"
 #include "support/publish_case.h"
+#include "support/gpu.h"
 
 namespace pcpkv {
 namespace {
@@ -29,12 +30,6 @@ namespace {
 using cuda_detail::Publisher;
 using cuda_detail::PublisherOptions;
 using cuda_detail::PublishVariant;
-
-#define REQUIRE_GPU()                                                                     \
-  do {                                                                                    \
-    std::string why_;                                                                     \
-    if (cuda::device_count(&why_) <= 0) GTEST_SKIP() << "no CUDA device visible: " << why_; \
-  } while (0)
 
 constexpr Transport kTransports[] = {Transport::kCollect, Transport::kStaging, Transport::kDirect};
 

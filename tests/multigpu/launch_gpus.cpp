@@ -17,12 +17,8 @@ namespace {
 
 using test::clean_env;
 using test::count_occurrences;
+using test::describe;
 using test::run_program;
-
-std::string describe(const test::CliResult& r) {
-  return fmt::format("exit {} signal {}{} after {:.1f} s; output:\n{}", r.exit_code, r.signal,
-                     r.timed_out ? " (timed out)" : "", r.seconds, r.output);
-}
 
 // Visible GPUs (the test process itself only asks the runtime for the count; ranks are fresh processes).
 int num_gpus(std::string* why) {

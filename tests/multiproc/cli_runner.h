@@ -79,6 +79,12 @@ inline CliResult run_program(const std::vector<std::string>& args, double limit_
   return r;
 }
 
+/// One line for a failed expectation: how the program ended, then its output.
+inline std::string describe(const CliResult& r) {
+  return fmt::format("exit {} signal {}{} after {:.1f} s; output:\n{}", r.exit_code, r.signal,
+                     r.timed_out ? " (timed out)" : "", r.seconds, r.output);
+}
+
 inline int count_occurrences(const std::string& hay, const std::string& needle) {
   int n = 0;
   for (size_t p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;

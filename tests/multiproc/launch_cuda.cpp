@@ -12,12 +12,8 @@ namespace {
 
 using test::clean_env;
 using test::count_occurrences;
+using test::describe;
 using test::run_program;
-
-std::string describe(const test::CliResult& r) {
-  return fmt::format("exit {} signal {}{} after {:.1f} s; output:\n{}", r.exit_code, r.signal,
-                     r.timed_out ? " (timed out)" : "", r.seconds, r.output);
-}
 
 // Asks the CLI itself (a fresh process: this test process never touches CUDA) whether it can use a GPU.
 const std::string& cuda_unavailable_reason() {

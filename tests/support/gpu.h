@@ -29,4 +29,4 @@ inline bool have_gpu(std::string* why) {
   } while (0)
 
 /// Asserts a CUDA runtime call succeeded.
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())

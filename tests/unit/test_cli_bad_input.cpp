@@ -26,16 +26,7 @@ namespace {
 void expect_refused(const std::string& args, const std::vector<std::string>& expect, const ScratchDir& dir,
                     const std::vector<std::string>& inputs = {}) {
   const std::string save = dir.file("out.safetensors");
-  const CliResult r = run_cli("run " + args + " --save '" + save + "'", dir);
-  EXPECT_EQ(r.exit_code, 2) << args << "\nstderr: " << r.err;
-  EXPECT_EQ(r.err.rfind("pcpkv: error: ", 0), 0u) << args << "\nstderr: " << r.err;
-  for (const auto& e : expect)
-    EXPECT_NE(r.err.find(e), std::string::npos) << args << ": missing '" << e << "' in\n" << r.err;
-  EXPECT_TRUE(r.out.empty()) << "stdout: " << r.out;
-  std::vector<std::string> files = dir.files();
-  std::erase_if(files,
-                [&](const std::string& f) { return std::find(inputs.begin(), inputs.end(), f) != inputs.end(); });
-  EXPECT_TRUE(files.empty()) << args << ": wrote " << files.front();
+  pcpkv_test::expect_refusal(run_cli("run " + args + " --save '" + save + "'", dir), args, expect, dir, inputs);
 }
 
 }  // namespace

@@ -19,13 +19,8 @@ void expect_refused(const std::string& args, const std::vector<std::string>& exp
   const std::string line =
       "bench " + args + " --json '" + dir.file("out.json") + "' --markdown '" + dir.file("out.md") + "'";
   const CliResult r = run_cli(line, dir);
-  EXPECT_EQ(r.exit_code, 2) << line << "\nstderr: " << r.err;
-  EXPECT_EQ(r.err.rfind("pcpkv: error: ", 0), 0u) << line << "\nstderr: " << r.err;
-  for (const auto& e : expect)
-    EXPECT_NE(r.err.find(e), std::string::npos) << line << ": missing '" << e << "' in\n" << r.err;
+  pcpkv_test::expect_refusal(r, line, expect, dir);
   EXPECT_EQ(r.err.find("needs a CUDA"), std::string::npos) << line << ": the GPU check came first:\n" << r.err;
-  EXPECT_TRUE(r.out.empty()) << line << "\nstdout: " << r.out;
-  EXPECT_TRUE(dir.files().empty()) << line << ": wrote " << dir.files().front();
 }
 
 TEST(CliFlagsBench, PcpAndTokensBeforeTheGpuCheck) {

@@ -73,6 +73,25 @@ inline CliResult run_cli(const std::string& args, const ScratchDir& dir) {
   return r;
 }
 
+/// The checks every refusal shares: exit code 2; stderr starts with "pcpkv: error: " (error_first; launched
+/// ranks prefix their lines, so then it only has to hold it) and holds every string of `expect`; stdout
+/// empty; no file left in `dir` but those named in `keep`. `label` says which command in a failure.
+inline void expect_refusal(const CliResult& r, const std::string& label, const std::vector<std::string>& expect,
+                           const ScratchDir& dir, const std::vector<std::string>& keep = {}, bool error_first = true) {
+  EXPECT_EQ(r.exit_code, 2) << label << "\nstderr: " << r.err;
+  if (error_first) {
+    EXPECT_EQ(r.err.rfind("pcpkv: error: ", 0), 0u) << label << "\nstderr: " << r.err;
+  } else {
+    EXPECT_NE(r.err.find("pcpkv: error: "), std::string::npos) << label << "\nstderr: " << r.err;
+  }
+  for (const auto& e : expect)
+    EXPECT_NE(r.err.find(e), std::string::npos) << label << ": missing '" << e << "' in\n" << r.err;
+  EXPECT_TRUE(r.out.empty()) << label << "\nstdout: " << r.out;
+  std::vector<std::string> files = dir.files();
+  std::erase_if(files, [&](const std::string& f) { return std::find(keep.begin(), keep.end(), f) != keep.end(); });
+  EXPECT_TRUE(files.empty()) << label << ": left " << (files.empty() ? "" : files.front());
+}
+
 /// The tensors of a valid inputs file for `plan` (glm-5 dims), with requests and slot_mapping, so a test
 /// can corrupt one of them before writing.
 struct InputsFile {
