@@ -60,6 +60,10 @@ float index_weight_scale(int32_t num_heads);
 void quantize_index_queries(const uint16_t* q, int64_t num_tokens, int32_t num_heads, uint8_t* q_fp8,
                             float* q_scale);
 
+/// The scalar fields every indexer path checks first (num_tokens, num_heads, topk, logit, geometry); throws
+/// pcpkv::Error naming the field and value. validate_indexer and the CUDA entry points call it.
+void validate_indexer_scalars(const IndexerParams& p);
+
 /// Host-side validation of everything the indexer reads (host pointers): sizes, num_heads, topk, every
 /// real token's request index and position, the blocks it needs (in range of the geometry, and present
 /// in the table), max_keys. Throws pcpkv::Error naming the field and value, e.g.

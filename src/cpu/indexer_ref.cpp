@@ -48,7 +48,7 @@ void quantize_index_queries(const uint16_t* q, int64_t num_tokens, int32_t num_h
   }
 }
 
-void validate_indexer(const IndexerParams& p) {
+void validate_indexer_scalars(const IndexerParams& p) {
   PCPKV_CHECK(p.num_tokens >= 0, "indexer: num_tokens must be >= 0, got {}", p.num_tokens);
   PCPKV_CHECK(p.num_heads >= 1 && p.num_heads <= 128, "indexer: num_heads must be in [1, 128], got {}",
               p.num_heads);
@@ -56,6 +56,10 @@ void validate_indexer(const IndexerParams& p) {
   PCPKV_CHECK(p.logit == IndexerLogit::kExact || p.logit == IndexerLogit::kFp32Tree,
               "indexer: logit must be kExact or kFp32Tree, got {}", static_cast<int>(p.logit));
   validate_geometry(p.geometry);
+}
+
+void validate_indexer(const IndexerParams& p) {
+  validate_indexer_scalars(p);
   PCPKV_CHECK(p.geometry.num_slots() <= (int64_t{1} << 31),
               "indexer: geometry has {} slots; int32 slot indices hold at most 2^31", p.geometry.num_slots());
   PCPKV_CHECK(p.num_requests >= 0, "indexer: num_requests must be >= 0, got {}", p.num_requests);

@@ -346,13 +346,7 @@ namespace {
 
 /// The scalar checks of every entry point (device contents are the caller's: validate_indexer).
 void check_scalars(const IndexerParams& p) {
-  PCPKV_CHECK(p.num_tokens >= 0, "indexer: num_tokens must be >= 0, got {}", p.num_tokens);
-  PCPKV_CHECK(p.num_heads >= 1 && p.num_heads <= 128, "indexer: num_heads must be in [1, 128], got {}",
-              p.num_heads);
-  PCPKV_CHECK(p.topk >= 1 && p.topk <= 8192, "indexer: topk must be in [1, 8192], got {}", p.topk);
-  PCPKV_CHECK(p.logit == IndexerLogit::kExact || p.logit == IndexerLogit::kFp32Tree,
-              "indexer: logit must be kExact or kFp32Tree, got {}", static_cast<int>(p.logit));
-  validate_geometry(p.geometry);
+  validate_indexer_scalars(p);
   PCPKV_CHECK(p.geometry.block_stride % 4 == 0, "indexer: geometry.block_stride = {} must be a multiple of 4",
               p.geometry.block_stride);
   if (p.num_tokens == 0) return;

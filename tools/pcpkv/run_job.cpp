@@ -348,9 +348,9 @@ struct Footprint {
 
 // Refuses a batch whose block ids overflow the int32 block tables or whose estimated peak memory exceeds
 // what this machine has available (or --memory-limit-gb). `batch` names the flags (or the file) the batch
-// came from. Returns the estimate and the limit, for the report.
+// came from; from_file: an --inputs file describes it (the refusal's hint then points there). Returns the estimate and the limit, for the report.
 std::pair<long double, long double> check_footprint(const Footprint& f, const std::string& batch,
-                                                    double memory_limit_gb) {
+                                                    double memory_limit_gb, bool from_file) {
   constexpr auto kMaxBlocks = static_cast<long double>(std::numeric_limits<int32_t>::max());
   PCPKV_CHECK(f.blocks <= kMaxBlocks,
               "{}: the cache needs at least {:.0f} blocks of {} slots{}, more than the {} block ids an int32 block "
@@ -367,7 +367,6 @@ std::pair<long double, long double> check_footprint(const Footprint& f, const st
   constexpr long double kRuntimeAllowance = 96.0L * (1 << 20);
   const long double baseline = resident_bytes() + kRuntimeAllowance;
   const MemoryEstimate need = f.estimate(baseline);
-  const bool from_file = batch.rfind("--inputs", 0) == 0;
   const std::string hint =
       baseline > 0.5L * need.total()
           ? "; most of it is the process itself (libraries, threads): free memory or raise --memory-limit-gb"
@@ -584,7 +583,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
         check_footprint(fp,
                         fmt::format("--inputs {} ({} requests, {} tokens, contexts up to {}) with {}", o.inputs,
                                     batch.requests.size(), batch.num_tokens, max_context, geometry),
-                        o.memory_limit_gb);
+                        o.memory_limit_gb, /*from_file=*/true);
     pc.requests = batch.requests;
     p.batch_source = fmt::format("{} requests from {}", batch.requests.size(), o.inputs);
     p.notes_text.push_back(
@@ -618,7 +617,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
         }
       }
     }
-    std::tie(p.memory_estimate, p.memory_limit) = check_footprint(fp, flags, o.memory_limit_gb);
+    std::tie(p.memory_estimate, p.memory_limit) = check_footprint(fp, flags, o.memory_limit_gb, /*from_file=*/false);
     if (o.tokens > 0) pc.requests.push_back({RequestKind::kPrefill, o.tokens, 0});
     for (int32_t i = 0; i < o.decodes; ++i) pc.requests.push_back(decode(i));
     p.batch_source = fmt::format("--tokens {} --decodes {}", o.tokens, o.decodes);
