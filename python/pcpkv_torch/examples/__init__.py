@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m pcpkv_torch.examples.prefill --help``."""

@@ -1,0 +1,153 @@
+"""One forward step's PCP batch over persistent paged block tables (SPEC section 4).
+
+pcpkv_torch.make_plan splits the step (DualChunkSwap prefill, replicated decodes, rank 0 writing them) and gives
+each rank its local rows; the slots come from block tables that live as long as their request, as an engine's
+block manager keeps them, so a chunked prefill's new tokens and later decodes land beside the cached context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..plan import Request, make_plan
+
+__all__ = ["BlockTables", "StepRequest", "StepBatch"]
+
+
+class BlockTables:
+    """Paged block tables of every live request: num_blocks blocks of block_size slots; block 0 is the null
+    block (never handed out); blocks are handed out in a seeded random order (non-contiguous tables).
+    Raises ValueError when a request needs more blocks than are free."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, seed: int = 0):
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size = {block_size} must be a power of two")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks = {num_blocks} must be >= 2 (block 0 is the null block)")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        gen = torch.Generator().manual_seed(seed)
+        self._free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        self.tables: dict = {}
+        self.lengths: dict = {}   # request_id -> positions reserved
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def reserve(self, request_id, num_tokens: int):
+        """Grows request_id's table to hold positions [0, num_tokens)."""
+        table = self.tables.setdefault(request_id, [])
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need > len(self._free):
+            raise ValueError(f"request {request_id!r}: {num_tokens} tokens need {need} more blocks, "
+                             f"{len(self._free)} free of num_blocks = {self.num_blocks}")
+        for _ in range(max(need, 0)):
+            table.append(self._free.pop())
+        self.lengths[request_id] = max(self.lengths.get(request_id, 0), num_tokens)
+
+    def release(self, request_id):
+        """Returns a finished request's blocks to the free list (their cache bytes stay until overwritten)."""
+        self._free.extend(reversed(self.tables.pop(request_id, [])))
+        self.lengths.pop(request_id, None)
+
+    def position_of_slot(self) -> torch.Tensor:
+        """int64 [num_slots]: the position a slot holds in its request, -1 for slots no request reserved."""
+        out = torch.full((self.num_slots,), -1, dtype=torch.int64)
+        for r, n in self.lengths.items():
+            pos = torch.arange(n, dtype=torch.int64)
+            out[self.slots(r, pos)] = pos
+        return out
+
+    def slots(self, request_id, positions: torch.Tensor) -> torch.Tensor:
+        """int64 slots of positions (int64 tensor) of a request: table[pos // B] * B + pos % B."""
+        table = torch.tensor(self.tables[request_id], dtype=torch.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def table_tensor(self, request_ids: Sequence) -> torch.Tensor:
+        """int32 [R, max_blocks] block tables of the requests in this order, padded with -1."""
+        width = max(1, max(len(self.tables[r]) for r in request_ids))
+        out = torch.full((len(request_ids), width), -1, dtype=torch.int32)
+        for i, r in enumerate(request_ids):
+            t = self.tables[r]
+            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        return out
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One request of a step: `token_ids` (int64 [n]) are new tokens whose first has position context_len
+    (the request's cached context). decode: a 1-token decode (replicated on every rank, rank 0 writes it)."""
+
+    request_id: object
+    token_ids: torch.Tensor
+    context_len: int = 0
+    decode: bool = False
+
+
+class StepBatch:
+    """The PCP plan of one step over W ranks, global order = the requests in order, each request's tokens
+    contiguous. Per rank r (M = max_local_tokens rows, padding rows at the end of a rank's list):
+      global_index[r]  int64 [M]  global token of local row i, -1 padding
+      positions[r]     int64 [M]  position (0 for padding)
+      slot_mapping[r]  int64 [M]  slot written by this rank, -1 padding or a decode copy on rank > 0
+      request_idx[r]   int32 [M]  row of block_tables, -1 padding
+      owner[r]         bool [M]   rows whose output this rank returns (each global token exactly once)
+    gathered_slot_mapping int64 [W * M] (rank-major, the all-gather / staging order); block_tables int32 [R, S];
+    input_ids / global_positions int64 [N]; global_slots int64 [N]."""
+
+    def __init__(self, pcp_world: int, requests: Sequence[StepRequest], blocks: BlockTables, device=None):
+        if not requests:
+            raise ValueError("requests: a step needs at least one request")
+        ids = [q.request_id for q in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"requests: a request_id appears twice in one step ({ids})")
+        for q in requests:
+            blocks.reserve(q.request_id, q.context_len + int(q.token_ids.numel()))
+        plan = make_plan(pcp_world, [Request(int(q.token_ids.numel()), q.context_len, q.decode) for q in requests],
+                         block_size=blocks.block_size, shuffle_blocks=False)
+        self.pcp_world, self.block_size = pcp_world, blocks.block_size
+        self.num_slots = blocks.num_slots
+        self.requests = list(requests)
+        self.input_ids = torch.cat([q.token_ids.to(torch.int64).reshape(-1) for q in requests])
+        self.global_positions = plan.global_positions.clone()
+        greq = plan.global_request.to(torch.int64)
+        gslots = torch.empty_like(self.global_positions)
+        for i, q in enumerate(requests):
+            sel = greq == i
+            gslots[sel] = blocks.slots(q.request_id, self.global_positions[sel])
+        self.global_slots = gslots
+        gidx = plan.global_index
+        real = gidx >= 0
+        safe = gidx.clamp(min=0)
+        self.global_index = gidx
+        self.positions = plan.positions
+        self.slot_mapping = torch.where(plan.slot_mapping >= 0, gslots[safe], torch.full_like(gidx, -1))
+        self.request_idx = torch.where(real, greq[safe], torch.full_like(gidx, -1)).to(torch.int32)
+        self.owner = self.slot_mapping >= 0
+        self.gathered_slot_mapping = self.slot_mapping.reshape(-1).clone()
+        self.block_tables = blocks.table_tensor(ids)
+        self.max_local_tokens = int(gidx.shape[1])
+        self.num_tokens = int(self.input_ids.numel())
+        self.max_position = int(self.global_positions.max())
+        if device is not None:
+            self.to(device)
+
+    def to(self, device):
+        for k in ("global_index", "positions", "slot_mapping", "request_idx", "owner", "gathered_slot_mapping",
+                  "block_tables"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
+
+    def local_rows(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rows of global-order x [N, ...] that rank `rank` holds, [M, ...]; padding rows are zeros."""
+        gidx = self.global_index[rank]
+        rows = x.index_select(0, gidx.clamp(min=0))
+        return rows * (gidx >= 0).view(-1, *([1] * (x.dim() - 1))).to(rows.dtype)
+
+    def scatter_owned(self, out: torch.Tensor, local: torch.Tensor, rank: int):
+        """out[global_index] = local for the rows rank owns (out: global order [N, ...])."""
+        own = self.owner[rank]
+        out.index_copy_(0, self.global_index[rank][own], local[own])

@@ -1,0 +1,111 @@
+"""A HF DeepSeek-V3.2 / GLM-5 causal LM whose attention layers run under PCP through pcpkv (PcpModel).
+
+The HF model keeps its embedding, decoder-layer norms, MLP / MoE, final norm and lm_head, run by HF's own
+forward on hidden states in global token order (token-wise work: W logical ranks in one process batch their
+rows); every decoder layer's self_attn is a PcpAttention, which runs each rank's projections on its own rows,
+publishes them with pcpkv into every replica, and attends from each rank's own replica (attention.py).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional, Sequence
+
+import torch
+
+from ..model import ModelSpec
+from .attention import PcpAttention, PcpRuntime
+from .batch import BlockTables, StepBatch, StepRequest
+from .world import PcpWorld
+
+__all__ = ["PcpModel"]
+
+
+class _NoMask(defaultdict):
+    """HF's per-layer-type mask mapping with no mask for any type: PcpAttention masks by positions (the indexer
+    is causal within each request) and HF must not build a dense [N, N] mask."""
+
+    def __init__(self):
+        super().__init__(lambda: None)
+
+
+class PcpModel:
+    """hf_model (GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM, eval, any dtype; its weights are used in place)
+    prefilled under PCP over pcp_world logical ranks of one device. kv_format: "fp8_ds_mla" | "fp8" | "bf16"
+    (the MLA cache row; the indexer cache is FP8 always, SPEC section 3). num_blocks x block_size slots per
+    replica (block 0 is the null block); max_positions: the RoPE table (default: the config's
+    max_position_embeddings, capped at what the blocks can hold). step() runs one forward step of any mix of
+    fresh prefills, chunked prefills with cached context and decodes; requests keep their blocks across steps.
+    row_chunk: see attention.py (None: projections on whole local batches, faster, not batch-invariant).
+    timing: per (layer, stage) seconds in runtime.times (synchronizing); record_topk: keep every layer's top-k
+    (topk_positions); scale_read: how sparse MLA reads fp8_ds_mla tile scales ("fp32" | "bf16", FlashMLA SM90);
+    poison: fill outputs with NaN before the dispatch writes them (tests).
+    Raises ValueError for a config pcpkv cannot serve (kv_lora_rank != 512, ...), a bad transport, or a step
+    that needs more blocks than are free."""
+
+    def __init__(self, hf_model, pcp_world: int, *, num_blocks: int, block_size: int = 64,
+                 kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", transport: str = "direct",
+                 max_positions: Optional[int] = None, row_chunk: Optional[int] = 64, seed: int = 0,
+                 timing: bool = False, record_topk: bool = False, scale_read: str = "fp32", poison: bool = False):
+        self.hf = hf_model
+        cfg = hf_model.config
+        self.spec = ModelSpec.from_hf_config(cfg.to_dict() | {"model_type": cfg.model_type})
+        device = next(hf_model.parameters()).device
+        if max_positions is None:
+            max_positions = min(int(cfg.max_position_embeddings), num_blocks * block_size)
+        layers = hf_model.model.layers
+        self.world = PcpWorld(self.spec, pcp_world, len(layers), num_blocks, block_size, kv_format=kv_format,
+                              ds_mla_scale=ds_mla_scale, max_positions=max_positions, device=device)
+        self.blocks = BlockTables(num_blocks, block_size, seed=seed)
+        self.runtime = PcpRuntime(self.world, transport=transport, row_chunk=row_chunk, timing=timing,
+                                  record_topk=record_topk, scale_read=scale_read, poison=poison)
+        self.transport = transport
+        returns_topk = cfg.model_type == "glm_moe_dsa"
+        self._hf_attn = []
+        for i, layer in enumerate(layers):
+            self._hf_attn.append(layer.self_attn)
+            layer.self_attn = PcpAttention(layer.self_attn, i, self.runtime, returns_topk=returns_topk)
+        self._mlp_hooks = []
+        if timing:
+            for i, layer in enumerate(layers):
+                self._mlp_hooks.append(layer.mlp.register_forward_pre_hook(
+                    lambda m, a, i=i: setattr(self, "_t_mlp", self.runtime.tick())))
+                self._mlp_hooks.append(layer.mlp.register_forward_hook(
+                    lambda m, a, o, i=i: self.runtime.add_time(i, "mlp", self._t_mlp)))
+
+    def restore(self):
+        """Puts HF's own attention modules back (the model is HF's again)."""
+        for layer, attn in zip(self.hf.model.layers, self._hf_attn):
+            layer.self_attn = attn
+        for h in self._mlp_hooks:
+            h.remove()
+        self._mlp_hooks = []
+
+    def topk_positions(self, layer_idx: int) -> torch.Tensor:
+        """The last step's top-k selection of layer layer_idx (record_topk=True) as key positions int64
+        [N, topk] in global token order (each token's owner rank; -1 tail), on the CPU."""
+        batch, sel = self.runtime.step, self.runtime.topk[layer_idx]
+        pos_of_slot = self.blocks.position_of_slot()
+        out = torch.full((batch.num_tokens, sel[0].shape[1]), -1, dtype=torch.int64)
+        for r, k in enumerate(sel):
+            k = k.cpu().long()
+            p = torch.where(k >= 0, pos_of_slot[k.clamp(min=0)], torch.full_like(k, -1))
+            own = batch.owner[r].cpu()
+            out[batch.global_index[r].cpu()[own]] = p[own]
+        return out
+
+    @torch.no_grad()
+    def step(self, requests: Sequence[StepRequest], *, transport: Optional[str] = None,
+             output_hidden_states: bool = False):
+        """One forward step. Returns (logits [N, vocab] in global token order, hidden_states or None: the
+        embedding output and every decoder layer's output [N, hidden] as HF's output_hidden_states gives them,
+        the last one after the final norm), N = all new tokens of the step, requests in order."""
+        device = self.world.device
+        batch = StepBatch(self.world.W, requests, self.blocks, device)
+        self.runtime.step = batch
+        self.runtime.transport = transport or self.transport
+        out = self.hf(input_ids=batch.input_ids.to(device)[None],
+                      position_ids=torch.as_tensor(batch.global_positions, device=device)[None],
+                      attention_mask=_NoMask(), use_cache=False, output_hidden_states=output_hidden_states)
+        hidden = [h[0] for h in out.hidden_states] if output_hidden_states else None
+        return out.logits[0], hidden

@@ -1,0 +1,136 @@
+"""W logical PCP ranks in one process (one GPU, or the CPU): every rank's cache replicas of every layer, its
+staging workspace and the shared fence, and one layer's publication with each transport (SPEC section 5).
+
+  collect  every rank materializes bf16 kv_c / k_pe / index_k of its rows (dispatch), the rows are all-gathered
+           (a concatenation here, NCCL across processes), every rank quantizes and inserts all rows (insert)
+  staging  every rank's dispatch stores packed transport rows into its slot of every rank's staging workspace,
+           fence, every rank scatters the rows of all ranks into its own replica (combine)
+  direct   every rank's dispatch stores final cache bytes into every replica, fence
+Every path leaves every replica byte-identical; staging and direct leave identical bytes (collect quantizes
+from bf16-rounded values, so its bytes are its own: SPEC section 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..layout import allocate_indexer_cache, allocate_mla_cache, allocate_staging
+from ..model import CacheFormat, ModelSpec
+from ..ops import combine, dispatch, fence, insert, rope_table
+from ..tables import CacheTargets, FenceState, RowDests, allocate_fence_pads
+
+__all__ = ["TRANSPORTS", "LocalInputs", "PcpWorld"]
+
+TRANSPORTS = ("collect", "staging", "direct")
+
+
+@dataclass
+class LocalInputs:
+    """One rank's dispatch inputs of a layer (M local rows, padding included): q_c bf16 [M, q_lora_rank] (q_a_proj
+    output), kv bf16 [M, 512], k_pe bf16 [M, 64] (kv_a_proj_with_mqa output split), index_k bf16 [M, 128] (indexer
+    wk output; None on a layer without an indexer)."""
+
+    q_c: torch.Tensor
+    kv: torch.Tensor
+    k_pe: torch.Tensor
+    index_k: Optional[torch.Tensor]
+
+
+class PcpWorld:
+    """Caches of W logical ranks for num_layers layers: mla[layer][rank] uint8 [num_blocks, block_size, row_bytes],
+    index[layer][rank] uint8 [num_blocks, block_size, 132] (None on layers without an indexer), allocated once
+    and filled with `fill` (guard pattern) so untouched bytes are recognizable. Norm weights come per call."""
+
+    def __init__(self, spec: ModelSpec, pcp_world: int, num_layers: int, num_blocks: int, block_size: int, *,
+                 kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", max_positions: int, device=None,
+                 fill: int = 0xA5):
+        if pcp_world < 1:
+            raise ValueError(f"pcp_world = {pcp_world} must be >= 1")
+        self.spec, self.W, self.num_layers = spec, pcp_world, num_layers
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.fmts = [CacheFormat(kv_format, ds_mla_scale, has_indexer=spec.layer_has_indexer(i))
+                     for i in range(num_layers)]
+        self.mla = [[allocate_mla_cache(num_blocks, block_size, kv_format, self.device, fill=fill)
+                     for _ in range(pcp_world)] for _ in range(num_layers)]
+        self.index = [[allocate_indexer_cache(num_blocks, block_size, self.device, fill=fill)
+                       for _ in range(pcp_world)] if self.fmts[i].has_indexer else None for i in range(num_layers)]
+        self.targets = [CacheTargets.from_caches(self.mla[i], self.index[i], self.fmts[i]) for i in range(num_layers)]
+        self.rope = rope_table(spec.rope, max_positions, self.device)
+        self.max_positions = max_positions
+        self.pads = allocate_fence_pads(pcp_world, num_barriers=1, device=self.device)
+        self.fence_state = FenceState.local(self.pads, num_barriers=1)
+        self._staging: dict = {}   # row_bytes -> (capacity M, [W] workspaces, [W] RowDests per buffer)
+
+    def _staging_for(self, fmt: CacheFormat, rows: int):
+        have = self._staging.get(fmt.row_bytes)
+        if have is None or have[0] < rows:
+            ws = [allocate_staging(self.W, rows, fmt, self.device, fill=0) for _ in range(self.W)]
+            dests = [[RowDests.from_staging(ws, r, buffer=b) for r in range(self.W)] for b in range(2)]
+            have = (rows, ws, dests)
+            self._staging[fmt.row_bytes] = have
+        return have
+
+    def publish(self, layer_idx: int, transport: str, local: Sequence[LocalInputs], step, weights: dict,
+                q_c_out: Sequence[torch.Tensor]):
+        """Publishes layer layer_idx's rows of every rank into every replica with `transport` and writes each
+        rank's normalized q_c (RMSNorm, SPEC section 2.1) into q_c_out[r] bf16 [M, q_lora_rank].
+        step: the StepBatch (positions, slot mappings); weights: q_norm_w, kv_norm_w, index_ln_w, index_ln_b.
+        Raises ValueError for an unknown transport or positions past the RoPE table."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS}")
+        if step.max_position >= self.max_positions:
+            raise ValueError(f"position {step.max_position} is past the RoPE table of max_positions = "
+                             f"{self.max_positions}")
+        fmt = self.fmts[layer_idx]
+        mla, index = self.mla[layer_idx], self.index[layer_idx]
+        kw = self.spec.dispatch_kwargs()
+
+        def run(r, **where):
+            x = local[r]
+            dispatch(x.kv, x.k_pe, step.positions[r], weights["kv_norm_w"], self.rope, fmt=fmt, q_c=x.q_c,
+                     q_norm_w=weights["q_norm_w"], q_c_out=q_c_out[r],
+                     index_k=x.index_k if fmt.has_indexer else None,
+                     index_ln_w=weights.get("index_ln_w") if fmt.has_indexer else None,
+                     index_ln_b=weights.get("index_ln_b") if fmt.has_indexer else None, **where, **kw)
+
+        M = step.max_local_tokens
+        if transport == "direct":
+            for r in range(self.W):
+                run(r, slot_mapping=step.slot_mapping[r], targets=self.targets[layer_idx])
+            fence(self.fence_state, 0, written=mla + (index or []))
+        elif transport == "staging":
+            _, ws, dests = self._staging_for(fmt, M)
+            buf = layer_idx % 2  # alternate buffers: a rank may run one layer ahead of a peer's combine
+            for r in range(self.W):
+                run(r, slot_mapping=step.slot_mapping[r], row_dests=dests[buf][r])
+            fence(self.fence_state, 0, written=ws)
+            cap = ws[0].shape[3]
+            gathered = step.gathered_slot_mapping
+            if cap != M:  # a workspace sized for a longer step: rows past M of every slot are skipped
+                gathered = torch.full((self.W, cap), -1, dtype=torch.int64, device=self.device)
+                gathered[:, :M] = step.slot_mapping
+                gathered = gathered.view(-1)
+            for r in range(self.W):
+                combine(ws[r][buf, 0], gathered, mla[r], index[r] if fmt.has_indexer else None, fmt=fmt)
+        else:
+            kv_c = torch.empty((self.W, M, 512), dtype=torch.bfloat16, device=self.device)
+            k_pe = torch.empty((self.W, M, 64), dtype=torch.bfloat16, device=self.device)
+            idx_k = torch.empty((self.W, M, 128), dtype=torch.bfloat16, device=self.device) if fmt.has_indexer else None
+            for r in range(self.W):
+                run(r, kv_c_out=kv_c[r], k_pe_out=k_pe[r], index_k_out=idx_k[r] if idx_k is not None else None)
+            # the all-gather: rank-major rows, the order of gathered_slot_mapping
+            kv_c, k_pe = kv_c.view(-1, 512), k_pe.view(-1, 64)
+            idx_k = idx_k.view(-1, 128) if idx_k is not None else None
+            for r in range(self.W):
+                insert(kv_c, k_pe, idx_k, step.gathered_slot_mapping, mla[r], index[r] if fmt.has_indexer else None,
+                       fmt=fmt)
+
+    def replica_bytes(self, layer_idx: int, rank: int):
+        """(MLA, indexer or None) cache bytes of one replica, on the CPU (for byte comparisons)."""
+        idx = self.index[layer_idx]
+        return (self.mla[layer_idx][rank].cpu().clone(),
+                idx[rank].cpu().clone() if idx is not None else None)
