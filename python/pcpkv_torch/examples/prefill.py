@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--hf-tokens", type=int, default=2048, help="tokens of the HF comparison (0: skip it)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--row-chunk", type=int, default=None,
+                   help="rows per projection chunk (batch invariance; default 64 on CPU, 1024 on CUDA; 0: whole)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("layers", "tokens", "pcp", "block_size"):
@@ -69,6 +71,10 @@ def main(argv=None) -> int:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dims = args.dims or ("real" if device.type == "cuda" else "small")
+    if args.row_chunk is None:
+        args.row_chunk = 1024 if device.type == "cuda" else 64
+    if args.row_chunk < 0:
+        p.error(f"--row-chunk = {args.row_chunk} must be >= 0")
     cfg = make_config(args)
     progress(f"building {args.model} ({cfg.model_type}): {args.layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_attention_heads} heads, q_lora {cfg.q_lora_rank}, index heads {cfg.index_n_heads}, "
@@ -86,7 +92,7 @@ def main(argv=None) -> int:
 
     def make(P, transport, **kw):
         return PcpModel(model, P, num_blocks=num_blocks, block_size=B, kv_format=args.kv_format,
-                        transport=transport, seed=args.seed, **kw)
+                        transport=transport, seed=args.seed, row_chunk=args.row_chunk or None, **kw)
 
     print("\nchecks")
     logits = {}
