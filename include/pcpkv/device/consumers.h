@@ -129,7 +129,7 @@ PCPKV_HD int64_t sort_key_position(uint64_t key) {
 
 /// An fp8_ds_mla tile scale as the attention reads it (SparseMlaParams::scales_as_bf16): the stored fp32
 /// (default), or rounded to bf16 (round to nearest even), as FlashMLA's SM90 reader converts it before use.
-/// pow2 scales are bf16-exact, so both reads agree on them; raw scales move by up to 2^-9 relative.
+/// pow2 scales are bf16-exact, so both reads agree on them; raw scales move by up to 2^-8 relative.
 PCPKV_HD float ds_mla_read_scale(uint32_t bits, bool as_bf16) {
   const float s = fp32::from_bits(bits);
   return as_bf16 ? codec::bf16_to_float(codec::float_to_bf16(s)) : s;
