@@ -293,6 +293,10 @@ def test_sparse_mla_bf16_scale_read(device):
         ref16 = attention_ref(w, q, idx, fmt, bf16_scales=True)
         check_attention(o16, l16, ref16, f"{device} raw scales read as bf16",
                         "fp32_once" if device == "cpu" else "bf16_mma")
+        if device == "cuda":  # the fp32 kernel's bound is tight enough to tell the two reads apart
+            o, l = pk.sparse_mla(q, w.mla[0], idx, fmt=fmt, softmax_scale=SOFTMAX_SCALE, scale_read="bf16",
+                                 kernel="simt")
+            check_attention(o, l, ref16, "cuda simt raw scales read as bf16", "fp32")
         # ... and differs from the fp32 read by what 2^-8-relative scale errors explain: values move by
         # 2^-8 |v|, scores by 2^-8 max_s (so softmax weights by 2 * 2^-8 max_s, relative).
         _, _, abs_pv, max_s, keys = attention_ref(w, q, idx, fmt)
