@@ -10,8 +10,8 @@ Environment:
 
 The extension compiles pcpkv's core sources it needs (layouts, RoPE tables, PCP plan, the CPU reference
 kernels) and, with CUDA, pcpkv's own launchers and kernels (src/cuda/launch.h: dispatch*.cu, combine.cu,
-insert.cu, fence.cu, plus device.cpp and pdl_switch.cpp): the torch ops run exactly the kernels the C++
-library runs. fmt comes header-only from torch's own include directory, so nothing beyond torch, a C++20 compiler
+insert.cu, fence.cu, plus device.cpp and pdl_switch.cpp; the consumers' indexer_kernels.cu,
+sparse_mla_*.cu, lse_merge_kernels.cu): the torch ops run exactly the kernels the C++ library runs. fmt comes header-only from torch's own include directory, so nothing beyond torch, a C++20 compiler
 and (for CUDA) nvcc is needed.
 """
 
@@ -26,7 +26,8 @@ ROOT = os.path.dirname(HERE)
 
 def _sources():
     core = [os.path.join(ROOT, "src", "core", f"{n}.cpp") for n in ("layout", "rope", "plan")]
-    cpu = [os.path.join(ROOT, "src", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
+    cpu = [os.path.join(ROOT, "src", "cpu", f"{n}.cpp")
+           for n in ("dispatch", "combine", "validate_params", "indexer_ref", "sparse_mla_ref", "lse_merge_ref")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     return core + cpu + [s for s in own if not s.endswith("_cuda.cpp")]
 
@@ -35,7 +36,9 @@ def _sources():
 # launch_combine, launch_insert_mla / launch_insert_indexer, launch_fence) and what they need (num_sms in
 # device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch). run_device_tests.sh refuses a
 # build with an undefined pcpkv symbol, which is what a source missing here looks like.
-CUDA_SOURCES = ("combine.cu", "insert.cu", "fence.cu", "device.cpp")
+# The consumer ops (csrc/consumers_cuda.cpp) call cuda::indexer, cuda::sparse_mla and cuda::lse_merge.
+CUDA_SOURCES = ("combine.cu", "insert.cu", "fence.cu", "device.cpp", "indexer_kernels.cu", "sparse_mla_kernels.cu",
+                "sparse_mla_mma.cu", "lse_merge_kernels.cu")
 CUDA_SOURCES_IF_PRESENT = ("pdl_switch.cpp",)
 
 

@@ -42,6 +42,8 @@ struct SparseMlaParams {
   const int32_t* indices = nullptr;  // [T, topk] cache slots, -1 = skip
   int32_t topk = 0;                  // >= 1
   float softmax_scale = 0.0f;        // ModelConfig::softmax_scale(), > 0
+  bool scales_as_bf16 = false;       // fp8_ds_mla: read tile scales rounded to bf16 (FlashMLA's SM90 reader;
+                                     // consumers::ds_mla_read_scale); other formats ignore it
   // ---- outputs ----
   float* out = nullptr;              // [T, H, 512] fp32
   float* lse = nullptr;              // [T, H] fp32, natural log

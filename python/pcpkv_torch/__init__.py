@@ -22,6 +22,7 @@ if _torch is not None:
     from .layout import (allocate_indexer_cache, allocate_mla_cache, allocate_staging, dequantize_indexer,
                          dequantize_mla, indexer_cache_view, mla_cache_view)
     from .ops import combine, cuda_dispatch_impl, dispatch, fence, insert, rope_table, validate_slots
+    from .consumers import indexer_topk, lse_merge, quantize_index_q, sparse_mla
     from .plan import PcpPlan, Request, make_plan
     from .tables import CacheTargets, FenceState, RowDests, allocate_fence_pads, peer_pointers, pointer_table
 

@@ -51,7 +51,8 @@ void attend_token(const SparseMlaParams& p, int64_t t, double scale, SparseMlaRe
     const size_t at = kv.size();
     kv.resize(at + kQk);
     for (int c = 0; c < kQk / 8; ++c)
-      consumers::mla_decode_chunk(row, p.fmt.kv_format, p.fmt.k_scale, c, &kv[at + 8 * c]);
+      consumers::mla_decode_chunk(row, p.fmt.kv_format, p.fmt.k_scale, c, &kv[at + 8 * c],
+                                   p.scales_as_bf16);
   }
   const int64_t K = static_cast<int64_t>(kv.size()) / kQk;
   if (stats) stats->num_keys[t] = static_cast<int32_t>(K);

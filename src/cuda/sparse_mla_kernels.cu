@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_kernel(SparseMlaParams p)
       float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (s >= 0) {
         const uint8_t* row = p.mla_cache + (int64_t{s} / bs) * p.geometry.block_stride + (int64_t{s} % bs) * p.geometry.row_stride;
-        consumers::mla_decode_chunk(row, p.fmt.kv_format, p.fmt.k_scale, c, v);
+        consumers::mla_decode_chunk(row, p.fmt.kv_format, p.fmt.k_scale, c, v, p.scales_as_bf16);
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) sm.k[j][8 * c + e] = v[e];

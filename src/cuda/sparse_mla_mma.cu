@@ -133,7 +133,7 @@ __device__ __forceinline__ uint4 decode_chunk(const uint8_t* row, KvFormat fmt, 
 
 /// Scales of a row: kv_c tiles 0..3 and k_pe.
 template <bool kVec>
-__device__ __forceinline__ void row_scales(const uint8_t* row, const CacheFormat& fmt, float* sc) {
+__device__ __forceinline__ void row_scales(const uint8_t* row, const CacheFormat& fmt, bool as_bf16, float* sc) {
   if (fmt.kv_format == KvFormat::kBf16) {
 #pragma unroll
     for (int i = 0; i < 5; ++i) sc[i] = 1.0f;
@@ -152,6 +152,8 @@ __device__ __forceinline__ void row_scales(const uint8_t* row, const CacheFormat
 #pragma unroll
       for (int i = 0; i < 4; ++i) sc[i] = fp32::from_bits(load_u32(sp + 4 * i));
     }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[i] = consumers::ds_mla_read_scale(fp32::bits(sc[i]), as_bf16);
     sc[4] = 1.0f;  // k_pe is bf16
   }
 }
@@ -226,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(SparseMlaPa
     }
     if (tid < kKeys) {
       float sc[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      if (sm.slot[tid] >= 0) row_scales<kVec>(row_ptr(p, sm.slot[tid]), p.fmt, sc);
+      if (sm.slot[tid] >= 0) row_scales<kVec>(row_ptr(p, sm.slot[tid]), p.fmt, p.scales_as_bf16, sc);
 #pragma unroll
       for (int i = 0; i < 5; ++i) sm.scale[i][tid] = sc[i];
     }

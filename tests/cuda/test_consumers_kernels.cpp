@@ -285,6 +285,40 @@ TEST_F(ConsumersCuda, SparseMlaIsBatchIndependent) {
   }
 }
 
+// scales_as_bf16 in both kernels: the same bits as reading a cache whose tile scales were rounded to bf16.
+TEST_F(ConsumersCuda, SparseMlaScalesAsBf16ReadsTheBf16RoundedScales) {
+  for (ConsumerKernels* g : {gpu.get(), gpu_simt.get()}) {
+    for (DsMlaScale mode : {DsMlaScale::kPow2, DsMlaScale::kRaw}) {
+      AttentionCase c;
+      c.fmt = format_of(KvFormat::kFp8DsMla, mode);
+      c.num_heads = 72;
+      c.topk = 300;
+      c.num_blocks = 64;
+      c.build();
+      SparseMlaParams p = c.params();
+      g->sparse_mla(p);
+      const std::vector<float> out32 = c.out;
+      p = c.params();
+      p.scales_as_bf16 = true;
+      g->sparse_mla(p);
+      AttentionCase r = c;
+      test::round_tile_scales_to_bf16(r);
+      SparseMlaParams q = r.params();
+      g->sparse_mla(q);
+      size_t moved = 0;
+      for (size_t i = 0; i < c.out.size(); ++i) {
+        ASSERT_EQ(bits_of(c.out[i]), bits_of(r.out[i])) << g->name() << " " << to_string(mode) << " " << i;
+        moved += bits_of(c.out[i]) != bits_of(out32[i]);
+      }
+      for (size_t i = 0; i < c.lse.size(); ++i) ASSERT_EQ(bits_of(c.lse[i]), bits_of(r.lse[i])) << i;
+      if (mode == DsMlaScale::kPow2)
+        EXPECT_EQ(moved, 0u);
+      else
+        EXPECT_GT(moved, c.out.size() / 2);
+    }
+  }
+}
+
 TEST_F(ConsumersCuda, LseMergeWithinTheBound) {
   const int S = 5;
   const int64_t R = 300;

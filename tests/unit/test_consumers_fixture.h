@@ -184,6 +184,20 @@ struct AttentionCase {
   }
 };
 
+/// c's fp8_ds_mla cache with every tile scale replaced in place by its bf16 rounding (round to nearest even):
+/// what SparseMlaParams::scales_as_bf16 makes the attention read.
+inline void round_tile_scales_to_bf16(AttentionCase& c) {
+  for (int64_t s = 0; s < c.geometry.num_slots(); ++s) {
+    uint8_t* sp = c.cache.data() + c.geometry.row_offset(s) + kDsMlaScaleOffset;
+    for (int i = 0; i < 4; ++i) {
+      float f;
+      std::memcpy(&f, sp + 4 * i, 4);
+      f = codec::bf16_to_float(codec::float_to_bf16(f));
+      std::memcpy(sp + 4 * i, &f, 4);
+    }
+  }
+}
+
 inline CacheFormat format_of(KvFormat f, DsMlaScale s = DsMlaScale::kPow2) {
   CacheFormat c;
   c.kv_format = f;

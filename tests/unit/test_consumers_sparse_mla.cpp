@@ -127,6 +127,36 @@ TEST(ConsumersSparseMlaRef, MinusOneEntriesAreSkipped) {
   for (size_t i = 0; i < lse.size(); ++i) ASSERT_EQ(bits_of(lse[i]), bits_of(d.lse[i])) << i;
 }
 
+// scales_as_bf16 (FlashMLA's SM90 reader view) reads exactly the cache whose tile scales were rounded to bf16
+// in place; pow2 scales are bf16-exact (the same bits as the fp32 read), raw ones are not.
+TEST(ConsumersSparseMlaRef, ScalesAsBf16ReadsTheBf16RoundedScales) {
+  for (DsMlaScale mode : {DsMlaScale::kPow2, DsMlaScale::kRaw}) {
+    AttentionCase c;
+    c.fmt = format_of(KvFormat::kFp8DsMla, mode);
+    c.build();
+    SparseMlaParams p = c.params();
+    sparse_mla_cpu(p);
+    const std::vector<float> out32 = c.out;
+    p = c.params();
+    p.scales_as_bf16 = true;
+    sparse_mla_cpu(p);
+    AttentionCase r = c;
+    test::round_tile_scales_to_bf16(r);
+    SparseMlaParams q = r.params();
+    sparse_mla_cpu(q);
+    size_t moved = 0;
+    for (size_t i = 0; i < c.out.size(); ++i) {
+      ASSERT_EQ(bits_of(c.out[i]), bits_of(r.out[i])) << to_string(mode) << " " << i;
+      moved += bits_of(c.out[i]) != bits_of(out32[i]);
+    }
+    for (size_t i = 0; i < c.lse.size(); ++i) ASSERT_EQ(bits_of(c.lse[i]), bits_of(r.lse[i])) << i;
+    if (mode == DsMlaScale::kPow2)
+      EXPECT_EQ(moved, 0u);
+    else
+      EXPECT_GT(moved, c.out.size() / 2) << "raw scales read through bf16 must move the output";
+  }
+}
+
 TEST(ConsumersSparseMlaRef, BadIndexThrowsBeforeWriting) {
   AttentionCase c;
   c.fmt = format_of(KvFormat::kBf16);

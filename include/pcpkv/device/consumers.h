@@ -21,7 +21,8 @@
 // position. sort_key() packs both into one unique 64-bit key; larger = selected first.
 //
 // MLA row decode: the cache value of element i of a row, as fp32, exactly as codec.h defines it
-// (bf16 -> float; fp8: e4m3 * k_scale; fp8_ds_mla: e4m3 * tile scale, k_pe bf16).
+// (bf16 -> float; fp8: e4m3 * k_scale; fp8_ds_mla: e4m3 * tile scale, k_pe bf16). The tile scale is read
+// through ds_mla_read_scale (stored fp32, or rounded to bf16 the way FlashMLA's SM90 reader uses it).
 #pragma once
 
 #include <cstdint>
@@ -126,9 +127,19 @@ PCPKV_HD int64_t sort_key_position(uint64_t key) {
 
 // ---- MLA cache rows ----------------------------------------------------------------------------
 
+/// An fp8_ds_mla tile scale as the attention reads it (SparseMlaParams::scales_as_bf16): the stored fp32
+/// (default), or rounded to bf16 (round to nearest even), as FlashMLA's SM90 reader converts it before use.
+/// pow2 scales are bf16-exact, so both reads agree on them; raw scales move by up to 2^-8 relative.
+PCPKV_HD float ds_mla_read_scale(uint32_t bits, bool as_bf16) {
+  const float s = fp32::from_bits(bits);
+  return as_bf16 ? codec::bf16_to_float(codec::float_to_bf16(s)) : s;
+}
+
 /// Cache value of elements [8*chunk, 8*chunk + 8) of one MLA row (chunk 0..71: 64 chunks of kv_c, then
 /// 8 of k_pe), as fp32. row: first byte of the row. k_scale: static fp8 scale (ignored otherwise).
-PCPKV_HD void mla_decode_chunk(const uint8_t* row, KvFormat fmt, float k_scale, int chunk, float* out) {
+/// scales_as_bf16: fp8_ds_mla tile scales read through bf16 (ds_mla_read_scale).
+PCPKV_HD void mla_decode_chunk(const uint8_t* row, KvFormat fmt, float k_scale, int chunk, float* out,
+                               bool scales_as_bf16 = false) {
   const int base = 8 * chunk;
   if (fmt == KvFormat::kBf16) {
 PCPKV_CONSUMERS_UNROLL
@@ -144,7 +155,7 @@ PCPKV_CONSUMERS_UNROLL
       const uint8_t* sp = row + kDsMlaScaleOffset + 4 * (base / 128);
       const uint32_t sb = static_cast<uint32_t>(sp[0]) | (static_cast<uint32_t>(sp[1]) << 8) |
                           (static_cast<uint32_t>(sp[2]) << 16) | (static_cast<uint32_t>(sp[3]) << 24);
-      const float s = fp32::from_bits(sb);
+      const float s = ds_mla_read_scale(sb, scales_as_bf16);
 PCPKV_CONSUMERS_UNROLL
       for (int e = 0; e < 8; ++e) out[e] = fp32::mul(codec::e4m3_to_float(row[base + e]), s);
     } else {
