@@ -3,6 +3,7 @@
 #   test   build everything (sm_90), run the cuda tier, the multiproc tier (GPU tests included) and the unit tier
 #   bench  pcpkv bench (publication), attention bench, bench-serving, bench-fence (2/4/8 processes)
 #   python build pcpkv_torch and run its pytest suite
+#   models ARGS...  the whole-model prefill example once per quoted argument string (after python)
 #   check  ncu (hardware counters) on one layer's publication kernels, then compute-sanitizer memcheck over the
 #          cuda test executables and racecheck/synccheck over the kernel tests (each bounded in time)
 # Logs land in $OUT (at most 8 files come back). The build dir (build-gpu) is reused while the machine is warm.
@@ -68,6 +69,21 @@ case "$phase" in
     ;;
   python)
     timeout 540 bash python/run_device_tests.sh
+    ;;
+  models)
+    # the whole-model PCP prefill example (issue 13) at the models' real per-layer dims; needs the in-place
+    # pcpkv_torch build of the python phase (run in the same warm session) or builds it first
+    if ! ls python/pcpkv_torch/_C*.so > /dev/null 2>&1; then
+      (cd python && CXX="${PCPKV_TORCH_CXX:-/usr/bin/g++}" MAX_JOBS="$(nproc)" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" \
+        timeout 400 python3 setup.py build_ext --inplace) > "$out/ext_build.log" 2>&1 || { tail -20 "$out/ext_build.log"; exit 1; }
+    fi
+    for args in "${@:2}"; do
+      say "prefill example $args"
+      # shellcheck disable=SC2086
+      (cd python && timeout 280 python3 -m pcpkv_torch.examples.prefill $args) > "$out/prefill_$(echo $args | tr -c 'a-z0-9.-' _).log" 2>&1
+      say "rc=$?"
+    done
+    tail -n 40 "$out"/prefill_*.log
     ;;
   check)
     build_all

@@ -74,7 +74,7 @@ void sparse_mla_cpu(const SparseMlaParams& p, SparseMlaRefStats* stats = nullptr
 ///                                                     and block, 4x the round-to-nearest count covers it;
 ///                                                     plus the fp32 decode rounding the reference did)
 ///              sigma = 2 (2K + 16 min(K, 256) + 64) u     (same sums, truncating)
-///              rho   = 2^-9 + u                            (each weight p_j * scale rounded to bf16)
+///              rho   = 2^-8 + u                            (each weight p_j * scale rounded to bf16)
 ///   |out - ref| <= (2 * delta + sigma + rho) * abs_pv[d] + 2u * |ref| + 1e-30
 ///   |lse - ref| <=      delta + sigma        + 2u * |ref|       (l sums the unrounded fp32 p_j)
 /// (softmax weights move by at most 2*delta relative when scores move by delta). An lse of -inf (no

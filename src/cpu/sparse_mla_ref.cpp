@@ -137,7 +137,7 @@ const char* to_string(SparseMlaKernel k) {
 
 namespace {
 constexpr double kU = 1.0 / 16777216.0;  // 2^-24, fp32 unit roundoff
-constexpr double kUbf16 = 1.0 / 512.0;   // 2^-9, bf16 unit roundoff
+constexpr double kUbf16 = 1.0 / 256.0;   // 2^-8, bf16 unit roundoff (8 significant bits, round to nearest)
 bool mma(SparseMlaArith a) { return a == SparseMlaArith::kBf16Mma; }
 double score_delta(double max_abs_s, SparseMlaArith a) {
   return (mma(a) ? 4.0 * 576.0 + 16.0 : 576.0 + 8.0) * kU * max_abs_s;
