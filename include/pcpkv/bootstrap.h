@@ -52,6 +52,7 @@ struct BootstrapConfig {
   int32_t local_world_size = 1;
   std::string address;           // filesystem path of rank 0's Unix-domain socket (< 108 bytes)
   std::string token;             // per-job token; every rank must present the same one (non-empty)
+  std::string job;               // the job's name in messages ("MASTER_PORT 29500, command '...'"), never the token
   double timeout_s = 60.0;       // bound of every blocking step (rendezvous and each collective)
   std::string source;            // where the values came from ("pcpkv launch", "torchrun env", "test")
 };
@@ -63,6 +64,7 @@ constexpr const char* kEnvLocalRank = "PCPKV_LOCAL_RANK";
 constexpr const char* kEnvLocalWorldSize = "PCPKV_LOCAL_WORLD_SIZE";
 constexpr const char* kEnvBootstrap = "PCPKV_BOOTSTRAP";      // socket path
 constexpr const char* kEnvJobToken = "PCPKV_JOB_TOKEN";
+constexpr const char* kEnvJobId = "PCPKV_JOB_ID";          // torchrun-style jobs: names the job
 constexpr const char* kEnvTimeout = "PCPKV_BOOTSTRAP_TIMEOUT_S";
 constexpr const char* kEnvAllowNonlocal = "PCPKV_ALLOW_NONLOCAL_MASTER";
 
@@ -72,11 +74,14 @@ constexpr const char* kEnvAllowNonlocal = "PCPKV_ALLOW_NONLOCAL_MASTER";
 ///  * torchrun and similar: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 ///    MASTER_ADDR must name this host (a loopback address, "localhost" or this host's name) unless
 ///    PCPKV_ALLOW_NONLOCAL_MASTER=1; the socket is ${PCPKV_BOOTSTRAP_DIR:-${TMPDIR:-/tmp}}/pcpkv-<uid>/
-///    port<MASTER_PORT>.sock; the token is PCPKV_JOB_TOKEN, else "torchelastic:" + TORCHELASTIC_RUN_ID,
-///    else "port:" + MASTER_PORT.
-/// PCPKV_BOOTSTRAP_TIMEOUT_S overrides the timeout (seconds). Returns nullopt when neither set of
+///    port<MASTER_PORT>.sock; the token (the job's identity) is PCPKV_JOB_TOKEN, else "job:" +
+///    PCPKV_JOB_ID, else TORCHELASTIC_RUN_ID (unless "none", torchrun's default) or the port, together with
+///    a hash of the command line: two jobs on one MASTER_PORT with other flags (another --seed) never meet.
+/// PCPKV_BOOTSTRAP_TIMEOUT_S overrides the timeout (seconds). Returns nullopt when none of the rank
 /// variables is present (a plain single-process run). Throws pcpkv::Error naming the variable and value
-/// when one is malformed (RANK=abc, RANK >= WORLD_SIZE, a remote MASTER_ADDR, ...).
+/// when one is malformed or half set (RANK=abc, RANK >= WORLD_SIZE, WORLD_SIZE without RANK, LOCAL_RANK
+/// alone, LOCAL_WORLD_SIZE != WORLD_SIZE or LOCAL_RANK != RANK (single host), MASTER_PORT outside
+/// [1, 65535], a remote MASTER_ADDR, ...).
 std::optional<BootstrapConfig> bootstrap_config_from_env();
 
 /// A fresh random per-job token (128 bits from /dev/urandom, hex).
@@ -89,7 +94,9 @@ class Bootstrap {
   /// a bad config, a peer of another user, a world-size mismatch or duplicate rank (fatal for the whole
   /// job: every connected rank is told), this process's token being refused, or the timeout (naming
   /// the ranks that never came, and how many connections were refused for a wrong token).
-  /// A connection with a wrong token is refused and does not stop rank 0 from waiting for the right one.
+  /// A connection with a wrong token is refused (naming both jobs) and does not stop rank 0 from waiting for
+  /// the right one. Rank 0 holds the address (a lock next to the socket) while the Bootstrap lives: a
+  /// second rank 0 at the same address (another job on the same MASTER_PORT) is refused at once.
   static std::unique_ptr<Bootstrap> connect(const BootstrapConfig& config);
 
   ~Bootstrap();

@@ -42,7 +42,14 @@ struct InputsBatch {
   std::vector<std::vector<int32_t>> block_tables;  // empty when the file has no 'block_tables' tensor; else
                                                    // its rows as stored ([R][max_blocks], -1 padded)
   int64_t saved_block_size = 0;  // the `block_size` of the file's metadata (a `pcpkv run --save` file), else 0
+  std::string saved_kv_format;   // the `kv_format` of the file's metadata, else ""
+  /// One line per tensor pcpkv does not read (unknown names, with the known name it is closest to:
+  /// "tensor 'slot_maping' is not read (not a tensor pcpkv knows; did you mean 'slot_mapping'?)").
+  std::vector<std::string> notes;
 };
+
+/// Every tensor name an inputs file may hold (read_inputs_batch, load_inputs), and those a saved file adds.
+const std::vector<std::string>& inputs_tensor_names();
 
 /// Reads the header and the optional 'requests' / 'slot_mapping' / 'block_tables' tensors of an inputs file. Throws
 /// pcpkv::Error on a malformed file or a bad requests row ("requests[1]: kind = 7, expected 0 or 1").

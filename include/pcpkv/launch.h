@@ -33,7 +33,8 @@ struct LaunchOptions {
   double max_time_s = 0.0;                 // > 0: the whole job is stopped (and fails) after this long
   LaunchOutput output = LaunchOutput::kPrefix;
   std::vector<int32_t> gpus;               // non-empty: rank with local rank l gets PCPKV_DEVICE=gpus[l % n]
-  std::string socket_dir;                  // where the private directory goes (default $TMPDIR, else /tmp)
+  std::string socket_dir;                  // where the private directory goes (default $TMPDIR, else /tmp);
+                                           // refused when the socket path inside would not fit sun_path
   std::vector<std::pair<std::string, std::string>> extra_env;  // set for every rank
 };
 
@@ -57,7 +58,9 @@ struct LaunchResult {
 /// Starts opts.nproc processes of opts.argv and waits for all of them. Writes the ranks' output and the
 /// launcher's own messages ("pcpkv launch: rank 2 (pid 4711) was killed by signal 9 (SIGKILL) after 1.3 s")
 /// to out_fd / err_fd. Throws pcpkv::Error for bad options (nproc < 1, empty argv, a program that does not
-/// exist) before starting anything.
+/// exist, a socket_dir too long for a Unix socket path) before starting anything. The private directory
+/// holds a launcher.pid file; directories of launchers that died without cleaning up (kill -9: this user's,
+/// their pid gone) are removed by the next launch in the same parent directory.
 LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd = 1, int err_fd = 2);
 
 /// Device index for this rank: PCPKV_DEVICE when set, else local_rank % num_visible_devices (round-robin:

@@ -6,6 +6,7 @@
 
 #include "pcpkv/device/codec.h"
 #include "pcpkv/error.h"
+#include "pcpkv/input_limits.h"
 #include "pcpkv/safetensors.h"
 
 namespace pcpkv {
@@ -27,7 +28,57 @@ std::vector<float> read_weight(const SafetensorsReader& r, const std::string& na
 
 std::string kind_name(RequestKind k) { return k == RequestKind::kPrefill ? "prefill" : "decode"; }
 
+// Levenshtein distance, for "did you mean": names are short (the known ones at most 21 characters).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// Notes for the tensors no reader uses: a misspelled optional tensor ('slot_maping') would otherwise be
+// skipped silently and the run would use the plan's slots instead of the file's.
+std::vector<std::string> unknown_tensor_notes(const SafetensorsReader& r) {
+  constexpr size_t kMaxNotes = 20;
+  std::vector<std::string> notes;
+  size_t unknown = 0;
+  for (const StTensorInfo& t : r.tensors()) {
+    const auto& known = inputs_tensor_names();
+    if (std::find(known.begin(), known.end(), t.name) != known.end()) continue;
+    if (++unknown > kMaxNotes) continue;
+    std::string closest;
+    size_t best = 3;  // at most 2 edits away
+    if (t.name.size() < 64) {
+      for (const std::string& k : known) {
+        const size_t d = edit_distance(t.name, k);
+        if (d < best) best = d, closest = k;
+      }
+    }
+    notes.push_back(fmt::format("tensor '{}' is not read (not a tensor pcpkv knows{})", clip(t.name),
+                                closest.empty() ? std::string() : fmt::format("; did you mean '{}'?", closest)));
+  }
+  if (unknown > kMaxNotes) notes.push_back(fmt::format("{} more tensors are not read", unknown - kMaxNotes));
+  return notes;
+}
+
 }  // namespace
+
+const std::vector<std::string>& inputs_tensor_names() {
+  static const std::vector<std::string> names = {
+      "q_c", "kv", "k_pe", "index_k", "positions", "q_norm_w", "kv_norm_w", "index_ln_w", "index_ln_b",
+      "requests", "block_tables", "slot_mapping",
+      // written by --save, not read back: the caches are recomputed from the activations
+      "gathered_slot_mapping", "mla_cache", "index_cache"};
+  return names;
+}
 
 GlobalInputs load_inputs(const std::string& path, const ModelConfig& model, const PcpPlan& plan, bool has_indexer) {
   const SafetensorsReader r(path);
@@ -70,6 +121,8 @@ InputsBatch read_inputs_batch(const std::string& path) {
               to_string(kv.dtype), shape_string(kv.shape));
   b.num_tokens = kv.shape[0];
   b.has_index_k = r.has("index_k");
+  b.notes = unknown_tensor_notes(r);
+  if (const auto it = r.metadata().find("kv_format"); it != r.metadata().end()) b.saved_kv_format = clip(it->second);
   if (const auto it = r.metadata().find("block_size"); it != r.metadata().end()) {
     int64_t v = 0;
     const auto [end, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);

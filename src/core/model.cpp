@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/error.h"
+#include "pcpkv/input_limits.h"
 #include "pcpkv/rope.h"
 
 namespace pcpkv {
@@ -245,9 +246,9 @@ JsonPaths scan_json(const std::string& text) {
 std::string as_written(const json& v, const JsonPaths* paths, const std::string& path) {
   if (v.is_number() && paths) {
     const auto it = paths->raw_numbers.find(path);
-    if (it != paths->raw_numbers.end()) return it->second;
+    if (it != paths->raw_numbers.end()) return clip(it->second);
   }
-  return v.dump();
+  return clip(v.dump());
 }
 
 // "5 (a number)", "null", "\"x\" (a string)".
@@ -255,7 +256,7 @@ std::string with_type(const std::string& written, const json& v) {
   if (v.is_null()) return "null";
   const std::string t = v.type_name();
   const bool vowel = t[0] == 'a' || t[0] == 'o';
-  return fmt::format("{} ({} {})", written, vowel ? "an" : "a", t);
+  return fmt::format("{} ({} {})", written, vowel ? "an" : "a", t);  // callers clip `written`
 }
 
 class Reader {
@@ -303,7 +304,7 @@ class Reader {
         out = v.get<std::string>();
       }
     } catch (const json::exception& e) {
-      PCPKV_FAIL("{}: '{}' has an unusable value {}: {}", origin_, key, written, e.what());
+      PCPKV_FAIL("{}: '{}' has an unusable value {}: {}", origin_, key, written, clip(e.what()));
     }
     return true;
   }
@@ -363,7 +364,7 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
       continue;
     }
     PCPKV_CHECK(j.at(key).is_object(), "{}: '{}' must be an object, got {}", origin, key,
-                with_type(j.at(key).dump(), j.at(key)));
+                with_type(clip(j.at(key).dump()), j.at(key)));
     rs = &j.at(key);
     rs_key = key;
     break;
@@ -381,7 +382,7 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
     return;
   }
   const std::string pre = std::string(rs_key) + ".";  // "rope_scaling."
-  const auto full = [&](const std::string& key) { return pre + key; };
+  const auto full = [&](const std::string& key) { return pre + clip(key); };
   // Present and not null: a null sub-key counts as absent, as HF's `.get(key) or default` does.
   std::set<std::string> present;
   for (auto it = rs->begin(); it != rs->end(); ++it) {
@@ -389,14 +390,22 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
   }
 
   Reader rr(*rs, fmt::format("{}: {}", origin, rs_key), &paths, rs_key);
-  rr.read("rope_theta", m.rope.theta, rs);
+  const double top_theta = m.rope.theta;
+  const bool top_theta_given = j.contains("rope_theta") && !j.at("rope_theta").is_null();
+  if (rr.read("rope_theta", m.rope.theta, rs) && top_theta_given && m.rope.theta != top_theta) {
+    // HF transformers 5 reads the theta of rope_parameters too; the top-level key is then dead text.
+    notes.remarks.push_back(fmt::format("{}: top-level 'rope_theta' = {} is shadowed by '{}' = {}: using {}", origin,
+                                        as_written(j.at("rope_theta"), &paths, "rope_theta"), full("rope_theta"),
+                                        as_written(rs->at("rope_theta"), &paths, full("rope_theta")),
+                                        as_written(rs->at("rope_theta"), &paths, full("rope_theta"))));
+  }
   std::string type, type_alias;
   rr.read("rope_type", type, rs);
   rr.read("type", type_alias, rs);
   // HF writes both for older configs (it copies type into rope_type); two different ones are a broken file.
   PCPKV_CHECK(type.empty() || type_alias.empty() || type == type_alias,
-              "{}: '{}' = \"{}\" and '{}' = \"{}\" disagree", origin, full("rope_type"), type, full("type"),
-              type_alias);
+              "{}: '{}' = \"{}\" and '{}' = \"{}\" disagree", origin, full("rope_type"), clip(type),
+              full("type"), clip(type_alias));
   if (type.empty()) type = type_alias;
   const bool preset_had_yarn = m.rope.scaling == RopeScaling::kDeepseekYarn;
   if (type == "yarn" || type == "deepseek_yarn") {
@@ -405,7 +414,7 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
     m.rope.scaling = RopeScaling::kDefault;
   } else {
     PCPKV_FAIL("{}: {}: rope type '{}' is not supported; supported: default, yarn (DeepSeek flavour)", origin,
-               rs_key, type);
+               rs_key, clip(type));
   }
   const bool yarn = m.rope.scaling == RopeScaling::kDeepseekYarn;
 
@@ -474,9 +483,9 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
   const std::string at = paths.error_path.empty() ? std::string() : fmt::format(" at '{}'", paths.error_path);
   if (e.id == 406) {
     PCPKV_FAIL("{}: '{}' = {} is out of range for a JSON number (it overflows a double)", origin,
-               paths.error_path.empty() ? "(top level)" : paths.error_path, paths.error_token);
+               paths.error_path.empty() ? "(top level)" : clip(paths.error_path), clip(paths.error_token));
   }
-  PCPKV_FAIL("{}: not valid JSON{}: {}", origin, at, e.what());
+  PCPKV_FAIL("{}: not valid JSON{}: {}", origin, clip(at), clip(e.what()));
 }
 
 ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std::string& base_preset,
@@ -510,7 +519,7 @@ ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std
   PCPKV_CHECK(!base_name.empty(),
               "{}: model_type '{}' is not a known DSA model (known: deepseek_v32, glm_moe_dsa); name a base "
               "preset with --model",
-              origin, model_type);
+              origin, clip(model_type));
   ModelConfig m = builtin(base_name);
   if (!model_type.empty()) m.model_type = model_type;
 
@@ -573,7 +582,7 @@ ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std
     if (v.is_array()) {
       for (size_t i = 0; i < v.size(); ++i) {
         PCPKV_CHECK(v[i].is_string() && (v[i] == "full" || v[i] == "shared"),
-                    "{}: {}[{}] must be \"full\" or \"shared\", got {}", origin, key, i, v[i].dump());
+                    "{}: {}[{}] must be \"full\" or \"shared\", got {}", origin, key, i, clip(v[i].dump()));
         types.push_back(v[i].get<std::string>());
       }
     } else if (v.is_string()) {  // index_topk_pattern: "F"/"S" per layer
@@ -583,15 +592,15 @@ ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std
         types.push_back(c == 'F' ? "full" : "shared");
       }
     } else {
-      PCPKV_FAIL("{}: '{}' must be a list or a string, got {}", origin, key, with_type(v.dump(), v));
+      PCPKV_FAIL("{}: '{}' must be a list or a string, got {}", origin, key, with_type(clip(v.dump()), v));
     }
     if (m.indexer_types.empty()) m.indexer_types = std::move(types);
   }
 
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (used.count(it.key()) || known_unused_keys().count(it.key())) continue;
-    PCPKV_CHECK(!strict, "{}: unknown key '{}' (strict mode)", origin, it.key());
-    n.ignored.push_back(it.key());
+    PCPKV_CHECK(!strict, "{}: unknown key '{}' (strict mode)", origin, clip(it.key()));
+    n.ignored.push_back(clip(it.key()));
   }
   m.name = origin;  // messages of validate() name the file, not the base preset
   m.validate();
@@ -611,36 +620,28 @@ std::string config_dir() {
 #endif
 }
 
-namespace {
-/// The whole text of an opened file.
-std::string read_all(std::ifstream& f) {
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-}  // namespace
-
 ModelConfig preset(const std::string& name) {
   ModelConfig base = builtin(name);  // throws on an unknown name
   const std::string path = config_dir() + "/" + name + ".json";
-  std::ifstream f(path);
-  if (!f) return base;  // installed without the data files: the built-in values are the same
-  ModelConfig m = parse_hf_config(read_all(f), name, nullptr, false, path);
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return base;  // installed without the data files: the same values
+  ModelConfig m = parse_hf_config(read_input_file(fmt::format("preset '{}'", name), path, kMaxConfigFileBytes),
+                                  name, nullptr, false, path);
   m.name = name;
   return m;
 }
 
 ModelConfig load_hf_config(const std::string& path, const std::string& base_preset, ConfigNotes* notes,
                            bool strict) {
-  std::ifstream f(path);
-  PCPKV_CHECK(f.good(), "--config: cannot open '{}'", path);
-  ModelConfig m = parse_hf_config(read_all(f), base_preset, notes, strict, path);
+  ModelConfig m =
+      parse_hf_config(read_input_file("--config", path, kMaxConfigFileBytes), base_preset, notes, strict, path);
   m.name = path;
   return m;
 }
 
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& base_preset, ConfigNotes* notes,
                             bool strict, const std::string& origin) {
+  check_json_depth(json_text, origin);  // before any parse: no walk below may recurse past it
   json j;
   try {
     j = json::parse(json_text);
@@ -652,7 +653,7 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
   try {
     return parse_hf_json(j, json_text, base_preset, notes, strict, origin);
   } catch (const json::exception& e) {
-    PCPKV_FAIL("{}: unusable value: {}", origin, e.what());
+    PCPKV_FAIL("{}: unusable value: {}", origin, clip(e.what()));
   }
 }
 

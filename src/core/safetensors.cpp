@@ -2,6 +2,8 @@
 #include "pcpkv/safetensors.h"
 
 #include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,10 +13,12 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/error.h"
+#include "pcpkv/input_limits.h"
 
 namespace pcpkv {
 namespace {
@@ -24,12 +28,13 @@ namespace {
 constexpr int64_t kMaxHeaderBytes = 100'000'000;
 constexpr int64_t kLengthBytes = 8;
 
+// "a, b, c" (the first kMaxListedNames, then "and N more"): a header of 700k tensors must not give a
+// 6 MB message.
 std::string quoted_names(const std::vector<StTensorInfo>& tensors) {
+  constexpr size_t kMaxListedNames = 20;
   std::string s;
-  for (const auto& t : tensors) {
-    if (!s.empty()) s += ", ";
-    s += t.name;
-  }
+  for (size_t i = 0; i < tensors.size() && i < kMaxListedNames; ++i) s += (i ? ", " : "") + clip(tensors[i].name);
+  if (tensors.size() > kMaxListedNames) s += fmt::format(" and {} more", tensors.size() - kMaxListedNames);
   return s.empty() ? "(none)" : s;
 }
 
@@ -47,7 +52,7 @@ int64_t checked_num_elements(const std::vector<int64_t>& shape, const std::strin
 }
 
 int64_t read_json_int(const nlohmann::json& v, const std::string& what) {
-  PCPKV_CHECK(v.is_number_integer(), "{} must be an integer, got {}", what, v.dump());
+  PCPKV_CHECK(v.is_number_integer(), "{} must be an integer, got {}", what, clip(v.dump()));
   if (v.is_number_unsigned()) {
     const auto u = v.get<uint64_t>();
     PCPKV_CHECK(u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "{} = {} is too large", what, u);
@@ -64,6 +69,85 @@ std::string file_offset(int64_t data_start, int64_t rel) {
   if (rel > std::numeric_limits<int64_t>::max() - data_start) return fmt::format("{} + {}", data_start, rel);
   return std::to_string(data_start + rel);
 }
+
+// While the writer's temporary file exists, a signal that ends the process (Ctrl-C, kill, a lost terminal,
+// ulimit -f) removes it first, then takes its previous course: a killed save leaves no FILE.tmp.<pid>.
+// (SIGKILL cannot be caught; a power cut leaves the file too.) One write at a time per process.
+constexpr int kCleanupSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGXFSZ};
+constexpr size_t kNumCleanupSignals = sizeof(kCleanupSignals) / sizeof(kCleanupSignals[0]);
+char g_temp_path[PATH_MAX + 1];
+volatile sig_atomic_t g_temp_armed = 0;
+struct sigaction g_old_actions[kNumCleanupSignals];
+
+extern "C" void remove_temp_on_signal(int sig) {
+  if (g_temp_armed) ::unlink(g_temp_path);  // async-signal-safe
+  for (size_t i = 0; i < kNumCleanupSignals; ++i) {
+    if (kCleanupSignals[i] == sig) ::sigaction(sig, &g_old_actions[i], nullptr);
+  }
+  ::raise(sig);  // delivered with the previous action once this handler returns
+}
+
+class TempFileGuard {
+ public:
+  explicit TempFileGuard(const std::string& path) {
+    if (path.size() > PATH_MAX) return;  // open() refuses it anyway
+    std::memcpy(g_temp_path, path.c_str(), path.size() + 1);
+    struct sigaction sa {};
+    sa.sa_handler = remove_temp_on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (int sig : kCleanupSignals) sigaddset(&sa.sa_mask, sig);  // one handler run at a time
+    for (size_t i = 0; i < kNumCleanupSignals; ++i) {
+      ::sigaction(kCleanupSignals[i], nullptr, &g_old_actions[i]);
+      // An ignored signal stays ignored (cmd_run ignores SIGXFSZ so that the write fails with EFBIG).
+      if (g_old_actions[i].sa_handler == SIG_IGN) continue;
+      ::sigaction(kCleanupSignals[i], &sa, nullptr);
+    }
+    g_temp_armed = 1;
+    armed_ = true;
+  }
+  ~TempFileGuard() {
+    if (!armed_) return;
+    for (size_t i = 0; i < kNumCleanupSignals; ++i) ::sigaction(kCleanupSignals[i], &g_old_actions[i], nullptr);
+    g_temp_armed = 0;
+  }
+  TempFileGuard(const TempFileGuard&) = delete;
+  TempFileGuard& operator=(const TempFileGuard&) = delete;
+
+ private:
+  bool armed_ = false;
+};
+
+// The first key that appears twice in one object of a JSON text (first_depth 1: the top level).
+struct DuplicateKeys final : nlohmann::json_sax<nlohmann::json> {
+  std::vector<std::set<std::string>> open;  // the keys seen in each open object
+  std::string first;
+  size_t first_depth = 0;
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    open.emplace_back();
+    return true;
+  }
+  bool end_object() override {
+    open.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool key(string_t& k) override {
+    if (first.empty() && !open.back().insert(k).second) {
+      first = k;
+      first_depth = open.size();
+    }
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+};
 
 }  // namespace
 
@@ -103,7 +187,7 @@ StDtype parse_st_dtype(const std::string& s, const std::string& what) {
   for (StDtype d : {StDtype::kBF16, StDtype::kF32, StDtype::kI64, StDtype::kI32, StDtype::kU8}) {
     if (s == to_string(d)) return d;
   }
-  PCPKV_FAIL("{}: dtype '{}' is not supported; pcpkv reads BF16, F32, I64, I32, U8", what, s);
+  PCPKV_FAIL("{}: dtype '{}' is not supported; pcpkv reads BF16, F32, I64, I32, U8", what, clip(s));
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -121,10 +205,9 @@ int64_t StTensorInfo::num_elements() const {
 // ---- reader ---------------------------------------------------------------------------------------
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  std::error_code ec;
-  PCPKV_CHECK(std::filesystem::is_regular_file(path, ec), "{}: no such file", path);
-  file_bytes_ = static_cast<int64_t>(std::filesystem::file_size(path, ec));
-  PCPKV_CHECK(!ec, "{}: cannot read its size: {}", path, ec.message());
+  // A regular file only (input_limits.h): a FIFO would hang, a device stream forever. Its size is not
+  // bounded here: the header is (kMaxHeaderBytes), and callers size what they read from it.
+  file_bytes_ = check_input_file("safetensors", path, 0);
 
   std::ifstream in(path, std::ios::binary);
   PCPKV_CHECK(in.good(), "{}: cannot open: {}", path, std::strerror(errno));
@@ -149,16 +232,24 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   PCPKV_CHECK(in.gcount() == n, "{}: short read of the JSON header at offset 8", path);
   data_start_ = kLengthBytes + n;
 
+  check_json_depth(text, path + ": the JSON header", kLengthBytes);  // before the parse: dump() recurses
+  // nlohmann keeps the last of two equal keys without a word: a tensor named twice would lose one entry
+  // (and the other order blamed a gap in the buffer). A SAX pass sees every key of every object (nlohmann's
+  // parse callback would too, but its object handling is quadratic in the number of tensors).
+  DuplicateKeys dup;
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
+    nlohmann::json::sax_parse(text, &dup);
   } catch (const nlohmann::json::parse_error& e) {
     PCPKV_FAIL("{}: the JSON header is invalid near offset {}: {}", path, kLengthBytes + static_cast<int64_t>(e.byte),
-               e.what());
+               clip(e.what()));
   } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range 406: a number that overflows a double
-    PCPKV_FAIL("{}: the JSON header at offset 8 holds an unusable value: {}", path, e.what());
+    PCPKV_FAIL("{}: the JSON header at offset 8 holds an unusable value: {}", path, clip(e.what()));
   }
   PCPKV_CHECK(header.is_object(), "{}: the JSON header at offset 8 is not an object", path);
+  PCPKV_CHECK(dup.first.empty(), "{}: the JSON header names {} '{}' twice; every key must be unique", path,
+              dup.first_depth == 1 && dup.first != "__metadata__" ? "tensor" : "the key", clip(dup.first));
 
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
@@ -166,15 +257,15 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     if (name == "__metadata__") {
       PCPKV_CHECK(v.is_object(), "{}: __metadata__ must be an object of strings", path);
       for (auto m = v.begin(); m != v.end(); ++m) {
-        PCPKV_CHECK(m.value().is_string(), "{}: __metadata__['{}'] must be a string, got {}", path, m.key(),
-                    m.value().dump());
+        PCPKV_CHECK(m.value().is_string(), "{}: __metadata__['{}'] must be a string, got {}", path, clip(m.key()),
+                    clip(m.value().dump()));
         metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    const std::string what = fmt::format("{}: tensor '{}'", path, name);
+    const std::string what = fmt::format("{}: tensor '{}'", path, clip(name));
     PCPKV_CHECK(!name.empty(), "{}: a tensor has an empty name", path);
-    PCPKV_CHECK(v.is_object(), "{}: header entry must be an object, got {}", what, v.dump());
+    PCPKV_CHECK(v.is_object(), "{}: header entry must be an object, got {}", what, clip(v.dump()));
     PCPKV_CHECK(v.contains("dtype") && v["dtype"].is_string(), "{}: 'dtype' is missing or not a string", what);
     PCPKV_CHECK(v.contains("shape") && v["shape"].is_array(), "{}: 'shape' is missing or not an array", what);
     PCPKV_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
@@ -205,9 +296,9 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   int64_t expected_begin = 0;
   const StTensorInfo* prev = nullptr;
   for (const StTensorInfo& t : tensors_) {
-    const std::string what = fmt::format("{}: tensor '{}'", path, t.name);
+    const std::string what = fmt::format("{}: tensor '{}'", path, clip(t.name));
     PCPKV_CHECK(t.begin >= expected_begin, "{}: data [{}, {}) overlaps tensor '{}' (file offset {})", what, t.begin,
-                t.end, prev ? prev->name : "", file_offset(data_start_, t.begin));
+                t.end, prev ? clip(prev->name) : "", file_offset(data_start_, t.begin));
     PCPKV_CHECK(t.begin == expected_begin,
                 "{}: data begins at {} but the previous tensor ends at {}: a gap in the buffer (file offset {})", what,
                 t.begin, expected_begin, file_offset(data_start_, expected_begin));
@@ -232,7 +323,7 @@ const StTensorInfo* SafetensorsReader::find(const std::string& name) const {
 
 const StTensorInfo& SafetensorsReader::get(const std::string& name) const {
   const StTensorInfo* t = find(name);
-  PCPKV_CHECK(t != nullptr, "{}: tensor '{}' is missing; present: {}", path_, name, quoted_names(tensors_));
+  PCPKV_CHECK(t != nullptr, "{}: tensor '{}' is missing; present: {}", path_, clip(name), quoted_names(tensors_));
   return *t;
 }
 
@@ -345,6 +436,8 @@ void SafetensorsWriter::write(const std::string& path) const {
   const std::string target = write_target(path);
   const std::string text = header();
   const std::string tmp = fmt::format("{}.tmp.{}", target, static_cast<long>(::getpid()));
+  // Armed before the file exists and disarmed after it is renamed or removed (declared first: destroyed last).
+  const TempFileGuard guard(tmp);
   // O_NOFOLLOW: never write through a link planted at the temporary name.
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   PCPKV_CHECK(fd >= 0, "{}: cannot create '{}': {}", path, tmp, std::strerror(errno));

@@ -6,6 +6,7 @@
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -18,12 +19,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "pcpkv/error.h"
+#include "pcpkv/input_limits.h"
 #include "transport/bootstrap_wire.h"
 
 namespace pcpkv {
@@ -42,19 +46,45 @@ using namespace bootstrap_wire;
 
 namespace {
 
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProtocolVersion = 2;  // 2: the hello names the job (job_bytes)
 
-// HELLO payload: fixed fields, then the token bytes.
+// HELLO payload: fixed fields, then the token bytes, then the job's name (BootstrapConfig::job, for
+// messages only).
 struct HelloFixed {
   uint32_t version;
   int32_t rank;
   int32_t world_size;
   int32_t local_rank;
   int32_t local_world_size;
-  int32_t pad;
+  uint32_t job_bytes;
   int64_t pid;
   uint64_t token_bytes;
 };
+
+// "job 'MASTER_PORT 29500, command ...'" or "an unnamed job".
+std::string job_name(const std::string& job) { return job.empty() ? "an unnamed job" : "job '" + clip(job) + "'"; }
+
+// One rank 0 per address, for as long as its Bootstrap lives: a second job given the same MASTER_PORT (or
+// PCPKV_BOOTSTRAP) is refused at once, as torchrun's store refuses a port in use, instead of taking over
+// the socket and meeting the first job's ranks. flock() goes with the process: a killed job leaves no lock.
+UniqueFd lock_address(const std::string& address, const std::string& job) {
+  const std::string path = address + ".lock";
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  PCPKV_CHECK(fd, "bootstrap: rank 0 cannot open the lock file '{}': {}", path, std::strerror(errno));
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    PCPKV_CHECK(err == EWOULDBLOCK, "bootstrap: rank 0 cannot lock '{}': {}", path, std::strerror(err));
+    std::string holder(512, '\0');
+    const ssize_t n = ::pread(fd.get(), holder.data(), holder.size(), 0);
+    holder.resize(n > 0 ? static_cast<size_t>(n) : 0);
+    PCPKV_FAIL("bootstrap: rank 0 of {} cannot rendezvous at '{}': it is in use by the rank 0 of another job "
+               "({}); ranks of different jobs never meet: give each job its own MASTER_PORT (or PCPKV_BOOTSTRAP)",
+               job_name(job), address, holder.empty() ? "pid unknown" : clip(holder));
+  }
+  const std::string me = fmt::format("pid {}, {}", ::getpid(), job_name(job));
+  if (::ftruncate(fd.get(), 0) == 0) (void)!::pwrite(fd.get(), me.data(), me.size(), 0);
+  return fd;
+}
 
 std::string errno_text(int err) { return std::strerror(err); }
 
@@ -112,6 +142,7 @@ struct Bootstrap::Impl {
   std::vector<int64_t> pids;
   std::vector<UniqueFd> conns;  // rank 0: [world] (entry 0 unused); others: [1], the link to rank 0
   int32_t split_seq = 0;
+  UniqueFd address_lock;        // rank 0: held while this Bootstrap lives (lock_address)
   bool in_rendezvous = false;   // rank 0: a failure now also leaves a tombstone for ranks not yet connected
 
   bool is_root() const { return cfg.rank == 0; }
@@ -274,6 +305,8 @@ void Bootstrap::Impl::rendezvous_root() {
 
   ensure_private_dir(cfg.address);
   const sockaddr_un addr = make_addr(cfg.address);
+  // Before anything at the address is touched: the socket and tombstone may be another live job's.
+  address_lock = lock_address(cfg.address, cfg.job);
   ::unlink(tombstone_path(cfg.address).c_str());
   in_rendezvous = true;
   struct stat st {};
@@ -336,21 +369,25 @@ void Bootstrap::Impl::rendezvous_root() {
       }
       HelloFixed h{};
       std::memcpy(&h, f.payload.data(), sizeof(h));
-      if (h.version != kProtocolVersion || f.payload.size() != sizeof(h) + h.token_bytes) {
+      if (h.version != kProtocolVersion || h.token_bytes > f.payload.size() ||
+          f.payload.size() != sizeof(h) + h.token_bytes + h.job_bytes) {
         reject(p.fd.get(), fmt::format("protocol version {} differs from rank 0's {}", h.version, kProtocolVersion));
         refused.push_back(fmt::format("pid {}: protocol version {}", p.pid, h.version));
         continue;
       }
-      const std::string token(reinterpret_cast<const char*>(f.payload.data() + sizeof(h)), h.token_bytes);
+      const char* body = reinterpret_cast<const char*>(f.payload.data() + sizeof(h));
+      const std::string token(body, h.token_bytes);
+      const std::string peer_job(body + h.token_bytes, h.job_bytes);
       if (token != cfg.token) {
         // A process of another job (or a stale one): refuse it, keep waiting for the right one.
-        reject(p.fd.get(), fmt::format("job token mismatch: this process (pid {}) presented a token that differs "
-                                       "from the job's at '{}' (a process of another job, or a stale "
-                                       "PCPKV_JOB_TOKEN / MASTER_PORT?)",
-                                       h.pid, cfg.address));
-        refused.push_back(fmt::format("pid {} claiming rank {}: wrong job token", h.pid, h.rank));
-        std::fprintf(stderr, "pcpkv bootstrap: refused a connection from pid %lld claiming rank %d: wrong job token\n",
-                     static_cast<long long>(h.pid), h.rank);
+        reject(p.fd.get(), fmt::format("job token mismatch: this process (pid {}) belongs to {}, rank 0 (pid {}) at "
+                                       "'{}' to {}; ranks of different jobs never meet (give each job its own "
+                                       "MASTER_PORT or PCPKV_JOB_ID; a stale PCPKV_JOB_TOKEN?)",
+                                       h.pid, job_name(peer_job), pids[0], cfg.address, job_name(cfg.job)));
+        refused.push_back(fmt::format("pid {} claiming rank {} of {}: wrong job token", h.pid, h.rank,
+                                      job_name(peer_job)));
+        std::fprintf(stderr, "pcpkv bootstrap: refused a connection from pid %lld claiming rank %d of %s: wrong job "
+                     "token\n", static_cast<long long>(h.pid), h.rank, job_name(peer_job).c_str());
         continue;
       }
       // Same job, inconsistent launch: fatal for everyone.
@@ -437,11 +474,13 @@ void Bootstrap::Impl::rendezvous_follower() {
               cfg.address, pid, uid, ::geteuid());
   pids[0] = pid;
 
-  HelloFixed h{kProtocolVersion, cfg.rank, cfg.world_size, cfg.local_rank, cfg.local_world_size, 0,
-               static_cast<int64_t>(::getpid()), cfg.token.size()};
-  std::vector<uint8_t> hello(sizeof(h) + cfg.token.size());
+  const std::string job = clip(cfg.job);
+  HelloFixed h{kProtocolVersion, cfg.rank, cfg.world_size, cfg.local_rank, cfg.local_world_size,
+               static_cast<uint32_t>(job.size()), static_cast<int64_t>(::getpid()), cfg.token.size()};
+  std::vector<uint8_t> hello(sizeof(h) + cfg.token.size() + job.size());
   std::memcpy(hello.data(), &h, sizeof(h));
   std::memcpy(hello.data() + sizeof(h), cfg.token.data(), cfg.token.size());
+  std::memcpy(hello.data() + sizeof(h) + cfg.token.size(), job.data(), job.size());
   if (send_frame(conns[0].get(), FrameType::kHello, hello.data(), hello.size(), dl) != IoStatus::kOk) {
     if (const std::string why = read_tombstone(cfg.address, cfg.token); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
@@ -659,15 +698,59 @@ const char* env(const char* name) {
   return (v && *v) ? v : nullptr;
 }
 
-int32_t env_int(const char* name, int32_t lo) {
+constexpr int32_t kMaxEnvInt = 1 << 20;
+
+int32_t env_int(const char* name, int32_t lo, int32_t hi = kMaxEnvInt) {
   const char* v = env(name);
   PCPKV_CHECK(v != nullptr, "bootstrap: environment variable {} is not set", name);
   char* end = nullptr;
   errno = 0;
   const long x = std::strtol(v, &end, 10);
-  PCPKV_CHECK(errno == 0 && end != v && *end == '\0' && x >= lo && x <= (1 << 20),
-              "bootstrap: {}='{}' is not an integer >= {}", name, v, lo);
+  PCPKV_CHECK(errno == 0 && end != v && *end == '\0' && x >= lo && x <= hi,
+              "bootstrap: {}='{}' is not an integer in [{}, {}]", name, clip(v), lo, hi);
   return static_cast<int32_t>(x);
+}
+
+// A launcher sets a rank's variables together; one set without the other is a broken launch, not a
+// single-process run (which would silently do other work than the job asked for).
+void check_set_together(const char* rank, const char* world, const std::vector<const char*>& others) {
+  std::vector<const char*> all = {rank, world};
+  all.insert(all.end(), others.begin(), others.end());
+  for (const char* name : all) {
+    if (!env(name)) continue;
+    for (const char* needed : {rank, world}) {
+      PCPKV_CHECK(env(needed) != nullptr,
+                  "bootstrap: {}='{}' is set but {} is not; a launcher sets {} and {} together (unset {} for a "
+                  "single-process run)",
+                  name, clip(env(name)), needed, rank, world, name);
+    }
+  }
+}
+
+// pcpkv's rendezvous is single-host: every rank of the job is local, so the local values equal the global
+// ones. Different values mean a multi-host job (its other hosts could never connect) or a broken launcher.
+void check_local(const BootstrapConfig& c, const char* rank, const char* world, const char* local_rank,
+                 const char* local_world) {
+  PCPKV_CHECK(c.local_world_size == c.world_size,
+              "bootstrap: {}={} differs from {}={}: the job spans more than this host, but pcpkv's rendezvous and "
+              "symmetric memory are single-host",
+              local_world, c.local_world_size, world, c.world_size);
+  PCPKV_CHECK(c.local_rank == c.rank,
+              "bootstrap: {}={} differs from {}={}: on one host every rank's local rank equals its rank", local_rank,
+              c.local_rank, rank, c.rank);
+}
+
+// FNV-1a of this process's command line (/proc/self/cmdline): the ranks of one torchrun-style job run one
+// command; two jobs on one MASTER_PORT (other seeds, other flags) run different ones.
+std::pair<uint64_t, std::string> command_line() {
+  std::ifstream f("/proc/self/cmdline", std::ios::binary);
+  const std::string raw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : raw) h = (h ^ ch) * 1099511628211ull;
+  std::string text = raw;
+  std::replace(text.begin(), text.end(), '\0', ' ');
+  while (!text.empty() && text.back() == ' ') text.pop_back();
+  return {h, text};
 }
 
 bool address_is_local(const std::string& addr) {
@@ -707,9 +790,11 @@ std::optional<BootstrapConfig> bootstrap_config_from_env() {
     char* end = nullptr;
     c.timeout_s = std::strtod(t, &end);
     PCPKV_CHECK(end != t && *end == '\0' && c.timeout_s > 0, "bootstrap: {}='{}' is not a positive number of seconds",
-                kEnvTimeout, t);
+                kEnvTimeout, clip(t));
   }
-  if (env(kEnvRank)) {
+  const bool launched = env(kEnvRank) || env(kEnvWorldSize) || env(kEnvLocalRank) || env(kEnvLocalWorldSize);
+  if (launched) {
+    check_set_together(kEnvRank, kEnvWorldSize, {kEnvLocalRank, kEnvLocalWorldSize});
     c.world_size = env_int(kEnvWorldSize, 1);
     c.rank = env_int(kEnvRank, 0);
     c.local_world_size = env(kEnvLocalWorldSize) ? env_int(kEnvLocalWorldSize, 1) : c.world_size;
@@ -720,37 +805,52 @@ std::optional<BootstrapConfig> bootstrap_config_from_env() {
     PCPKV_CHECK(token != nullptr, "bootstrap: {} is set but {} is not", kEnvRank, kEnvJobToken);
     c.address = addr;
     c.token = token;
+    c.job = fmt::format("pcpkv launch (pid {})", ::getppid());
     c.source = "pcpkv launch";
-  } else if (env("RANK") && env("WORLD_SIZE")) {
-    c.world_size = env_int("WORLD_SIZE", 1);
-    c.rank = env_int("RANK", 0);
-    c.local_world_size = env("LOCAL_WORLD_SIZE") ? env_int("LOCAL_WORLD_SIZE", 1) : c.world_size;
-    c.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", 0) : c.rank;
-    const char* master = env("MASTER_ADDR");
-    const std::string master_addr = master ? master : "127.0.0.1";
-    const bool allow = env(kEnvAllowNonlocal) && std::string(env(kEnvAllowNonlocal)) == "1";
-    PCPKV_CHECK(allow || address_is_local(master_addr),
-                "bootstrap: MASTER_ADDR='{}' is not this host; pcpkv's rendezvous and symmetric memory are "
-                "single-host (a Unix-domain socket and file-descriptor passing); run the ranks of one host "
-                "together, or set {}=1 if '{}' is this host under another name",
-                master_addr, kEnvAllowNonlocal, master_addr);
-    const int32_t port = env_int("MASTER_PORT", 1);
-    const char* dir = env("PCPKV_BOOTSTRAP_DIR");
-    if (!dir) dir = env("TMPDIR");
-    c.address = fmt::format("{}/pcpkv-{}/port{}.sock", dir ? dir : "/tmp", ::geteuid(), port);
-    if (const char* t = env(kEnvJobToken))
-      c.token = t;
-    else if (const char* id = env("TORCHELASTIC_RUN_ID"))
-      c.token = fmt::format("torchelastic:{}", id);
-    else
-      c.token = fmt::format("port:{}", port);
-    c.source = "torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)";
-  } else {
-    return std::nullopt;
+    PCPKV_CHECK(c.rank < c.world_size, "bootstrap: {}={} must be < {}={}", kEnvRank, c.rank, kEnvWorldSize,
+                c.world_size);
+    check_local(c, kEnvRank, kEnvWorldSize, kEnvLocalRank, kEnvLocalWorldSize);
+    return c;
   }
-  PCPKV_CHECK(c.rank < c.world_size, "bootstrap: rank {} must be < world size {} ({})", c.rank, c.world_size, c.source);
-  PCPKV_CHECK(c.local_rank < c.local_world_size, "bootstrap: local rank {} must be < local world size {} ({})",
-              c.local_rank, c.local_world_size, c.source);
+  if (!(env("RANK") || env("WORLD_SIZE") || env("LOCAL_RANK") || env("LOCAL_WORLD_SIZE"))) return std::nullopt;
+  check_set_together("RANK", "WORLD_SIZE", {"LOCAL_RANK", "LOCAL_WORLD_SIZE"});
+  c.world_size = env_int("WORLD_SIZE", 1);
+  c.rank = env_int("RANK", 0);
+  c.local_world_size = env("LOCAL_WORLD_SIZE") ? env_int("LOCAL_WORLD_SIZE", 1) : c.world_size;
+  c.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", 0) : c.rank;
+  PCPKV_CHECK(c.rank < c.world_size, "bootstrap: RANK={} must be < WORLD_SIZE={}", c.rank, c.world_size);
+  check_local(c, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+  const char* master = env("MASTER_ADDR");
+  const std::string master_addr = master ? master : "127.0.0.1";
+  const bool allow = env(kEnvAllowNonlocal) && std::string(env(kEnvAllowNonlocal)) == "1";
+  PCPKV_CHECK(allow || address_is_local(master_addr),
+              "bootstrap: MASTER_ADDR='{}' is not this host; pcpkv's rendezvous and symmetric memory are "
+              "single-host (a Unix-domain socket and file-descriptor passing); run the ranks of one host "
+              "together, or set {}=1 if '{}' is this host under another name",
+              clip(master_addr), kEnvAllowNonlocal, clip(master_addr));
+  const int32_t port = env_int("MASTER_PORT", 1, 65535);
+  const char* dir = env("PCPKV_BOOTSTRAP_DIR");
+  if (!dir) dir = env("TMPDIR");
+  c.address = fmt::format("{}/pcpkv-{}/port{}.sock", dir ? dir : "/tmp", ::geteuid(), port);
+  // The job's identity: an explicit one, else the run id and the command line. torchrun's default run id
+  // is "none" for every job, so it alone cannot tell two jobs apart.
+  const char* run_id = env("TORCHELASTIC_RUN_ID");
+  if (run_id && std::string(run_id) == "none") run_id = nullptr;
+  const auto [cmd_hash, cmd] = command_line();
+  if (const char* t = env(kEnvJobToken)) {
+    c.token = t;
+    c.job = fmt::format("MASTER_PORT {}, {}", port, kEnvJobToken);
+  } else if (const char* id = env(kEnvJobId)) {
+    c.token = fmt::format("job:{}", id);
+    c.job = fmt::format("MASTER_PORT {}, {}={}", port, kEnvJobId, clip(id, 64));
+  } else {
+    c.token = fmt::format("{}/cmd:{:016x}", run_id ? fmt::format("torchelastic:{}", run_id) : fmt::format("port:{}", port),
+                          cmd_hash);
+    c.job = fmt::format("MASTER_PORT {}{}, command '{}'", port,
+                        run_id ? fmt::format(", TORCHELASTIC_RUN_ID={}", clip(run_id, 64)) : std::string(),
+                        clip(cmd, 120));
+  }
+  c.source = "torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)";
   return c;
 }
 

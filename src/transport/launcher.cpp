@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,12 +17,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <fmt/format.h>
 
 #include "pcpkv/bootstrap.h"
 #include "pcpkv/error.h"
+#include "pcpkv/input_limits.h"
 
 extern char** environ;
 
@@ -87,6 +90,29 @@ void relay(Stream& s, bool flush_partial) {
   }
 }
 
+constexpr const char* kLaunchDirPrefix = "pcpkv-launch-";
+constexpr const char* kOwnerFile = "launcher.pid";
+
+// Private directories of launchers that died without cleaning up (kill -9): owned by this user, with an
+// owner file naming a pid that no longer exists. A directory without the file (another launcher between
+// mkdtemp and writing it) or of a live pid is left alone.
+void remove_stale_launch_dirs(const std::string& parent) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kLaunchDirPrefix, 0) != 0) continue;
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) continue;
+    std::ifstream f(it->path() / kOwnerFile);
+    long pid = 0;
+    if (!(f >> pid) || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    std::error_code rm;
+    fs::remove_all(it->path(), rm);
+  }
+}
+
 }  // namespace
 
 LaunchOutput parse_launch_output(const std::string& s) {
@@ -123,10 +149,27 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     const char* t = std::getenv("TMPDIR");
     parent = (t && *t) ? t : "/tmp";
   }
-  std::string tmpl = parent + "/pcpkv-launch-XXXXXX";
+  // Checked before any rank starts (each rank would otherwise fail on its own): the socket path must fit
+  // sun_path, with room for the sub-group sockets of Bootstrap::split ("<socket>.s<seq>c<color>").
+  constexpr size_t kSunPathMax = sizeof(sockaddr_un{}.sun_path) - 1;
+  constexpr size_t kSplitSuffixRoom = 16;
+  const std::string socket_rel = std::string("/") + kLaunchDirPrefix + "XXXXXX/rendezvous.sock";
+  const size_t socket_len = parent.size() + socket_rel.size();
+  PCPKV_CHECK(socket_len + kSplitSuffixRoom <= kSunPathMax,
+              "{}: '{}' is too long ({} bytes): the rendezvous socket '{}{}' would be {} bytes, and a Unix socket "
+              "path holds at most {} (pcpkv keeps {} for sub-group sockets); give a directory of at most {} bytes",
+              opts.socket_dir.empty() ? "TMPDIR (the default of --socket-dir)" : "--socket-dir", clip(parent),
+              parent.size(), clip(parent, 40), socket_rel, socket_len, kSunPathMax, kSplitSuffixRoom,
+              kSunPathMax - kSplitSuffixRoom - socket_rel.size());
+  remove_stale_launch_dirs(parent);
+  std::string tmpl = parent + "/" + kLaunchDirPrefix + "XXXXXX";
   PCPKV_CHECK(::mkdtemp(tmpl.data()) != nullptr, "launch: cannot create a private directory in '{}': {}", parent,
               std::strerror(errno));
   const std::string dir = tmpl;
+  {
+    std::ofstream owner(dir + "/" + kOwnerFile);
+    owner << ::getpid() << "\n";
+  }
   struct DirRemover {
     std::string path;
     ~DirRemover() {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "fork_ranks.h"
 #include "pcpkv/bootstrap.h"
@@ -70,10 +71,14 @@ TEST(Bootstrap, WrongTokenIsRefusedAndNamed) {
   const auto out = run_ranks(
       2, [](const BootstrapConfig& c) { return Bootstrap::connect(c) ? 0 : 1; }, 2.0, 30.0,
       [](int r, BootstrapConfig& c) {
+        c.job = r == 1 ? "job B" : "job A";
         if (r == 1) c.token = "not-the-job-token";
       });
   ASSERT_EQ(out[1].exit_code, 3) << test::describe(out);
   EXPECT_NE(out[1].output.find("job token mismatch"), std::string::npos) << out[1].output;
+  // Both jobs are named (issue 12).
+  EXPECT_NE(out[1].output.find("belongs to job 'job B', rank 0 (pid"), std::string::npos) << out[1].output;
+  EXPECT_NE(out[1].output.find("to job 'job A'"), std::string::npos) << out[1].output;
   ASSERT_EQ(out[0].exit_code, 3) << test::describe(out);
   EXPECT_NE(out[0].output.find("rank(s) 1 of world size 2 never connected"), std::string::npos) << out[0].output;
   EXPECT_NE(out[0].output.find("wrong job token"), std::string::npos) << out[0].output;
@@ -203,7 +208,8 @@ struct EnvGuard {
   std::vector<std::string> names{"PCPKV_RANK", "PCPKV_WORLD_SIZE", "PCPKV_LOCAL_RANK", "PCPKV_LOCAL_WORLD_SIZE",
                                  "PCPKV_BOOTSTRAP", "PCPKV_JOB_TOKEN", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                                  "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                                 "PCPKV_BOOTSTRAP_TIMEOUT_S", "PCPKV_ALLOW_NONLOCAL_MASTER", "PCPKV_BOOTSTRAP_DIR"};
+                                 "PCPKV_BOOTSTRAP_TIMEOUT_S", "PCPKV_ALLOW_NONLOCAL_MASTER", "PCPKV_BOOTSTRAP_DIR",
+                                 "PCPKV_JOB_ID"};
   EnvGuard() {
     for (auto& n : names) ::unsetenv(n.c_str());
   }
@@ -221,8 +227,8 @@ TEST(BootstrapEnv, TorchrunVariables) {
   EnvGuard g;
   ::setenv("RANK", "3", 1);
   ::setenv("WORLD_SIZE", "4", 1);
-  ::setenv("LOCAL_RANK", "1", 1);
-  ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+  ::setenv("LOCAL_RANK", "3", 1);
+  ::setenv("LOCAL_WORLD_SIZE", "4", 1);
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
   ::setenv("MASTER_PORT", "29500", 1);
   ::setenv("TORCHELASTIC_RUN_ID", "abc", 1);
@@ -231,9 +237,11 @@ TEST(BootstrapEnv, TorchrunVariables) {
   ASSERT_TRUE(c.has_value());
   EXPECT_EQ(c->rank, 3);
   EXPECT_EQ(c->world_size, 4);
-  EXPECT_EQ(c->local_rank, 1);
-  EXPECT_EQ(c->local_world_size, 2);
-  EXPECT_EQ(c->token, "torchelastic:abc");
+  EXPECT_EQ(c->local_rank, 3);
+  EXPECT_EQ(c->local_world_size, 4);
+  // The job's identity: the run id and this command line (ranks of one job run one command).
+  EXPECT_EQ(c->token.rfind("torchelastic:abc/cmd:", 0), 0u) << c->token;
+  EXPECT_NE(c->job.find("MASTER_PORT 29500, TORCHELASTIC_RUN_ID=abc, command '"), std::string::npos) << c->job;
   EXPECT_EQ(c->address, fmt::format("/tmp/x/pcpkv-{}/port29500.sock", ::geteuid()));
   ::setenv("MASTER_ADDR", "localhost", 1);
   EXPECT_NO_THROW(bootstrap_config_from_env());
@@ -277,6 +285,113 @@ TEST(BootstrapEnv, MalformedValuesNameTheVariable) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("PCPKV_BOOTSTRAP"), std::string::npos) << e.what();
   }
+}
+
+std::string env_error() {
+  try {
+    bootstrap_config_from_env();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// WORLD_SIZE=2 without RANK (or RANK alone) ran silently as one process; MASTER_PORT=99999 was accepted.
+TEST(BootstrapEnv, HalfSetAndInconsistentVariablesAreRefused) {
+  struct Case {
+    std::vector<std::pair<const char*, const char*>> vars;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{{"WORLD_SIZE", "2"}}, "WORLD_SIZE='2' is set but RANK is not"},
+      {{{"RANK", "0"}}, "RANK='0' is set but WORLD_SIZE is not"},
+      {{{"LOCAL_RANK", "1"}}, "LOCAL_RANK='1' is set but RANK is not"},
+      {{{"LOCAL_WORLD_SIZE", "2"}, {"RANK", "0"}}, "is set but WORLD_SIZE is not"},
+      {{{"PCPKV_WORLD_SIZE", "2"}}, "PCPKV_WORLD_SIZE='2' is set but PCPKV_RANK is not"},
+      {{{"PCPKV_LOCAL_RANK", "0"}}, "PCPKV_LOCAL_RANK='0' is set but PCPKV_RANK is not"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "99999"}},
+       "MASTER_PORT='99999' is not an integer in [1, 65535]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "0"}}, "MASTER_PORT='0' is not an integer in [1, 65535]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29x"}}, "MASTER_PORT='29x'"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, "MASTER_PORT is not set"},
+      {{{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}},
+       "LOCAL_WORLD_SIZE=2 differs from WORLD_SIZE=4: the job spans more than this host"},
+      {{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"MASTER_PORT", "29500"}},
+       "LOCAL_RANK=0 differs from RANK=1"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}, {"MASTER_PORT", "29500"}},
+       "LOCAL_RANK=2 differs from RANK=0"},
+      {{{"RANK", "9"}, {"WORLD_SIZE", "99999999"}, {"MASTER_PORT", "29500"}},
+       "WORLD_SIZE='99999999' is not an integer in [1, 1048576]"},
+  };
+  for (const Case& c : cases) {
+    EnvGuard g;
+    for (const auto& [k, v] : c.vars) ::setenv(k, v, 1);
+    const std::string e = env_error();
+    EXPECT_NE(e.find(c.expect), std::string::npos) << "expected '" << c.expect << "', got: " << e;
+  }
+  EnvGuard g;
+  ::setenv("MASTER_PORT", "29500", 1);  // alone it names no job: a single-process run
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  EXPECT_FALSE(bootstrap_config_from_env().has_value());
+}
+
+// torchrun's default TORCHELASTIC_RUN_ID is "none" for every job: it cannot tell two jobs apart.
+TEST(BootstrapEnv, JobIdentity) {
+  EnvGuard g;
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("MASTER_PORT", "29501", 1);
+  ::setenv("TORCHELASTIC_RUN_ID", "none", 1);
+  auto c = bootstrap_config_from_env();
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->token.rfind("port:29501/cmd:", 0), 0u) << c->token;
+  ::setenv("PCPKV_JOB_ID", "nightly-7", 1);
+  c = bootstrap_config_from_env();
+  EXPECT_EQ(c->token, "job:nightly-7");
+  EXPECT_EQ(c->job, "MASTER_PORT 29501, PCPKV_JOB_ID=nightly-7");
+}
+
+// Two jobs on one MASTER_PORT: the second rank 0 took over the socket and the jobs' ranks met. Now the
+// second rank 0 is refused at once, naming the job that holds the address; the first job is untouched.
+TEST(Bootstrap, SecondRankZeroAtTheSameAddressIsRefusedAtOnce) {
+  const auto out = run_ranks(
+      3,
+      [](const BootstrapConfig& c) {
+        if (c.job == "job B") {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));  // job A's rank 0 is up by then
+          const auto t0 = std::chrono::steady_clock::now();
+          try {
+            Bootstrap::connect(c);
+          } catch (const Error& e) {
+            std::fprintf(stderr, "ERROR: %s\n", e.what());
+            RANK_CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2), "not at once");
+            return 3;
+          }
+          return 0;
+        }
+        if (c.rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // after job B's try
+        auto b = Bootstrap::connect(c);
+        b->barrier();
+        return 0;
+      },
+      10.0, 30.0,
+      [](int r, BootstrapConfig& c) {
+        c.job = "job A";
+        if (r == 2) {
+          c.rank = 0;
+          c.world_size = 2;
+          c.token = "another-token";
+          c.job = "job B";
+        } else {
+          c.world_size = 2;
+        }
+      });
+  EXPECT_EQ(out[0].exit_code, 0) << test::describe(out);
+  EXPECT_EQ(out[1].exit_code, 0) << test::describe(out);
+  ASSERT_EQ(out[2].exit_code, 3) << test::describe(out);
+  EXPECT_NE(out[2].output.find("rank 0 of job 'job B' cannot rendezvous at"), std::string::npos) << out[2].output;
+  EXPECT_NE(out[2].output.find("in use by the rank 0 of another job (pid"), std::string::npos) << out[2].output;
+  EXPECT_NE(out[2].output.find("job 'job A')"), std::string::npos) << out[2].output;
 }
 
 TEST(Bootstrap, PublicDirectoryIsRefused) {

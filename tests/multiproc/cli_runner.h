@@ -95,7 +95,8 @@ inline int count_occurrences(const std::string& hay, const std::string& needle) 
 inline std::vector<std::pair<std::string, std::string>> clean_env() {
   return {{"PCPKV_RANK", ""},  {"PCPKV_WORLD_SIZE", ""}, {"PCPKV_LOCAL_RANK", ""}, {"PCPKV_LOCAL_WORLD_SIZE", ""},
           {"PCPKV_BOOTSTRAP", ""}, {"PCPKV_JOB_TOKEN", ""}, {"RANK", ""},      {"WORLD_SIZE", ""},
-          {"LOCAL_RANK", ""},  {"MASTER_ADDR", ""},      {"MASTER_PORT", ""},   {"PCPKV_DEVICE", ""}};
+          {"LOCAL_RANK", ""},  {"MASTER_ADDR", ""},      {"MASTER_PORT", ""},   {"PCPKV_DEVICE", ""},
+          {"LOCAL_WORLD_SIZE", ""}, {"TORCHELASTIC_RUN_ID", ""}, {"PCPKV_JOB_ID", ""}};
 }
 
 }  // namespace pcpkv::test

@@ -3,7 +3,12 @@
 // torchrun-style variables, bad rendezvous, and bench-fence.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
 #include <random>
+#include <thread>
 
 #include "cli_runner.h"
 
@@ -68,7 +73,7 @@ TEST(LaunchCpuMisc, KilledRankIsReportedAndEveryoneExitsNonzeroWithinTheTimeout)
   EXPECT_NE(r.output.find("pcpkv launch: rank 2 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << r.output;
   for (int rank : {0, 1, 3}) {
-    EXPECT_NE(r.output.find(fmt::format("[rank {}] pcpkv mp-publish: rank {}: error:", rank, rank)), std::string::npos)
+    EXPECT_NE(r.output.find(fmt::format("[rank {}] pcpkv: error: mp-publish rank {}: ", rank, rank)), std::string::npos)
         << r.output;
     EXPECT_NE(r.output.find(fmt::format("pcpkv launch: rank {} (pid", rank)), std::string::npos) << r.output;
   }
@@ -174,6 +179,105 @@ TEST(LaunchCpuMisc, BadUsage) {
   r = run_program({"launch", "--nproc", "2", "--", "mp-publish", "--tp", "3"}, 60, clean_env());
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.output.find("--tp 3 does not divide the world size 2"), std::string::npos) << r.output;
+}
+
+// Two torchrun-style jobs (other seeds) on one MASTER_PORT met: one rank 0 reported corrupted guard bytes,
+// the other hung. Now: job A runs untouched; job B's rank 1, arriving at job A's rank 0, is refused with a
+// message naming both jobs; job B's rank 0 is refused at once because the port is in use.
+TEST(LaunchCpuMisc, TwoTorchrunJobsOnOnePortNeverMeet) {
+  test::TempDir dir;
+  std::mt19937 rng(std::random_device{}());
+  const std::string port = std::to_string(20000 + rng() % 40000);
+  auto start = [&](int rank, const char* seed) {
+    auto env = clean_env();
+    env.push_back({"RANK", std::to_string(rank)});
+    env.push_back({"WORLD_SIZE", "2"});
+    env.push_back({"MASTER_ADDR", "127.0.0.1"});
+    env.push_back({"MASTER_PORT", port});
+    env.push_back({"PCPKV_BOOTSTRAP_DIR", dir.path});
+    env.push_back({"PCPKV_BOOTSTRAP_TIMEOUT_S", "20"});
+    return run_program({"mp-publish", "--backend", "cpu", "--tokens", "20", "--transport", "direct", "--seed", seed},
+                       120, env);
+  };
+  test::CliResult a0, a1, b0, b1;
+  std::thread ta0([&] { a0 = start(0, "1"); });
+  // In this order, each step done before the next: job A's rank 0 listens, job B's rank 1 meets it, job
+  // B's rank 0 tries the port, job A's rank 1 joins its own rank 0.
+  const std::string sock = fmt::format("{}/pcpkv-{}/port{}.sock", dir.path, ::geteuid(), port);
+  for (int i = 0; i < 3000 && !std::filesystem::exists(sock); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (!std::filesystem::exists(sock)) {
+    ta0.join();
+    FAIL() << "job A's rank 0 never listened: " << describe(a0);
+  }
+  b1 = start(1, "2");
+  b0 = start(0, "2");
+  a1 = start(1, "1");
+  ta0.join();
+  EXPECT_EQ(a0.exit_code, 0) << describe(a0) << describe(a1);
+  EXPECT_EQ(a1.exit_code, 0) << describe(a1);
+  EXPECT_NE(a0.output.find("verdict: PASS"), std::string::npos) << a0.output;
+  EXPECT_EQ(b1.exit_code, 4) << describe(b1);
+  EXPECT_NE(b1.output.find("pcpkv: error: mp-publish rank 1: bootstrap: rank 0 (pid"), std::string::npos)
+      << b1.output;
+  EXPECT_NE(b1.output.find("job token mismatch"), std::string::npos) << b1.output;
+  EXPECT_NE(b1.output.find("--seed 2'"), std::string::npos) << b1.output;  // this job
+  EXPECT_NE(b1.output.find("--seed 1'"), std::string::npos) << b1.output;  // the job it met
+  EXPECT_EQ(b0.exit_code, 4) << describe(b0);
+  EXPECT_NE(b0.output.find("in use by the rank 0 of another job"), std::string::npos) << b0.output;
+  EXPECT_NE(b0.output.find(fmt::format("MASTER_PORT {}", port)), std::string::npos) << b0.output;
+  EXPECT_LT(b0.seconds, 15.0) << b0.output;  // at once, not after the 20 s timeout
+  for (const test::CliResult* r : {&a0, &a1, &b0, &b1}) {
+    EXPECT_EQ(r->output.find("guard"), std::string::npos) << r->output;
+  }
+}
+
+// A --socket-dir too long for a Unix socket path was caught only inside each rank.
+TEST(LaunchCpuMisc, TooLongSocketDirIsRefusedBeforeAnyRankStarts) {
+  const std::string dir = "/tmp/" + std::string(90, 'd');
+  const auto r = run_program({"launch", "--nproc", "2", "--socket-dir", dir, "--program", "/bin/sh", "--", "-c",
+                              "echo started"},
+                             30, clean_env());
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_EQ(r.output.rfind("pcpkv: error: --socket-dir: '", 0), 0u) << r.output;
+  EXPECT_NE(r.output.find("is too long (95 bytes)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("started"), std::string::npos) << r.output;
+}
+
+// `--gpus` with `--backend cpu` was accepted silently.
+TEST(LaunchCpuMisc, GpusWithTheCpuBackendGetANote) {
+  const auto r = run_program({"launch", "--nproc", "2", "--gpus", "0", "--", "mp-publish", "--backend", "cpu",
+                              "--tokens", "8", "--transport", "direct"},
+                             120, clean_env());
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.output.find("pcpkv launch: note: --gpus 0 is not used: the ranks run --backend cpu"),
+            std::string::npos)
+      << r.output;
+}
+
+// `kill -9` of launch left its private rendezvous directory: the next launch removes this user's
+// directories whose launcher is gone, and keeps those of a live one.
+TEST(LaunchCpuMisc, StaleLaunchDirectoriesAreRemoved) {
+  test::TempDir parent;
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  for (const auto& [name, pid] : {std::pair<std::string, long>{"pcpkv-launch-dead01", dead},
+                                  {"pcpkv-launch-live01", static_cast<long>(::getpid())}}) {
+    std::filesystem::create_directories(parent.path + "/" + name);
+    std::ofstream(parent.path + "/" + name + "/launcher.pid") << pid << "\n";
+  }
+  std::filesystem::create_directories(parent.path + "/pcpkv-launch-nopid1");  // being set up: kept
+  const auto r = run_program({"launch", "--nproc", "1", "--socket-dir", parent.path, "--program", "/bin/sh", "--",
+                              "-c", "true"},
+                             30, clean_env());
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_FALSE(std::filesystem::exists(parent.path + "/pcpkv-launch-dead01"));
+  EXPECT_TRUE(std::filesystem::exists(parent.path + "/pcpkv-launch-live01"));
+  EXPECT_TRUE(std::filesystem::exists(parent.path + "/pcpkv-launch-nopid1"));
+  int left = 0;  // the launch's own directory is gone too
+  for (const auto& e : std::filesystem::directory_iterator(parent.path)) left += e.is_directory();
+  EXPECT_EQ(left, 2);
 }
 
 TEST(LaunchCpuMisc, BenchFenceCpu) {

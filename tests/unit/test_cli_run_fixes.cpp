@@ -219,7 +219,9 @@ TEST(CliRunFixes, SaveFailureAfterTheRunKeepsTheReport) {
     EXPECT_NE(err.find("the run completed, verdict PASS"), std::string::npos) << err;
     if (json) {
       const auto j = nlohmann::json::parse(out);
-      EXPECT_TRUE(j["ok"].get<bool>());
+      // The command failed (exit 3): "ok" says so; the verdict alone is "checks_ok" (issue 12).
+      EXPECT_FALSE(j["ok"].get<bool>()) << out;
+      EXPECT_TRUE(j["checks_ok"].get<bool>()) << out;
       EXPECT_TRUE(j["saved"].is_null());
       EXPECT_NE(j["save_error"].get<std::string>().find("File too large"), std::string::npos) << out;
     }

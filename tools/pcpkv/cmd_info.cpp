@@ -15,6 +15,7 @@
 #include "pcpkv/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/error.h"
+#include "pcpkv/input_limits.h"
 #include "pcpkv/layout.h"
 #include "pcpkv/model.h"
 
@@ -42,7 +43,7 @@ void info(bool as_json) {
   std::vector<std::string> missing;
   for (const std::string& name : preset_names()) {
     std::error_code ec;
-    if (!std::filesystem::is_regular_file(dir + "/" + name + ".json", ec)) missing.push_back(name);
+    if (!std::filesystem::exists(dir + "/" + name + ".json", ec)) missing.push_back(name);  // as preset() decides
   }
   if (missing.empty()) {
     text += "presets (configs in " + dir + ")\n";
@@ -54,8 +55,16 @@ void info(bool as_json) {
   j["config_dir"] = dir;
   json presets = json::array();
   for (const std::string& name : preset_names()) {
-    const ModelConfig m = preset(name);
     const bool builtin = std::find(missing.begin(), missing.end(), name) != missing.end();
+    ModelConfig m;
+    try {
+      m = preset(name);
+    } catch (const Error& e) {
+      // One broken preset file must not hide the rest of the report: its line says why.
+      text += fmt::format("  {:<14} unusable: {}\n", name, clip_middle(e.what(), 500));
+      presets.push_back({{"name", name}, {"source", dir + "/" + name + ".json"}, {"error", clip_middle(e.what())}});
+      continue;
+    }
     text += fmt::format(
         "  {:<14} {} : hidden {}, heads {}, q_lora_rank {}, kv_lora_rank {}, qk_nope/rope/v {}/{}/{},\n"
         "  {:<14} index heads/dim/topk {}/{}/{}, rms_norm_eps {:g}, layers {} ({} dense),\n"

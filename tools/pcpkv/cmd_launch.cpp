@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "error_line.h"
 #include "launch_cmds.h"
 #include "pcpkv/backend.h"
 #include "pcpkv/commands.h"
@@ -56,21 +57,22 @@ RankPublisherFactory rank_publisher_factory(const std::string& backend, std::str
 }
 
 int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn) {
-  const std::string who = world ? fmt::format("rank {}", world->rank()) : "rank ?";
+  // "pcpkv: error: mp-publish rank 1: ...", the one-line form of every CLI error.
+  const std::string who = world ? fmt::format("{} rank {}", cmd, world->rank()) : fmt::format("{} rank ?", cmd);
   try {
     return fn();
   } catch (const FenceTimeout& e) {
-    fmt::print(stderr, "pcpkv {}: {}: error: {}\n", cmd, who, e.what());
-    if (world) world->abort(e.what());
+    print_error(fmt::format("{}: {}", who, e.what()));
+    if (world) world->abort(clip_middle(e.what()));
     return kExitPeerFailed;
   } catch (const Error& e) {
     const std::string msg = e.what();
-    fmt::print(stderr, "pcpkv {}: {}: error: {}\n", cmd, who, msg);
-    if (world) world->abort(msg);
+    print_error(fmt::format("{}: {}", who, msg));
+    if (world) world->abort(clip_middle(msg));
     return msg.rfind("bootstrap:", 0) == 0 ? kExitPeerFailed : 2;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "pcpkv {}: {}: error: internal: {}\n", cmd, who, e.what());
-    if (world) world->abort(e.what());
+    print_error(fmt::format("{}: internal: {}", who, e.what()));
+    if (world) world->abort(clip_middle(e.what()));
     return 3;
   }
 }
@@ -129,6 +131,16 @@ void check_rank_program(const std::string& command, int32_t nproc) {
              nproc, command, command, nproc, names);
 }
 
+// The ranks' command line asks for the CPU backend (--backend cpu or --backend=cpu; the last one counts).
+bool ranks_use_cpu_backend(const std::vector<std::string>& cmd) {
+  std::string backend;
+  for (size_t i = 0; i < cmd.size(); ++i) {
+    if (cmd[i] == "--backend" && i + 1 < cmd.size()) backend = cmd[i + 1];
+    if (cmd[i].rfind("--backend=", 0) == 0) backend = cmd[i].substr(10);
+  }
+  return backend == "cpu";
+}
+
 }  // namespace
 
 void add_launch_command(CLI::App& app) {
@@ -172,6 +184,9 @@ void add_launch_command(CLI::App& app) {
     o.output = parse_launch_output(f->output);
     o.socket_dir = f->socket_dir;
     o.gpus = parse_device_list(f->gpus, "--gpus");
+    if (!o.gpus.empty() && ranks_use_cpu_backend(cmd)) {
+      fmt::print(stderr, "pcpkv launch: note: --gpus {} is not used: the ranks run --backend cpu\n", f->gpus);
+    }
     if (f->program.empty()) {
       o.argv.push_back(self_exe());
     } else {

@@ -1,6 +1,6 @@
 // pcpkv: the command-line tool. Subcommands live in cmd_<name>.cpp (commands.h).
-// Exit codes: 0 success, 1 a verification check failed, 2 bad input or usage, 3 internal error (a
-// subcommand may add its own, e.g. the multi-process ones: 4 a peer failed).
+// Exit codes: 0 success, 1 a verification check failed, 2 bad input or usage, 3 internal error, 4 (the
+// multi-process subcommands) rank setup failed, a peer died or a fence timed out; a signal gives 128 + N.
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "pcpkv/commands.h"
+#include "pcpkv/error_line.h"
 #include "pcpkv/error.h"
 
 namespace {
@@ -29,8 +30,9 @@ int run_app(CLI::App& app, int argc, char** argv) {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == argv[1];
     if (!known) {
-      fmt::print(stderr, "pcpkv: error: unknown command '{}'; known: {}\nRun 'pcpkv --help' for usage.\n", argv[1],
-                 command_names(app));
+      pcpkv::cli::print_error(
+          fmt::format("unknown command '{}'; known: {}", pcpkv::clip(argv[1]), command_names(app)));
+      fmt::print(stderr, "Run 'pcpkv --help' for usage.\n");
       return 2;
     }
   }
@@ -44,24 +46,26 @@ int run_app(CLI::App& app, int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::RuntimeError& e) {
     // Thrown by a subcommand to set the exit code; a message, when present, is the reason.
-    if (e.what() && *e.what()) fmt::print(stderr, "pcpkv: error: {}\n", e.what());
+    if (e.what() && *e.what()) pcpkv::cli::print_error(e.what());
     return e.get_exit_code();
   } catch (const CLI::RequiredError& e) {
-    fmt::print(stderr, "pcpkv: error: {}{}\nRun 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n", e.what(),
-               argc < 2 ? fmt::format("; commands: {}", command_names(app)) : "");
+    pcpkv::cli::print_error(
+        fmt::format("{}{}", e.what(), argc < 2 ? fmt::format("; commands: {}", command_names(app)) : ""));
+    fmt::print(stderr, "Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
   } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "pcpkv: error: {}\nRun 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n", e.what());
+    pcpkv::cli::print_error(e.what());
+    fmt::print(stderr, "Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
   } catch (const pcpkv::Error& e) {
-    fmt::print(stderr, "pcpkv: error: {}\n", e.what());
+    pcpkv::cli::print_error(e.what());
     if (std::getenv("PCPKV_DEBUG") && !e.where().empty()) fmt::print(stderr, "pcpkv: (raised at {})\n", e.where());
     return 2;
   } catch (const std::bad_alloc&) {
     fmt::print(stderr, "pcpkv: error: out of memory (try fewer --tokens or a smaller --pcp)\n");
     return 3;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "pcpkv: error: internal: {}\n", e.what());
+    pcpkv::cli::print_error(fmt::format("internal: {}", e.what()));
     return 3;
   }
   return 0;

@@ -19,6 +19,7 @@
 
 #include "pcpkv/error.h"
 #include "pcpkv/flag_checks.h"
+#include "pcpkv/input_limits.h"
 #include "pcpkv/inputs_io.h"
 #include "pcpkv/safetensors.h"
 #include "pcpkv/verify.h"
@@ -406,16 +407,6 @@ void check_save_target(const std::string& path) {
   ::unlink(probe.c_str());
 }
 
-void check_read_path(const char* flag, const std::string& path, bool regular_only) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  PCPKV_CHECK(fs::exists(st), "{}: no such file '{}'", flag, path);
-  PCPKV_CHECK(!fs::is_directory(st), "{}: '{}' is a directory", flag, path);
-  PCPKV_CHECK(!regular_only || fs::is_regular_file(st),
-              "{}: '{}' is not a regular file (pcpkv seeks in it; copy it to a file first)", flag, path);
-}
-
 }  // namespace
 
 bool RunOutcome::ok() const {
@@ -518,9 +509,10 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
     p.notes_text.push_back(
         fmt::format("--k-scale: not used: it applies to --kv-format fp8, not {}", to_string(p.fmt.kv_format)));
   }
-  if (!o.inputs.empty()) check_read_path("--inputs", o.inputs, /*regular_only=*/true);
-  // A config may come through a pipe (--config <(...)): only a directory is refused here.
-  if (!o.config.empty()) check_read_path("--config", o.config, /*regular_only=*/false);
+  // One rule for every file a flag names (input_limits.h): a regular file, size-bounded. The inputs file has
+  // no fixed bound: its header is (100 MB) and its tensors are read after the host-memory pre-check.
+  if (!o.inputs.empty()) check_input_file("--inputs", o.inputs, 0);
+  if (!o.config.empty()) check_input_file("--config", o.config, kMaxConfigFileBytes);
   if (!o.save.empty()) check_save_target(o.save);
 
   step(progress, "loading the model");
@@ -554,7 +546,17 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   pc.block_size = o.block_size;
   pc.seed = o.seed;
   InputsBatch batch;
-  if (!o.inputs.empty()) batch = read_inputs_batch(o.inputs);
+  if (!o.inputs.empty()) {
+    batch = read_inputs_batch(o.inputs);
+    for (const std::string& n : batch.notes) p.notes_text.push_back(fmt::format("--inputs {}: {}", o.inputs, n));
+    // Not an error: re-encoding saved activations in another format is a use; the saved caches are not read.
+    if (!batch.saved_kv_format.empty() && batch.saved_kv_format != to_string(p.fmt.kv_format)) {
+      p.notes_text.push_back(fmt::format(
+          "--inputs {}: saved with kv_format {}, this run publishes {}: the caches are computed anew from the "
+          "file's activations, so they (and a --save of this run) differ from the file's mla_cache",
+          o.inputs, batch.saved_kv_format, to_string(p.fmt.kv_format)));
+    }
+  }
   Footprint fp;
   fp.pcp = o.pcp;
   fp.block_size = o.block_size;

@@ -150,7 +150,9 @@ nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, 
   const PcpPlan& plan = prep.plan;
   const TransportRowLayout row = transport_row_layout(prep.fmt);
   json j;
-  j["ok"] = out.ok();
+  // ok: the whole command succeeded (a failed --save exits 3); checks_ok: the verdict alone.
+  j["ok"] = out.ok() && save_error.empty();
+  j["checks_ok"] = out.ok();
   j["elapsed_s"] = elapsed_s;
   j["backend"] = {{"name", out.backend_name}, {"device", out.backend_device}, {"note", out.backend_note}};
   j["model"] = {{"name", prep.model.name},
