@@ -126,6 +126,7 @@ at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& inde
   const pcpkv::CacheFormat fmt = make_format(std::string(kv_format), "pow2", 1.0, has_indexer);
   const std::vector<uint8_t*> mla = read_pointer_table(mla_ptrs, "make_cache_targets: mla_ptrs");
   const std::vector<uint8_t*> idx = read_pointer_table(index_ptrs, "make_cache_targets: index_ptrs");
+  TORCH_CHECK_VALUE(!mla.empty(), "make_cache_targets: mla_ptrs is empty; expected one pointer per replica");
   TORCH_CHECK_VALUE(!has_indexer || idx.size() == mla.size(), "make_cache_targets: ", mla.size(),
                     " MLA pointers but ", idx.size(), " indexer pointers");
   at::Tensor out = at::zeros({static_cast<int64_t>(mla.size()), kTargetRecordBytes}, at::kByte);
@@ -182,6 +183,7 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
   // (the CUDA op validates the host copy and launches on the device one).
   if (has(targets)) {
     tv = read_target_table(*targets, "dispatch: targets");
+    check_uniform_targets(tv, has_indexer, "dispatch: targets");
     if (has(targets_host))
       TORCH_CHECK_VALUE(same_records(read_target_table(*targets_host, "dispatch: targets_host"), tv),
                         "dispatch: targets (", describe(*targets), ") differs from targets_host (",
