@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "pcpkv/model.h"
@@ -26,6 +27,13 @@ struct RopeTable {
   std::vector<float> cos_sin;  // [num_positions, 64]
   const float* row(int64_t pos) const { return cos_sin.data() + pos * kRopeDim; }
 };
+
+/// Refuses unusable RoPE parameters (SPEC section 1): throws pcpkv::Error naming `origin`, the key (after
+/// `prefix`, where the scaling keys live: "rope_scaling.", "rope_parameters.", "rope.") and its value.
+/// rope_theta must be in (1, 1e12]; with YaRN also factor in [1, 1e4], original_max_position_embeddings
+/// in [1, 2^40], beta_fast >= beta_slow in (0, 1e4], mscale / mscale_all_dim in [0, 1e3], and the
+/// resulting magnitude and inverse frequencies finite and positive.
+void validate_rope(const RopeConfig& rope, const std::string& origin, const std::string& prefix);
 
 /// Builds the table for positions [0, num_positions). Throws pcpkv::Error if num_positions < 1.
 RopeTable make_rope_table(const RopeConfig& rope, int64_t num_positions);

@@ -103,6 +103,24 @@ std::vector<pcpkv::CacheTarget> read_target_table(const at::Tensor& host, const 
   return out;
 }
 
+void check_uniform_targets(const std::vector<pcpkv::CacheTarget>& t, bool has_indexer, const char* name) {
+  for (size_t d = 1; d < t.size(); ++d) {
+    const pcpkv::MlaCacheGeometry &a = t[0].mla, &b = t[d].mla;
+    TORCH_CHECK_VALUE(a.num_blocks == b.num_blocks && a.block_size == b.block_size && a.row_stride == b.row_stride &&
+                          a.block_stride == b.block_stride,
+                      name, "[", d, "]: MLA geometry (num_blocks ", b.num_blocks, ", block_size ", b.block_size,
+                      ", row_stride ", b.row_stride, ", block_stride ", b.block_stride, ") differs from ", name,
+                      "[0]'s (", a.num_blocks, ", ", a.block_size, ", ", a.row_stride, ", ", a.block_stride,
+                      "): a table holds replicas of one geometry");
+    if (!has_indexer) continue;
+    const pcpkv::IndexerCacheGeometry &x = t[0].index, &y = t[d].index;
+    TORCH_CHECK_VALUE(x.num_blocks == y.num_blocks && x.block_size == y.block_size && x.block_stride == y.block_stride,
+                      name, "[", d, "]: indexer geometry (num_blocks ", y.num_blocks, ", block_size ", y.block_size,
+                      ", block_stride ", y.block_stride, ") differs from ", name, "[0]'s (", x.num_blocks, ", ",
+                      x.block_size, ", ", x.block_stride, "): a table holds replicas of one geometry");
+  }
+}
+
 std::vector<uint8_t*> read_pointer_table(const at::Tensor& host, const char* name) {
   TORCH_CHECK_VALUE(host.device().is_cpu() && (host.scalar_type() == at::kLong || host.scalar_type() == at::kUInt64) &&
                         host.dim() == 1 && host.is_contiguous(),

@@ -61,6 +61,10 @@ constexpr int64_t kTargetRecordBytes = static_cast<int64_t>(sizeof(pcpkv::CacheT
 
 /// Host-side view of a target table tensor (CPU, uint8 [D, kTargetRecordBytes]): a copy of the records.
 std::vector<pcpkv::CacheTarget> read_target_table(const at::Tensor& host_table, const char* name);
+/// Refuses a target table whose records disagree: every record must have record 0's MLA geometry (and,
+/// on a layer with an indexer, indexer geometry). A table records the replicas of one cache (CacheTargets);
+/// the CUDA kernels trust slot values, so a record smaller than the rest would be written past its end.
+void check_uniform_targets(const std::vector<pcpkv::CacheTarget>& targets, bool has_indexer, const char* name);
 /// Host-side view of a pointer table (CPU, int64/uint64 [D]): the pointers.
 std::vector<uint8_t*> read_pointer_table(const at::Tensor& host_table, const char* name);
 

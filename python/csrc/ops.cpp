@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "common.h"
@@ -35,6 +36,11 @@ int cpu_threads() { return std::max(1, std::min(at::get_num_threads(), 16)); }
 
 // ---- host-only setup ops ----------------------------------------------------------------------------
 
+// A rope table holds one 256-byte row per position. Real models use <= 2^20 positions; 2^28 (64 GiB) is a
+// bound that refuses a mistyped count with a message instead of std::bad_alloc.
+constexpr int64_t kMaxRopeTablePositions = int64_t{1} << 28;
+constexpr int64_t kRopeTableRowBytes = pcpkv::kRopeDim * static_cast<int64_t>(sizeof(float));
+
 at::Tensor rope_table(int64_t num_positions, c10::string_view scaling, double theta, double factor,
                       int64_t original_max_position_embeddings, double beta_fast, double beta_slow, double mscale,
                       double mscale_all_dim) {
@@ -50,7 +56,19 @@ at::Tensor rope_table(int64_t num_positions, c10::string_view scaling, double th
   c.beta_slow = beta_slow;
   c.mscale = mscale;
   c.mscale_all_dim = mscale_all_dim;
-  const pcpkv::RopeTable t = translate_errors([&] { return pcpkv::make_rope_table(c, num_positions); });
+  // (num_positions < 1 is refused by make_rope_table: test_errors.py checks that pcpkv::Error path.)
+  TORCH_CHECK_VALUE(num_positions <= kMaxRopeTablePositions, "rope_table: num_positions = ", num_positions,
+                    " exceeds 2^28 (", kRopeTableRowBytes, " B of host memory per position)");
+  // theta <= 0 or a NaN factor would give NaN rows, not an error (pcpkv::validate_rope names the value).
+  translate_errors([&] { pcpkv::validate_rope(c, "rope_table", ""); });
+  const pcpkv::RopeTable t = translate_errors([&] {
+    try {
+      return pcpkv::make_rope_table(c, num_positions);
+    } catch (const std::bad_alloc&) {
+      PCPKV_FAIL("rope_table: num_positions = {} needs {} B of host memory, which could not be allocated", num_positions,
+                 num_positions * kRopeTableRowBytes);
+    }
+  });
   at::Tensor out = at::empty({t.num_positions, pcpkv::kRopeDim}, at::kFloat);
   std::memcpy(out.data_ptr(), t.cos_sin.data(), t.cos_sin.size() * sizeof(float));
   return out;
@@ -126,6 +144,7 @@ at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& inde
   const pcpkv::CacheFormat fmt = make_format(std::string(kv_format), "pow2", 1.0, has_indexer);
   const std::vector<uint8_t*> mla = read_pointer_table(mla_ptrs, "make_cache_targets: mla_ptrs");
   const std::vector<uint8_t*> idx = read_pointer_table(index_ptrs, "make_cache_targets: index_ptrs");
+  TORCH_CHECK_VALUE(!mla.empty(), "make_cache_targets: mla_ptrs is empty; expected one pointer per replica");
   TORCH_CHECK_VALUE(!has_indexer || idx.size() == mla.size(), "make_cache_targets: ", mla.size(),
                     " MLA pointers but ", idx.size(), " indexer pointers");
   at::Tensor out = at::zeros({static_cast<int64_t>(mla.size()), kTargetRecordBytes}, at::kByte);
@@ -182,6 +201,7 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
   // (the CUDA op validates the host copy and launches on the device one).
   if (has(targets)) {
     tv = read_target_table(*targets, "dispatch: targets");
+    check_uniform_targets(tv, has_indexer, "dispatch: targets");
     if (has(targets_host))
       TORCH_CHECK_VALUE(same_records(read_target_table(*targets_host, "dispatch: targets_host"), tv),
                         "dispatch: targets (", describe(*targets), ") differs from targets_host (",

@@ -72,6 +72,7 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
   TORCH_CHECK_VALUE(has(row_dests) == has(row_dests_host), "dispatch: row_dests and row_dests_host go together");
   if (has(targets)) {
     job.host_targets = read_target_table(*targets_host, "dispatch: targets_host");
+    check_uniform_targets(job.host_targets, has_indexer, "dispatch: targets_host");
     check_device_table(*targets, "dispatch: targets", dev, static_cast<int64_t>(job.host_targets.size()),
                        kTargetRecordBytes);
     p.targets = reinterpret_cast<const pcpkv::CacheTarget*>(targets->data_ptr());

@@ -7,6 +7,8 @@ for the fields the torch ops take (eps values, RoPE, rope styles, which layers h
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -59,9 +61,54 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
+_REQUIRED = object()
+
+
+def _typed(value: Any, name: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """value checked to be of `kind` (int, float, bool, str); `default` when it is None (JSON null or
+    absent). Raises ValueError naming `name` and the value when it is required and missing, or mistyped
+    (int() / float() would raise TypeError on a list, accept "2048" or truncate 2048.5)."""
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{name} is missing from the HF config; pcpkv needs it")
+        return default
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} = {value!r} must be true or false")
+        return value
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} = {value!r} must be a string")
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} = {value!r} must be a{'n integer' if kind is int else ' number'}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} = {value!r} must be finite")
+    if kind is int:
+        if value != int(value):
+            raise ValueError(f"{name} = {value!r} must be an integer")
+        return int(value)
+    return float(value)
+
+
+def _read(config: Any, key: str, kind: type, default: Any = _REQUIRED, *, where: str = "") -> Any:
+    """config[key] (a dict key or an attribute) as `kind`, see _typed; `where` prefixes the key in messages."""
+    return _typed(_get(config, key), where + key, kind, default)
+
+
+def _check_range(name: str, value, lo, hi, *, lo_open: bool = False, hi_open: bool = False):
+    """ValueError naming `name` unless value lies in the interval lo..hi (open or closed at each end)."""
+    if not ((value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)):
+        raise ValueError(f"{name} = {value!r} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}")
+
+
 @dataclass(frozen=True)
 class RopeSpec:
-    """RoPE of the 64 rotary dims (SPEC section 1). scaling: "default" or "deepseek_yarn"."""
+    """RoPE of the 64 rotary dims (SPEC section 1). scaling: "default" or "deepseek_yarn".
+
+    Raises ValueError naming the field (with its HF key) on a value pcpkv::validate_rope refuses: theta
+    (rope_theta) in (1, 1e12]; with YaRN factor in [1, 1e4], original_max_position_embeddings in [1, 2^40],
+    beta_fast >= beta_slow in (0, 1e4], mscale and mscale_all_dim in [0, 1e3]. (theta <= 0 gave NaN tables.)"""
 
     scaling: str = "default"
     theta: float = 10000.0
@@ -72,27 +119,51 @@ class RopeSpec:
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
 
+    def __post_init__(self):
+        if self.scaling not in ("default", "deepseek_yarn"):
+            raise ValueError(f"RopeSpec: scaling = {self.scaling!r}; expected 'default' or 'deepseek_yarn'")
+        _check_range("RopeSpec: theta (rope_theta)", _typed(self.theta, "RopeSpec: theta (rope_theta)", float),
+                     1.0, 1e12, lo_open=True)
+        if self.scaling != "deepseek_yarn":
+            return
+        ranges = (("factor", float, 1.0, 1e4, False), ("original_max_position_embeddings", int, 1, 1 << 40, False),
+                  ("beta_fast", float, 0.0, 1e4, True), ("beta_slow", float, 0.0, 1e4, True),
+                  ("mscale", float, 0.0, 1e3, False), ("mscale_all_dim", float, 0.0, 1e3, False))
+        for key, kind, lo, hi, lo_open in ranges:
+            _check_range(f"RopeSpec: {key}", _typed(getattr(self, key), f"RopeSpec: {key}", kind), lo, hi,
+                         lo_open=lo_open)
+        if self.beta_fast < self.beta_slow:
+            raise ValueError(f"RopeSpec: beta_fast = {self.beta_fast!r} is less than beta_slow = {self.beta_slow!r}: "
+                             "YaRN needs beta_fast >= beta_slow (swapped keys?)")
+
     @staticmethod
     def from_hf(config: Any) -> "RopeSpec":
         """Reads ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (older configs).
-        Raises ValueError for a rope type pcpkv does not implement (only default and YaRN)."""
+        Raises ValueError for a rope type pcpkv does not implement (only default and YaRN), and naming the
+        key and value for a mistyped or out-of-range one."""
+        where = "rope_parameters" if _get(config, "rope_parameters") else "rope_scaling"
         params = _get(config, "rope_parameters") or _get(config, "rope_scaling") or {}
-        params = dict(params)
-        theta = params.get("rope_theta", _get(config, "rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if not isinstance(params, Mapping):
+            raise ValueError(f"{where} = {params!r} must be a dict")
+        where += "."
+        if params.get("rope_theta") is not None:
+            theta = _typed(params["rope_theta"], where + "rope_theta", float)
+        else:
+            theta = _read(config, "rope_theta", float, 10000.0)
+        rope_type = _typed(params.get("rope_type", params.get("type")), where + "rope_type", str, "default")
         if rope_type == "default":
-            return RopeSpec("default", float(theta))
+            return RopeSpec("default", theta)
         if rope_type not in ("yarn", "deepseek_yarn"):
             raise ValueError(f"rope type {rope_type!r} is not supported (default or yarn)")
         return RopeSpec(
             "deepseek_yarn",
-            float(theta),
-            float(params.get("factor", 1.0)),
-            int(params.get("original_max_position_embeddings", 4096)),
-            float(params.get("beta_fast", 32.0)),
-            float(params.get("beta_slow", 1.0)),
-            float(params.get("mscale", 1.0)),
-            float(params.get("mscale_all_dim", 1.0)),
+            theta,
+            _read(params, "factor", float, 1.0, where=where),
+            _read(params, "original_max_position_embeddings", int, 4096, where=where),
+            _read(params, "beta_fast", float, 32.0, where=where),
+            _read(params, "beta_slow", float, 1.0, where=where),
+            _read(params, "mscale", float, 1.0, where=where),
+            _read(params, "mscale_all_dim", float, 1.0, where=where),
         )
 
 
@@ -118,28 +189,54 @@ class ModelSpec:
     def from_hf_config(config: Any) -> "ModelSpec":
         """From a HF config (dict or transformers config). The indexer RoPE style is the config's
         ``indexer_rope_interleave`` when present, else the model type's (glm_moe_dsa: interleaved, as HF's
-        GlmMoeDsaIndexer; deepseek_v32: NeoX, as HF's DeepseekV32Indexer). Raises ValueError when
+        GlmMoeDsaIndexer; deepseek_v32: NeoX, as HF's DeepseekV32Indexer). Absent (or null) optional keys take
+        the defaults of the fields below; q_lora_rank is required.
+
+        Raises ValueError naming the key and its value when q_lora_rank is missing, a key has the wrong type
+        (a string, a list, a fractional integer, a non-finite number), a value is out of range (q_lora_rank a
+        multiple of 8 in [8, 4096] (the dispatch's q_c), rms_norm_eps / index_norm_eps in (0, 1), index_topk,
+        num_hidden_layers, index_topk_freq >= 1, index_skip_topk_offset >= 0, RopeSpec's ranges), or
         kv_lora_rank != 512, qk_rope_head_dim != 64 or index_head_dim != 128 (the cache layouts fix them)."""
-        model_type = _get(config, "model_type", "")
+        if not isinstance(config, Mapping) and not hasattr(config, "__dict__"):
+            raise ValueError(f"config = {config!r}: expected a HF config dict or a transformers config object")
+        model_type = _read(config, "model_type", str, "")
         for key, want in (("kv_lora_rank", 512), ("qk_rope_head_dim", 64), ("index_head_dim", 128)):
-            got = _get(config, key, want)
+            got = _read(config, key, int, want)
             if got != want:
                 raise ValueError(f"{key} = {got}; pcpkv's cache layouts need {want}")
-        interleave = _get(config, "indexer_rope_interleave")
-        if interleave is None:
-            interleave = model_type == "glm_moe_dsa"
+        q_lora_rank = _read(config, "q_lora_rank", int)
+        if not (8 <= q_lora_rank <= 4096 and q_lora_rank % 8 == 0):
+            raise ValueError(f"q_lora_rank = {q_lora_rank} must be a multiple of 8 in [8, 4096]")
+        eps = {}
+        for key in ("rms_norm_eps", "index_norm_eps"):
+            eps[key] = _read(config, key, float, 1e-6)
+            _check_range(key, eps[key], 0.0, 1.0, lo_open=True, hi_open=True)
+        ints = {}
+        for key, default, lo in (("index_topk", 2048, 1), ("num_hidden_layers", 0, 1), ("index_topk_freq", 1, 1),
+                                 ("index_skip_topk_offset", 0, 0)):
+            ints[key] = _read(config, key, int, default)
+            if _get(config, key) is not None and ints[key] < lo:
+                raise ValueError(f"{key} = {ints[key]} must be >= {lo}")
+        interleave = _read(config, "indexer_rope_interleave", bool, model_type == "glm_moe_dsa")
         types = _get(config, "indexer_types") or ()
+        if isinstance(types, str) or not isinstance(types, (list, tuple)):
+            raise ValueError(f"indexer_types = {types!r} must be a list of 'full' / 'shared'")
+        for i, t in enumerate(types):
+            if t not in ("full", "shared"):
+                raise ValueError(f"indexer_types[{i}] = {t!r} must be 'full' or 'shared'")
         return ModelSpec(
             model_type=model_type,
-            q_lora_rank=int(_get(config, "q_lora_rank")),
-            rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
+            q_lora_rank=q_lora_rank,
+            rms_norm_eps=eps["rms_norm_eps"],
             rope=RopeSpec.from_hf(config),
-            mla_rope_interleave=bool(_get(config, "rope_interleave", True)),
-            indexer_rope_interleave=bool(interleave),
-            index_topk=int(_get(config, "index_topk", 2048)),
-            num_hidden_layers=int(_get(config, "num_hidden_layers", 0)),
-            index_topk_freq=int(_get(config, "index_topk_freq", 1) or 1),
-            index_skip_topk_offset=int(_get(config, "index_skip_topk_offset", 0) or 0),
+            index_norm_eps=eps["index_norm_eps"],
+            mla_rope_interleave=_read(config, "rope_interleave", bool, True),
+            indexer_rope_interleave=interleave,
+            indexer_hadamard=_read(config, "indexer_hadamard", bool, False),
+            index_topk=ints["index_topk"],
+            num_hidden_layers=ints["num_hidden_layers"],
+            index_topk_freq=ints["index_topk_freq"],
+            index_skip_topk_offset=ints["index_skip_topk_offset"],
             indexer_types=tuple(types),
         )
 

@@ -22,12 +22,20 @@ from .tables import CacheTargets, FenceState, RowDests
 __all__ = ["rope_table", "dispatch", "combine", "insert", "fence", "validate_slots", "cuda_dispatch_impl"]
 
 Tensor = torch.Tensor
+#: The most positions rope_table() builds (python/csrc/ops.cpp kMaxRopeTablePositions): a 64 GiB table.
+MAX_ROPE_POSITIONS = 1 << 28
 
 
 def rope_table(rope: RopeSpec, num_positions: int, device=None) -> Tensor:
     """cos/sin table float32 [num_positions, 64] = per position [cos(pos*f'_0..31) | sin(pos*f'_0..31)] *
     mscale (SPEC section 1), computed in long double and rounded once (pcpkv::make_rope_table).
-    Raises ValueError if num_positions < 1 or the scaling is unknown."""
+    Raises ValueError naming the argument if num_positions is not an integer in [1, 2^28] (256 B of host
+    memory per position; 2^40 gave std::bad_alloc) or `rope` is not a RopeSpec (whose values RopeSpec and
+    the op check: rope_theta <= 0 gave NaN rows)."""
+    if isinstance(num_positions, bool) or not isinstance(num_positions, int) or not 1 <= num_positions <= MAX_ROPE_POSITIONS:
+        raise ValueError(f"rope_table: num_positions = {num_positions!r} must be an integer in [1, 2^28]")
+    if not isinstance(rope, RopeSpec):
+        raise ValueError(f"rope_table: rope must be a RopeSpec, got {type(rope).__name__}")
     t = torch.ops.pcpkv.rope_table(num_positions, rope.scaling, rope.theta, rope.factor,
                                    rope.original_max_position_embeddings, rope.beta_fast, rope.beta_slow, rope.mscale,
                                    rope.mscale_all_dim)

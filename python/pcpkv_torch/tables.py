@@ -39,6 +39,71 @@ def peer_pointers(handle, offset_bytes: int = 0) -> list[int]:
     return [int(p) + offset_bytes for p in base]
 
 
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)} strides {list(t.stride())} on {t.device}"
+
+
+def _mla_geometry(cache, fmt: CacheFormat, name: str) -> tuple:
+    """(num_blocks, block_size, row_stride, block_stride) in bytes that a dispatch writes through for an MLA
+    cache uint8 [num_blocks, block_size, fmt.mla_row_bytes] (unit inner stride, rows and blocks not
+    overlapping). The tensor's extent covers every byte of every slot, so equal geometry means no overrun."""
+    row = fmt.mla_row_bytes
+    if (not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 3 or
+            cache.shape[2] != row or cache.stride(2) != 1):
+        raise ValueError(f"{name}: expected a uint8 [num_blocks, block_size, {row}] {fmt.kv_format} cache with unit "
+                         f"inner stride, got {_describe(cache)}")
+    nb, bs = cache.shape[0], cache.shape[1]
+    if nb < 1 or bs < 1:
+        raise ValueError(f"{name}: an empty cache ({_describe(cache)})")
+    row_stride = cache.stride(1) if bs > 1 else row  # a lone row's stride is never used
+    block_stride = cache.stride(0) if nb > 1 else bs * row_stride
+    if row_stride < row or block_stride < bs * row_stride:
+        raise ValueError(f"{name}: rows or blocks overlap ({_describe(cache)}: row stride {row_stride} < {row} or "
+                         f"block stride {block_stride} < {bs} * {row_stride})")
+    return nb, bs, row_stride, block_stride
+
+
+def _index_geometry(cache, name: str) -> tuple:
+    """(num_blocks, block_size, block_stride) in bytes of an indexer cache uint8 [num_blocks, block_size, 132]
+    whose block holds block_size rows of 128 bytes then block_size 4-byte scales (SPEC section 3)."""
+    if (not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.dim() != 3 or
+            cache.shape[2] != 132 or cache.stride(2) != 1 or (cache.shape[1] > 1 and cache.stride(1) != 132)):
+        raise ValueError(f"{name}: expected a uint8 [num_blocks, block_size, 132] indexer cache (the rows of a block "
+                         f"contiguous), got {_describe(cache)}")
+    nb, bs = cache.shape[0], cache.shape[1]
+    if nb < 1 or bs < 1:
+        raise ValueError(f"{name}: an empty cache ({_describe(cache)})")
+    block_stride = cache.stride(0) if nb > 1 else bs * 132
+    if block_stride < bs * 132:
+        raise ValueError(f"{name}: blocks overlap ({_describe(cache)}: block stride {block_stride} < {bs} * 132)")
+    return nb, bs, block_stride
+
+
+def _check_same(tensors: Sequence, name: str, geometry_of) -> None:
+    """Every tensor has the geometry (geometry_of(t, name)) and device of tensors[0]: ValueError naming the
+    first that differs."""
+    first = geometry_of(tensors[0], f"{name}[0]")
+    for i, t in enumerate(tensors[1:], 1):
+        if geometry_of(t, f"{name}[{i}]") != first or t.device != tensors[0].device:
+            raise ValueError(f"{name}[{i}] ({_describe(t)}) differs from {name}[0] ({_describe(tensors[0])}): every "
+                             f"replica needs the geometry and device of the first (the table records one)")
+
+
+def _pointers(ptrs, name: str) -> list[int]:
+    """ptrs as a non-empty list of non-null ints (ValueError naming the argument otherwise)."""
+    if ptrs is None or isinstance(ptrs, (str, bytes, torch.Tensor)):
+        raise ValueError(f"{name}: expected a sequence of addresses (ints), got {type(ptrs).__name__}")
+    vals = list(ptrs)
+    if not vals:
+        raise ValueError(f"{name} is empty; expected one address per replica / rank")
+    for i, v in enumerate(vals):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < (1 << 64):
+            raise ValueError(f"{name}[{i}] = {v!r} is not a non-null address")
+    return vals
+
+
 class CacheTargets:
     """Cache replicas a dispatch writes final rows into ("direct"): a table of pcpkv::CacheTarget records,
     host copy `host` (CPU uint8 [D, 72]) and device copy `table`. All replicas share one geometry.
@@ -56,36 +121,69 @@ class CacheTargets:
     def from_pointers(mla_ptrs: Sequence[int], index_ptrs: Sequence[int] | None, *, like_mla: torch.Tensor,
                       like_index: torch.Tensor | None, fmt: CacheFormat, device=None,
                       tensors: Sequence[torch.Tensor] = ()) -> "CacheTargets":
-        """Targets at raw addresses (peers' replicas), with the geometry of the local replicas like_mla
-        (uint8 [num_blocks, block_size, row_bytes]) and like_index (uint8 [num_blocks, block_size, 132]).
-        Raises ValueError when the geometry cannot hold fmt's rows or a pointer is null."""
-        if fmt.has_indexer and (like_index is None or index_ptrs is None):
-            raise ValueError("CacheTargets: a layer with an indexer needs index_ptrs and like_index")
-        idx_ptrs = list(index_ptrs) if fmt.has_indexer else []
-        idx_stride = (like_index.stride(0) if like_index.shape[0] > 1 else like_index.shape[1] * 132) if fmt.has_indexer else 0
-        if fmt.has_indexer and like_index.shape[:2] != like_mla.shape[:2]:
-            raise ValueError(f"CacheTargets: indexer cache blocks {list(like_index.shape[:2])} differ from the MLA "
-                             f"cache's {list(like_mla.shape[:2])}")
-        block_stride = like_mla.stride(0) if like_mla.shape[0] > 1 else like_mla.shape[1] * like_mla.stride(1)
+        """Targets at raw addresses (peers' replicas), each with the geometry of the local replicas like_mla
+        (uint8 [num_blocks, block_size, fmt.mla_row_bytes]) and like_index (uint8 [num_blocks, block_size, 132]):
+        the memory at every address must be at least that large (pcpkv cannot check a raw address). The table
+        lives on `device` (default: like_mla's), which must be of like_mla's device type.
+        Raises ValueError naming the argument when a geometry cannot hold fmt's rows, the two caches' blocks
+        differ, a pointer list is empty, has a null entry or the wrong length, or the devices disagree."""
+        if not isinstance(fmt, CacheFormat):
+            raise ValueError(f"CacheTargets: fmt must be a CacheFormat, got {type(fmt).__name__}")
+        mla_ptrs = _pointers(mla_ptrs, "CacheTargets: mla_ptrs")
+        mla = _mla_geometry(like_mla, fmt, "CacheTargets: like_mla")
+        device = like_mla.device if device is None else torch.device(device)
+        if device.type != like_mla.device.type:
+            raise ValueError(f"CacheTargets: device = {device} but like_mla is on {like_mla.device}: the dispatch "
+                             f"on {device} would write through {like_mla.device.type} addresses")
+        idx_ptrs, idx_stride = [], 0
+        if fmt.has_indexer:
+            if like_index is None or index_ptrs is None:
+                raise ValueError("CacheTargets: a layer with an indexer (fmt.has_indexer) needs index_ptrs and like_index")
+            idx_ptrs = _pointers(index_ptrs, "CacheTargets: index_ptrs")
+            if len(idx_ptrs) != len(mla_ptrs):
+                raise ValueError(f"CacheTargets: {len(mla_ptrs)} mla_ptrs but {len(idx_ptrs)} index_ptrs")
+            nb, bs, idx_stride = _index_geometry(like_index, "CacheTargets: like_index")
+            if (nb, bs) != mla[:2]:
+                raise ValueError(f"CacheTargets: indexer cache blocks {[nb, bs]} differ from the MLA cache's "
+                                 f"{list(mla[:2])}")
+            if like_index.device != like_mla.device:
+                raise ValueError(f"CacheTargets: like_index is on {like_index.device} but like_mla on {like_mla.device}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type != device.type:
+                raise ValueError(f"CacheTargets: tensors[{i}] ({_describe(t)}) is not a tensor on {device.type}")
         host = torch.ops.pcpkv.make_cache_targets(
-            pointer_table(mla_ptrs), pointer_table(idx_ptrs), like_mla.shape[0], like_mla.shape[1],
-            like_mla.stride(1), block_stride, idx_stride, fmt.kv_format, fmt.has_indexer)
-        device = like_mla.device if device is None else device
+            pointer_table(mla_ptrs), pointer_table(idx_ptrs), mla[0], mla[1], mla[2], mla[3], idx_stride,
+            fmt.kv_format, fmt.has_indexer)
         return CacheTargets(host, host.to(device), tensors)
 
     @staticmethod
     def from_caches(mla_caches: Sequence[torch.Tensor], index_caches: Sequence[torch.Tensor] | None,
                     fmt: CacheFormat) -> "CacheTargets":
-        """Targets over local cache tensors (e.g. the W replicas of W logical ranks on one GPU); every cache
-        must have the geometry of the first. Raises ValueError otherwise."""
-        first = mla_caches[0]
-        for c in mla_caches[1:]:
-            if c.shape != first.shape or c.stride() != first.stride():
-                raise ValueError("CacheTargets.from_caches: replicas differ in shape or strides")
-        idx = list(index_caches) if (fmt.has_indexer and index_caches is not None) else None
+        """Targets over local cache tensors (e.g. the W replicas of W logical ranks on one GPU): mla_caches
+        uint8 [num_blocks, block_size, fmt.mla_row_bytes] and, when fmt.has_indexer, as many index_caches
+        uint8 [num_blocks, block_size, 132] (ignored otherwise). Every replica must have the dtype, shape,
+        strides and device of the first of its kind (the table records one geometry; a smaller replica would
+        be written past its end). Raises ValueError naming the argument and index otherwise, or when a list
+        is empty."""
+        if isinstance(mla_caches, torch.Tensor) or not mla_caches:
+            raise ValueError("CacheTargets.from_caches: mla_caches must be a non-empty list of MLA caches, got "
+                             f"{_describe(mla_caches) if isinstance(mla_caches, torch.Tensor) else mla_caches!r}")
+        mla_caches = list(mla_caches)
+        _check_same(mla_caches, "CacheTargets.from_caches: mla_caches", lambda c, n: _mla_geometry(c, fmt, n))
+        idx = None
+        if fmt.has_indexer:
+            if index_caches is None or isinstance(index_caches, torch.Tensor) or len(index_caches) != len(mla_caches):
+                raise ValueError(f"CacheTargets.from_caches: a layer with an indexer needs one index cache per MLA "
+                                 f"cache ({len(mla_caches)}), got "
+                                 f"{'None' if index_caches is None else _describe(index_caches) if isinstance(index_caches, torch.Tensor) else len(index_caches)}")
+            idx = list(index_caches)
+            _check_same(idx, "CacheTargets.from_caches: index_caches", _index_geometry)
+            if idx[0].device != mla_caches[0].device:
+                raise ValueError(f"CacheTargets.from_caches: index_caches are on {idx[0].device} but mla_caches on "
+                                 f"{mla_caches[0].device}")
         return CacheTargets.from_pointers(
-            [c.data_ptr() for c in mla_caches], [c.data_ptr() for c in idx] if idx else None, like_mla=first,
-            like_index=idx[0] if idx else None, fmt=fmt, tensors=list(mla_caches) + (idx or []))
+            [c.data_ptr() for c in mla_caches], [c.data_ptr() for c in idx] if idx else None, like_mla=mla_caches[0],
+            like_index=idx[0] if idx else None, fmt=fmt, tensors=mla_caches + (idx or []))
 
 
 class RowDests:
@@ -116,30 +214,48 @@ class RowDests:
     @staticmethod
     def from_pointers(ptrs: Sequence[int], device, tensors: Sequence[torch.Tensor] = (), *,
                       row_bytes: int | None = None, max_rows: int | None = None) -> "RowDests":
-        """Destinations at raw addresses (e.g. peer_pointers() of a symmetric staging buffer); give
-        row_bytes / max_rows of the slots so that dispatch can check a call against them."""
-        host = pointer_table(ptrs)
+        """Destinations at raw addresses (e.g. peer_pointers() of a symmetric staging buffer) for a dispatch
+        on `device`; give row_bytes / max_rows of the slots so that dispatch can check a call against them
+        (each address must then hold max_rows * row_bytes bytes; without them nothing can be checked).
+        Raises ValueError naming the argument for an empty list, a null address, or a row_bytes / max_rows
+        that is not a positive integer."""
+        vals = _pointers(ptrs, "RowDests: ptrs")
+        for name, v in (("row_bytes", row_bytes), ("max_rows", max_rows)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"RowDests: {name} = {v!r} must be a positive integer (or None)")
+        device = torch.device(device)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type != device.type:
+                raise ValueError(f"RowDests: tensors[{i}] ({_describe(t)}) is not a tensor on {device.type}")
+        host = pointer_table(vals)
         return RowDests(host, host.to(device), tensors, row_bytes=row_bytes, max_rows=max_rows)
 
     @staticmethod
     def from_staging(staging: Sequence[torch.Tensor], src_rank: int, *, buffer: int = 0, ubatch: int = 0) -> "RowDests":
         """Rank src_rank's slot in every peer's staging workspace (uint8 [2, U, W, M, row_bytes], see
-        allocate_staging): dests[d] = &staging[d][buffer, ubatch, src_rank, 0, 0]. Raises ValueError when the
-        workspaces differ in shape or device, or src_rank / buffer / ubatch is out of range."""
-        ptrs = []
+        allocate_staging): dests[d] = &staging[d][buffer, ubatch, src_rank, 0, 0]. Records row_bytes and M,
+        so a dispatch whose rows do not fit is refused. Raises ValueError when staging is empty, a workspace
+        is not a contiguous uint8 5-d tensor, the workspaces differ in shape or device, or src_rank / buffer /
+        ubatch is out of range."""
+        if isinstance(staging, torch.Tensor) or not staging:
+            raise ValueError("staging: expected a non-empty list of staging workspaces (one per destination rank), "
+                             f"got {_describe(staging) if isinstance(staging, torch.Tensor) else staging!r}")
         first = staging[0]
-        for s in staging:
-            if s.dim() != 5 or s.dtype != torch.uint8 or not s.is_contiguous():
-                raise ValueError(f"staging: expected contiguous uint8 [2, U, W, M, row_bytes], got {s.dtype} "
-                                 f"{list(s.shape)}")
+        for i, s in enumerate(staging):
+            if not isinstance(s, torch.Tensor) or s.dim() != 5 or s.dtype != torch.uint8 or not s.is_contiguous():
+                raise ValueError(f"staging[{i}]: expected contiguous uint8 [2, U, W, M, row_bytes], got {_describe(s)}")
             if s.shape != first.shape or s.device != first.device:
-                raise ValueError(f"staging: workspaces differ ({list(s.shape)} on {s.device} vs "
+                raise ValueError(f"staging[{i}]: workspaces differ ({list(s.shape)} on {s.device} vs "
                                  f"{list(first.shape)} on {first.device})")
+        for name, v in (("buffer", buffer), ("ubatch", ubatch), ("src_rank", src_rank)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"staging: {name} = {v!r} must be an integer")
         if not (0 <= buffer < first.shape[0] and 0 <= ubatch < first.shape[1] and 0 <= src_rank < first.shape[2]):
             raise ValueError(f"staging: buffer {buffer}, ubatch {ubatch}, src_rank {src_rank} out of range for "
                              f"{list(first.shape)}")
-        for s in staging:
-            ptrs.append(s[buffer, ubatch, src_rank].data_ptr())
+        if first.shape[3] < 1 or first.shape[4] < 1:
+            raise ValueError(f"staging: empty slots ({list(first.shape)})")
+        ptrs = [s[buffer, ubatch, src_rank].data_ptr() for s in staging]
         return RowDests.from_pointers(ptrs, first.device, staging, row_bytes=first.shape[4], max_rows=first.shape[3])
 
 
@@ -161,23 +277,52 @@ class FenceState:
 
     def __init__(self, pad_ptrs: Sequence[int], *, world: int, num_barriers: int = 1, first_rank: int = 0,
                  num_local_ranks: int = 1, device=None, pads: Sequence[torch.Tensor] = ()):
+        """pad_ptrs[r]: rank r's pad address (as mapped here; 8-byte aligned, num_barriers * 2 * world int64).
+        Raises ValueError naming the argument for a count that is not a positive integer, hosted ranks
+        outside [0, world), a null or misaligned address, or a pad tensor that is not a contiguous int64
+        [num_barriers, 2, world] on the fence's device type."""
+        for name, v, lo in (("world", world, 1), ("num_barriers", num_barriers, 1), ("first_rank", first_rank, 0),
+                            ("num_local_ranks", num_local_ranks, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"FenceState: {name} = {v!r} must be an integer >= {lo}")
+        if world > 1024:
+            raise ValueError(f"FenceState: world = {world} must be at most 1024")
+        if first_rank + num_local_ranks > world:
+            raise ValueError(f"FenceState: ranks [{first_rank}, {first_rank + num_local_ranks}) are not inside "
+                             f"[0, world = {world})")
+        pad_ptrs = _pointers(pad_ptrs, "FenceState: pad_ptrs")
         if len(pad_ptrs) != world:
             raise ValueError(f"FenceState: {len(pad_ptrs)} pad pointers for world = {world}")
+        for r, p in enumerate(pad_ptrs):
+            if p % 8:
+                raise ValueError(f"FenceState: pad_ptrs[{r}] = {p:#x} is not 8-byte aligned")
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.world, self.num_barriers, self.first_rank = world, num_barriers, first_rank
+        self.pads = list(pads)
+        for i, p in enumerate(self.pads):
+            # the fence writes through the pad pointers on this device: CPU code must never get device pads,
+            # and a smaller pad would be written past its end
+            if (not isinstance(p, torch.Tensor) or p.dtype not in (torch.int64, torch.uint64) or
+                    tuple(p.shape) != (num_barriers, 2, world) or not p.is_contiguous()):
+                raise ValueError(f"FenceState: pads[{i}]: expected a contiguous int64 [num_barriers={num_barriers}, 2, "
+                                 f"world={world}], got {_describe(p)}")
+            if p.device.type != device.type:
+                raise ValueError(f"FenceState: a pad on {p.device} for a fence on {device}")
         self.pad_table = pointer_table(pad_ptrs, device if device.type == "cuda" else None)
         self.epochs = torch.zeros((num_local_ranks, num_barriers), dtype=torch.int64, device=device)
         self.claim = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(32, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.pads = list(pads)
-        for p in self.pads:
-            # the fence writes through the pad pointers on this device: CPU code must never get device pads
-            if p.device.type != device.type:
-                raise ValueError(f"FenceState: a pad on {p.device} for a fence on {device}")
 
     @staticmethod
     def local(pads: Sequence[torch.Tensor], num_barriers: int = 1) -> "FenceState":
-        """All W ranks hosted by this process (one fence call serves them all), over allocate_fence_pads()."""
+        """All W ranks hosted by this process (one fence call serves them all), over allocate_fence_pads().
+        Raises ValueError when pads is empty or a pad is not int64 [num_barriers, 2, W] (see __init__)."""
+        if isinstance(pads, torch.Tensor) or not pads:
+            raise ValueError("FenceState.local: pads must be a non-empty list of pads (allocate_fence_pads), got "
+                             f"{_describe(pads) if isinstance(pads, torch.Tensor) else pads!r}")
+        for i, p in enumerate(pads):
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"FenceState: pads[{i}] is a {type(p).__name__}, not a tensor")
         return FenceState([p.data_ptr() for p in pads], world=len(pads), num_barriers=num_barriers, first_rank=0,
                           num_local_ranks=len(pads), device=pads[0].device, pads=pads)
 

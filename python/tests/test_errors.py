@@ -85,6 +85,13 @@ def test_dispatch_errors_name_the_argument(device):
     call("targets", targets=short)
     dests32 = pk.RowDests(w.dests[0].host, w.dests[0].table.int(), w.dests[0].tensors)
     call("row_dests", row_dests=dests32)
+    # a hand-made table whose records disagree (issue 12: a smaller replica would be written past its end)
+    small = pk.CacheTargets.from_caches([pk.allocate_mla_cache(1, plan.block_size, "fp8_ds_mla", w.device, fill=GUARD)],
+                                        [pk.allocate_indexer_cache(1, plan.block_size, w.device, fill=GUARD)], fmt)
+    mixed_host = torch.cat([w.targets.host[:1], small.host])
+    mixed = pk.CacheTargets(mixed_host, mixed_host.to(w.device), w.targets.tensors + small.tensors)
+    call(r"targets(_host)?\[1\]: MLA geometry", targets=mixed)
+    assert bool((w.flat(small.tensors[0]) == GUARD).all()) and bool((w.flat(small.tensors[1]) == GUARD).all())
     # a table whose geometry can not hold the format's rows (bf16 rows are wider than fp8_ds_mla's)
     call("row_stride|smaller", fmt=pk.CacheFormat("bf16"), row_dests=None)
     # staging slots sized for another format's rows
@@ -162,3 +169,80 @@ def test_host_side_errors():
     bad[3] = plan.num_slots + 5
     with pytest.raises(ValueError, match=r"slot_mapping\[3\] = .* out of range"):
         pk.validate_slots(bad, plan.num_slots)
+
+
+def test_model_spec_errors_name_the_key():
+    """Issue 12: a missing or mistyped key raised TypeError / a bare int() error, or passed (a string eps)."""
+    base = {"model_type": "deepseek_v32", "q_lora_rank": 1536, "rope_theta": 10000}
+    assert pk.ModelSpec.from_hf_config(base).q_lora_rank == 1536
+    cases = [
+        ({"q_lora_rank": None}, "q_lora_rank is missing"),
+        ({"q_lora_rank": "1536"}, r"q_lora_rank = '1536' must be an integer"),
+        ({"q_lora_rank": [1536]}, r"q_lora_rank = \[1536\] must be an integer"),
+        ({"q_lora_rank": 1536.5}, r"q_lora_rank = 1536.5 must be an integer"),
+        ({"q_lora_rank": True}, "q_lora_rank = True"),
+        ({"q_lora_rank": 1500}, "q_lora_rank = 1500 must be a multiple of 8"),
+        ({"kv_lora_rank": "512"}, "kv_lora_rank = '512'"),
+        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps = '1e-6' must be a number"),
+        ({"rms_norm_eps": 0}, r"rms_norm_eps = 0.0 must be in \(0, 1\)"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps = nan must be finite"),
+        ({"index_topk": 0}, "index_topk = 0 must be >= 1"),
+        ({"index_topk_freq": "4"}, "index_topk_freq = '4'"),
+        ({"index_skip_topk_offset": -1}, "index_skip_topk_offset = -1"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers = 0"),
+        ({"rope_interleave": "yes"}, "rope_interleave = 'yes' must be true or false"),
+        ({"indexer_types": "full"}, "indexer_types = 'full'"),
+        ({"indexer_types": ["full", 3]}, r"indexer_types\[1\] = 3"),
+        ({"rope_theta": -1}, r"rope_theta\) = -1.0 must be in \(1, 1e\+12\]"),
+        ({"rope_theta": 0}, "rope_theta"),
+        ({"rope_theta": "1e4"}, "rope_theta = '1e4' must be a number"),
+        ({"rope_scaling": [40]}, "rope_scaling = \\[40\\] must be a dict"),
+        ({"rope_scaling": {"type": "yarn", "factor": "40"}}, "rope_scaling.factor = '40' must be a number"),
+        ({"rope_scaling": {"type": "yarn", "factor": 0.5}}, "factor = 0.5 must be in"),
+        ({"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 4096.5}},
+         "rope_parameters.original_max_position_embeddings = 4096.5 must be an integer"),
+        ({"rope_parameters": {"rope_type": "yarn", "beta_fast": 1, "beta_slow": 32}}, "beta_fast = 1.0 is less than"),
+        ({"rope_parameters": {"rope_type": 7}}, "rope_parameters.rope_type = 7 must be a string"),
+    ]
+    for over, match in cases:
+        with pytest.raises(ValueError, match=match):
+            pk.ModelSpec.from_hf_config({**base, **over})
+
+    class Config:  # a transformers config object: attributes instead of keys
+        model_type, q_lora_rank, rope_theta = "glm_moe_dsa", "2048", 8e6
+
+    with pytest.raises(ValueError, match="q_lora_rank = '2048'"):
+        pk.ModelSpec.from_hf_config(Config())
+    with pytest.raises(ValueError, match="config = 5"):
+        pk.ModelSpec.from_hf_config(5)
+
+
+def test_rope_table_errors_name_the_argument():
+    """Issue 12: rope_theta <= 0 returned NaN rows, 2^40 positions raised std::bad_alloc."""
+    assert bool(torch.isfinite(pk.rope_table(pk.RopeSpec(), 16)).all())
+    for theta in (-1.0, 0.0, 1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rope_theta"):
+            pk.RopeSpec("default", theta)
+    with pytest.raises(ValueError, match="scaling"):
+        pk.RopeSpec("linear")
+    for n in (0, -5, 2 ** 40, 16.0, True, "16"):
+        with pytest.raises(ValueError, match="num_positions"):
+            pk.rope_table(pk.RopeSpec(), n)
+    with pytest.raises(ValueError, match="RopeSpec"):
+        pk.rope_table({"theta": 1e4}, 16)
+    # the op itself (torch.ops.pcpkv.rope_table), which callers may reach without RopeSpec
+    op = torch.ops.pcpkv.rope_table
+    yarn = ("deepseek_yarn", 1e4, 40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"rope_table: rope_theta = -1 must be in \(1"):
+        op(16, "default", -1.0, 1.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="rope_table: rope_theta = nan"):
+        op(16, "default", float("nan"), 1.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="rope_table: num_positions = 1099511627776 exceeds 2\\^28"):
+        op(2 ** 40, "default", 1e4, 1.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="rope_table: factor = nan"):
+        op(16, yarn[0], yarn[1], float("nan"), *yarn[3:])
+    with pytest.raises(ValueError, match="rope_table: beta_fast = 1 is less than beta_slow = 32"):
+        op(16, *yarn[:4], 1.0, 32.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="rope_table: original_max_position_embeddings = 0"):
+        op(16, *yarn[:3], 0, *yarn[4:])
+    assert bool(torch.isfinite(op(16, *yarn)).all())

@@ -78,3 +78,101 @@ def test_model_spec_from_hf_config_dicts():
     assert not ds.indexer_rope_interleave and ds.rope.scaling == "deepseek_yarn" and ds.rope.factor == 40
     with pytest.raises(ValueError, match="kv_lora_rank"):
         pk.ModelSpec.from_hf_config({"q_lora_rank": 8, "kv_lora_rank": 256})
+
+
+def test_from_caches_checks_every_replica():
+    """Issue 12: an indexer replica smaller than the first was accepted (only the MLA replicas were compared)
+    and dispatch wrote past its end. Every replica must have the first one's dtype, shape, strides, device."""
+    fmt = pk.CacheFormat("fp8_ds_mla")
+    mla = [pk.allocate_mla_cache(4, 16, fmt.kv_format, row_pad=16, fill=0) for _ in range(3)]
+    idx = [pk.allocate_indexer_cache(4, 16, block_pad=16, fill=0) for _ in range(3)]
+    assert len(pk.CacheTargets.from_caches(mla, idx, fmt)) == 3
+    # the overrun of the issue: a smaller indexer replica inside a guarded buffer
+    guarded = torch.full((8 * 16 * 132,), 0xA5, dtype=torch.uint8)
+    small_idx = guarded[:2 * 16 * 132].view(2, 16, 132)
+    with pytest.raises(ValueError, match=r"index_caches\[2\]"):
+        pk.CacheTargets.from_caches(mla, idx[:2] + [small_idx], fmt)
+    assert bool((guarded == 0xA5).all())
+    bad = {
+        r"index_caches\[1\]": (mla, [idx[0], pk.allocate_indexer_cache(4, 16, block_pad=32), idx[2]]),  # other block stride
+        r"index_caches\[1\].*uint8": (mla, [idx[0], idx[1].view(torch.int8), idx[2]]),
+        r"mla_caches\[2\]": (mla[:2] + [pk.allocate_mla_cache(3, 16, fmt.kv_format, row_pad=16)], idx),
+        r"mla_caches\[1\]": ([mla[0], pk.allocate_mla_cache(4, 16, "fp8"), mla[2]], idx),  # other row bytes
+        r"mla_caches\[0\]": ([mla[0].transpose(0, 1)] + mla[1:], idx),
+        "one index cache per MLA cache": (mla, idx[:2]),
+        "index caches|one index cache": (mla, None),
+    }
+    for match, (m, i) in bad.items():
+        with pytest.raises(ValueError, match=match):
+            pk.CacheTargets.from_caches(m, i, fmt)
+    with pytest.raises(ValueError, match="mla_caches"):
+        pk.CacheTargets.from_caches([], idx, fmt)  # was IndexError
+    with pytest.raises(ValueError, match="mla_caches"):
+        pk.CacheTargets.from_caches(mla[0], idx, fmt)  # a tensor, not a list of them
+    with pytest.raises(ValueError, match=r"index_caches\[0\]"):
+        pk.CacheTargets.from_caches(mla, [mla[0]] * 3, fmt)  # the MLA cache passed as the indexer's
+    # a layer without an indexer ignores index_caches
+    assert len(pk.CacheTargets.from_caches(mla, None, pk.CacheFormat("fp8_ds_mla", has_indexer=False))) == 3
+
+
+def test_from_pointers_row_dests_and_fence_state_check_what_they_record():
+    fmt = pk.CacheFormat("fp8", has_indexer=False)
+    mla = pk.allocate_mla_cache(3, 4, "fp8", fill=0)
+    ok = dict(like_mla=mla, like_index=None, fmt=fmt)
+    assert len(pk.CacheTargets.from_pointers([mla.data_ptr()], None, **ok)) == 1
+    with pytest.raises(ValueError, match="mla_ptrs is empty"):
+        pk.CacheTargets.from_pointers([], None, **ok)
+    with pytest.raises(ValueError, match=r"mla_ptrs\[1\]"):
+        pk.CacheTargets.from_pointers([mla.data_ptr(), 0], None, **ok)
+    with pytest.raises(ValueError, match="like_mla"):
+        pk.CacheTargets.from_pointers([mla.data_ptr()], None, like_mla=mla.view(torch.int8), like_index=None, fmt=fmt)
+    with pytest.raises(ValueError, match="like_mla"):  # float strides are not byte strides
+        pk.CacheTargets.from_pointers([mla.data_ptr()], None, like_mla=torch.zeros(3, 4, 576), like_index=None, fmt=fmt)
+    with pytest.raises(ValueError, match="device"):  # a CUDA table over host addresses
+        pk.CacheTargets.from_pointers([mla.data_ptr()], None, **ok, device="cuda")
+    ifmt = pk.CacheFormat("fp8")
+    idx = pk.allocate_indexer_cache(3, 4, fill=0)
+    with pytest.raises(ValueError, match="2 mla_ptrs but 1 index_ptrs"):
+        pk.CacheTargets.from_pointers([mla.data_ptr()] * 2, [idx.data_ptr()], like_mla=mla, like_index=idx, fmt=ifmt)
+    with pytest.raises(ValueError, match="like_index"):
+        pk.CacheTargets.from_pointers([mla.data_ptr()], [idx.data_ptr()], like_mla=mla, like_index=mla, fmt=ifmt)
+    # the op refuses an empty table too
+    with pytest.raises(ValueError, match="mla_ptrs is empty"):
+        torch.ops.pcpkv.make_cache_targets(pk.pointer_table([]), pk.pointer_table([]), 3, 4, 576, 2304, 0, "fp8", False)
+
+    staging = [pk.allocate_staging(2, 5, fmt, fill=0) for _ in range(2)]
+    assert len(pk.RowDests.from_staging(staging, 1)) == 2
+    with pytest.raises(ValueError, match="staging"):
+        pk.RowDests.from_staging([], 0)  # was IndexError
+    with pytest.raises(ValueError, match=r"staging\[1\]"):
+        pk.RowDests.from_staging([staging[0], staging[1][:, :, :, :4]], 0)  # a smaller workspace
+    with pytest.raises(ValueError, match=r"staging\[0\]"):
+        pk.RowDests.from_staging([staging[0].view(torch.int8)], 0)
+    with pytest.raises(ValueError, match="src_rank"):
+        pk.RowDests.from_staging(staging, 2)
+    with pytest.raises(ValueError, match="ptrs is empty"):
+        pk.RowDests.from_pointers([], "cpu")
+    with pytest.raises(ValueError, match=r"ptrs\[0\]"):
+        pk.RowDests.from_pointers([0], "cpu")
+    with pytest.raises(ValueError, match="row_bytes"):
+        pk.RowDests.from_pointers([staging[0].data_ptr()], "cpu", row_bytes=0)
+
+    pads = pk.allocate_fence_pads(2, num_barriers=2)
+    assert pk.FenceState.local(pads, num_barriers=2).world == 2
+    with pytest.raises(ValueError, match="pads"):
+        pk.FenceState.local([])  # was IndexError
+    with pytest.raises(ValueError, match=r"pads\[1\]"):  # a pad too small for num_barriers = 2
+        pk.FenceState.local([pads[0], pk.allocate_fence_pads(2, num_barriers=1)[0]], num_barriers=2)
+    with pytest.raises(ValueError, match=r"pads\[0\]"):
+        pk.FenceState.local([p.int() for p in pads], num_barriers=2)
+    ptrs = [p.data_ptr() for p in pads]
+    with pytest.raises(ValueError, match="world = 0"):
+        pk.FenceState([], world=0)
+    with pytest.raises(ValueError, match="num_barriers = 0"):
+        pk.FenceState(ptrs, world=2, num_barriers=0)
+    with pytest.raises(ValueError, match=r"ranks \[1, 3\)"):
+        pk.FenceState(ptrs, world=2, first_rank=1, num_local_ranks=2)
+    with pytest.raises(ValueError, match=r"pad_ptrs\[1\] = .* not 8-byte aligned"):
+        pk.FenceState([ptrs[0], ptrs[1] + 4], world=2)
+    with pytest.raises(ValueError, match=r"pad_ptrs\[0\]"):
+        pk.FenceState([0, ptrs[1]], world=2)

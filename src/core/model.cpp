@@ -105,65 +105,6 @@ const std::set<std::string>& known_unused_keys() {
   return keys;
 }
 
-// Sane ranges of the RoPE parameters (SPEC section 1). Real configs: rope_theta 1e4..1e7, YaRN factor
-// 4..64, beta 1..32, mscale 0.707..1. The bounds are wide; they only refuse values whose tables would
-// overflow or lose all precision (mscale 1e300 gives cos * mscale = inf; mscale_all_dim < 0 can make the
-// YaRN divisor 0.1 * m * ln(factor) + 1 vanish).
-constexpr double kMaxRopeTheta = 1e12;
-constexpr double kMaxYarnFactor = 1e4;
-constexpr double kMaxYarnBeta = 1e4;
-constexpr double kMaxYarnMscale = 1e3;
-constexpr int64_t kMaxOriginalPositions = int64_t{1} << 40;  // the plan's bound on tokens per request
-// |cos * mscale| and |sin * mscale| bound: the cache formats hold k_pe in bf16/FP8 around unit scale.
-constexpr long double kMaxRopeMagnitude = 1e4L;
-
-// Refuses unusable RoPE parameters. `prefix` names where the scaling keys live ("rope_scaling.",
-// "rope_parameters." or "rope." for a config built in code); messages name key and value.
-void check_rope(const RopeConfig& rope, const std::string& o, const std::string& prefix) {
-  PCPKV_CHECK(std::isfinite(rope.theta) && rope.theta > 1 && rope.theta <= kMaxRopeTheta,
-              "{}: rope_theta = {} must be in (1, {:g}]", o, rope.theta, kMaxRopeTheta);
-  if (rope.scaling != RopeScaling::kDeepseekYarn) return;
-  PCPKV_CHECK(std::isfinite(rope.factor) && rope.factor >= 1 && rope.factor <= kMaxYarnFactor,
-              "{}: {}factor = {} must be in [1, {:g}]", o, prefix, rope.factor, kMaxYarnFactor);
-  PCPKV_CHECK(rope.original_max_position_embeddings >= 1 &&
-                  rope.original_max_position_embeddings <= kMaxOriginalPositions,
-              "{}: {}original_max_position_embeddings = {} must be in [1, 2^40]", o, prefix,
-              rope.original_max_position_embeddings);
-  for (const auto& [key, v] :
-       {std::pair<const char*, double>{"beta_fast", rope.beta_fast}, {"beta_slow", rope.beta_slow}}) {
-    PCPKV_CHECK(std::isfinite(v) && v > 0 && v <= kMaxYarnBeta, "{}: {}{} = {} must be in (0, {:g}]", o, prefix, key,
-                v, kMaxYarnBeta);
-  }
-  // beta_fast counts rotations at the high-frequency end of the ramp, beta_slow at the low one. Swapped,
-  // the ramp (i - low) / (high - low) is still finite but inverted: it interpolates the high-frequency
-  // dims and extrapolates the low ones, the opposite of YaRN; almost surely swapped keys, so refuse.
-  // Equal values give a one-step ramp, which the reference handles (high += 0.001): accepted.
-  PCPKV_CHECK(rope.beta_fast >= rope.beta_slow,
-              "{}: {}beta_fast = {} is less than {}beta_slow = {}: YaRN needs beta_fast >= beta_slow (else the "
-              "ramp is inverted; swapped keys?)",
-              o, prefix, rope.beta_fast, prefix, rope.beta_slow);
-  for (const auto& [key, v] :
-       {std::pair<const char*, double>{"mscale", rope.mscale}, {"mscale_all_dim", rope.mscale_all_dim}}) {
-    PCPKV_CHECK(std::isfinite(v) && v >= 0 && v <= kMaxYarnMscale, "{}: {}{} = {} must be in [0, {:g}]", o, prefix,
-                key, v, kMaxYarnMscale);
-  }
-  // What the tables are built from: with the ranges above these hold, but a check here keeps any future
-  // range change honest. |cos|, |sin| <= 1, so every table entry is bounded by |mscale|.
-  const long double m = rope_mscale(rope);
-  PCPKV_CHECK(std::isfinite(m) && m > 0 && m <= kMaxRopeMagnitude,
-              "{}: the YaRN magnitude mscale(factor {}, {}mscale {}) / mscale(factor, {}mscale_all_dim {}) = {} "
-              "must be finite and in (0, {:g}]",
-              o, rope.factor, prefix, rope.mscale, prefix, rope.mscale_all_dim, static_cast<double>(m),
-              static_cast<double>(kMaxRopeMagnitude));
-  const auto f = rope_inv_freq(rope);
-  for (int i = 0; i < kRopePairs; ++i) {
-    PCPKV_CHECK(std::isfinite(f[i]) && f[i] > 0,
-                "{}: the RoPE inverse frequency of pair {} is {} (from rope_theta {}, {}factor {}, beta_fast {}, "
-                "beta_slow {})",
-                o, i, static_cast<double>(f[i]), rope.theta, prefix, rope.factor, rope.beta_fast, rope.beta_slow);
-  }
-}
-
 // Where each number of a JSON text sits and how it was written: a second, DOM-free pass over the text
 // (nlohmann's SAX interface) so messages can quote a value as the file spells it ("1e30", not "1e+30")
 // and name the key at which parsing failed (number overflow, a syntax error).
@@ -444,7 +385,7 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
                 "reference, HF's default truncate = true); remove the key or set it to true",
                 origin, full("truncate"));
   }
-  check_rope(m.rope, origin, pre);
+  validate_rope(m.rope, origin, pre);
   if (yarn && present.count("attention_factor")) {
     // HF's _compute_yarn_parameters multiplies cos/sin by attention_factor in place of
     // mscale(factor, mscale) / mscale(factor, mscale_all_dim); vLLM's DeepSeek YaRN ignores the key.
@@ -696,7 +637,7 @@ void ModelConfig::validate() const {
               "{}: rms_norm_eps = {} must be in (0, 1)", o, rms_norm_eps);
   PCPKV_CHECK(std::isfinite(index_norm_eps) && index_norm_eps > 0 && index_norm_eps < 1,
               "{}: index_norm_eps = {} must be in (0, 1)", o, index_norm_eps);
-  check_rope(rope, o, "rope.");
+  validate_rope(rope, o, "rope.");
   PCPKV_CHECK(num_hidden_layers >= 1, "{}: num_hidden_layers = {} must be >= 1", o, num_hidden_layers);
   PCPKV_CHECK(index_topk_freq >= 1, "{}: index_topk_freq = {} must be >= 1", o, index_topk_freq);
   PCPKV_CHECK(index_skip_topk_offset >= 0, "{}: index_skip_topk_offset = {} must be >= 0", o,
