@@ -12,7 +12,8 @@ default on a CPU), then per transport:
           selection the hidden-state and logit errors (the bounds of python/tests/test_models.py)
   timing  one layer's stages (projections, publication, indexer, attention, MLP/MoE; mean over the layers of a
           timed step after a warm-up step, synchronizing between stages) and the publication's share
-Exit code 0 when every check passes, 1 otherwise, 2 for bad arguments.
+Exit code 0 when every check passes, 1 when one fails, 2 for bad arguments, 3 for a failed run (one line
+`pcpkv: error: ...` on stderr).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def progress(msg):
 def make_config(args):
     if args.dims == "small":
         return small_config(args.model, num_layers=args.layers, index_topk=min(args.topk or 64, 2048),
-                            first_dense=min(3, args.layers - 1))
+                            first_dense=max(1, min(3, args.layers - 1)))
     real = dict(hidden_size=6144, num_heads=64, index_n_heads=32) if args.model == "glm-5" else \
         dict(hidden_size=7168, num_heads=128, index_n_heads=64)
     return small_config(args.model, num_layers=args.layers, index_topk=args.topk or 2048, vocab_size=4096,
                         num_experts=8, intermediate_size=4096, moe_intermediate_size=1024,
-                        first_dense=min(3, args.layers - 1), **real)
+                        first_dense=max(1, min(3, args.layers - 1)), **real)
 
 
 def run_steps(pcp, steps, **kw):
@@ -69,6 +70,18 @@ def main(argv=None) -> int:
     for name in ("layers", "tokens", "pcp", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
+    if args.pcp > 1024:
+        p.error(f"--pcp = {args.pcp} must be <= 1024")
+    if args.block_size & (args.block_size - 1):
+        p.error(f"--block-size = {args.block_size} must be a power of two")
+    if args.topk is not None and not 1 <= args.topk <= 8192:
+        p.error(f"--topk = {args.topk} must be in [1, 8192]")
+    if args.hf_tokens < 0:
+        p.error(f"--hf-tokens = {args.hf_tokens} must be >= 0")
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        p.error(f"--device = {args.device!r}; expected cpu or cuda")
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device = {args.device}: no CUDA device is visible to torch")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dims = args.dims or ("real" if device.type == "cuda" else "small")
     if args.row_chunk is None:
@@ -76,6 +89,9 @@ def main(argv=None) -> int:
     if args.row_chunk < 0:
         p.error(f"--row-chunk = {args.row_chunk} must be >= 0")
     cfg = make_config(args)
+    if args.tokens > cfg.max_position_embeddings:
+        p.error(f"--tokens = {args.tokens} exceeds the model's max_position_embeddings = "
+                f"{cfg.max_position_embeddings}")
     progress(f"building {args.model} ({cfg.model_type}): {args.layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_attention_heads} heads, q_lora {cfg.q_lora_rank}, index heads {cfg.index_n_heads}, "
              f"index_topk {cfg.index_topk}, on {device}")
@@ -217,5 +233,13 @@ def hf_check(model, make, ids, args, device) -> bool:
     return ok
 
 
+def _main() -> int:
+    try:
+        return main()
+    except (ValueError, RuntimeError, MemoryError) as e:  # refused input or a failed run: one line, no traceback
+        print(f"pcpkv: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 3
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())

@@ -31,7 +31,11 @@ class BlockTables:
         gen = torch.Generator().manual_seed(seed)
         self._free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         self.tables: dict = {}
-        self.lengths: dict = {}   # request_id -> positions reserved
+        self.lengths: dict = {}   # request_id -> tokens cached (positions [0, n) written by earlier steps)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     @property
     def num_slots(self) -> int:
@@ -78,8 +82,9 @@ class BlockTables:
 
 @dataclass(frozen=True)
 class StepRequest:
-    """One request of a step: `token_ids` (int64 [n]) are new tokens whose first has position context_len
-    (the request's cached context). decode: a 1-token decode (replicated on every rank, rank 0 writes it)."""
+    """One request of a step: `token_ids` (integer [n], n >= 1) are new tokens whose first has position
+    context_len, which must equal the tokens of this request already cached (0 for a new request).
+    decode: a 1-token decode (replicated on every rank, rank 0 writes it)."""
 
     request_id: object
     token_ids: torch.Tensor
@@ -104,6 +109,25 @@ class StepBatch:
         ids = [q.request_id for q in requests]
         if len(set(ids)) != len(ids):
             raise ValueError(f"requests: a request_id appears twice in one step ({ids})")
+        need = 0
+        for i, q in enumerate(requests):
+            t = q.token_ids
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 1 or t.dtype.is_floating_point or \
+                    t.dtype == torch.bool:
+                raise ValueError(f"requests[{i}] ({q.request_id!r}).token_ids: expected a non-empty 1-D integer "
+                                 f"tensor, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} "
+                                 f"{list(t.shape) if isinstance(t, torch.Tensor) else ''}")
+            if q.decode and t.numel() != 1:
+                raise ValueError(f"requests[{i}] ({q.request_id!r}): a decode has 1 token, got {t.numel()}")
+            cached = blocks.lengths.get(q.request_id, 0)
+            if q.context_len != cached:  # attending to positions that were never written would read stale bytes
+                raise ValueError(f"requests[{i}] ({q.request_id!r}): context_len = {q.context_len}, but {cached} "
+                                 "tokens of this request are cached")
+            have = len(blocks.tables.get(q.request_id, []))
+            need += max(0, -(-(q.context_len + t.numel()) // blocks.block_size) - have)
+        if need > blocks.num_free:
+            raise ValueError(f"requests: the step needs {need} more cache blocks, {blocks.num_free} are free "
+                             f"(num_blocks = {blocks.num_blocks})")
         for q in requests:
             blocks.reserve(q.request_id, q.context_len + int(q.token_ids.numel()))
         plan = make_plan(pcp_world, [Request(int(q.token_ids.numel()), q.context_len, q.decode) for q in requests],

@@ -16,7 +16,7 @@ import torch
 from ..model import ModelSpec
 from .attention import PcpAttention, PcpRuntime
 from .batch import BlockTables, StepBatch, StepRequest
-from .world import PcpWorld
+from .world import TRANSPORTS, PcpWorld
 
 __all__ = ["PcpModel"]
 
@@ -47,19 +47,32 @@ class PcpModel:
                  kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", transport: str = "direct",
                  max_positions: Optional[int] = None, row_chunk: Optional[int] = 64, seed: int = 0,
                  timing: bool = False, record_topk: bool = False, scale_read: str = "fp32", poison: bool = False):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS}")
+        if not isinstance(pcp_world, int) or pcp_world < 1:
+            raise ValueError(f"pcp_world = {pcp_world!r} must be an int >= 1")
+        if row_chunk is not None and (not isinstance(row_chunk, int) or row_chunk < 1):
+            raise ValueError(f"row_chunk = {row_chunk!r} must be an int >= 1 or None")
+        if scale_read not in ("fp32", "bf16"):
+            raise ValueError(f"scale_read = {scale_read!r}; expected 'fp32' or 'bf16'")
+        layers = getattr(getattr(hf_model, "model", None), "layers", None)
+        if layers is None or getattr(hf_model.config, "model_type", None) not in ("glm_moe_dsa", "deepseek_v32"):
+            raise ValueError("hf_model: expected a GlmMoeDsaForCausalLM or DeepseekV32ForCausalLM")
+        if any(isinstance(layer.self_attn, PcpAttention) for layer in layers):
+            raise ValueError("hf_model: its attention is already a PcpAttention (restore() the other PcpModel first)")
         self.hf = hf_model
         cfg = hf_model.config
+        self.blocks = BlockTables(num_blocks, block_size, seed=seed)
         self.spec = ModelSpec.from_hf_config(cfg.to_dict() | {"model_type": cfg.model_type})
         device = next(hf_model.parameters()).device
         if max_positions is None:
             max_positions = min(int(cfg.max_position_embeddings), num_blocks * block_size)
-        layers = hf_model.model.layers
         self.world = PcpWorld(self.spec, pcp_world, len(layers), num_blocks, block_size, kv_format=kv_format,
                               ds_mla_scale=ds_mla_scale, max_positions=max_positions, device=device)
-        self.blocks = BlockTables(num_blocks, block_size, seed=seed)
         self.runtime = PcpRuntime(self.world, transport=transport, row_chunk=row_chunk, timing=timing,
                                   record_topk=record_topk, scale_read=scale_read, poison=poison)
         self.transport = transport
+        self._restored = False
         returns_topk = cfg.model_type == "glm_moe_dsa"
         self._hf_attn = []
         for i, layer in enumerate(layers):
@@ -80,6 +93,7 @@ class PcpModel:
         for h in self._mlp_hooks:
             h.remove()
         self._mlp_hooks = []
+        self._restored = True
 
     def topk_positions(self, layer_idx: int) -> torch.Tensor:
         """The last step's top-k selection of layer layer_idx (record_topk=True) as key positions int64
@@ -100,6 +114,16 @@ class PcpModel:
         """One forward step. Returns (logits [N, vocab] in global token order, hidden_states or None: the
         embedding output and every decoder layer's output [N, hidden] as HF's output_hidden_states gives them,
         the last one after the final norm), N = all new tokens of the step, requests in order."""
+        if self._restored:
+            raise RuntimeError("PcpModel.step: restore() already put HF's attention back; build a new PcpModel")
+        if transport is not None and transport not in TRANSPORTS:
+            raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS}")
+        vocab = int(self.hf.config.vocab_size)
+        for i, q in enumerate(requests):
+            t = q.token_ids
+            if isinstance(t, torch.Tensor) and t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+                raise ValueError(f"requests[{i}] ({q.request_id!r}).token_ids: ids must be in [0, {vocab}), got "
+                                 f"[{int(t.min())}, {int(t.max())}]")
         device = self.world.device
         batch = StepBatch(self.world.W, requests, self.blocks, device)
         self.runtime.step = batch

@@ -1,0 +1,74 @@
+"""Bad arguments of pcpkv_torch.models raise ValueError naming the argument, before any cache byte is written."""
+
+import pytest
+
+from helpers import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+try:
+    from pcpkv_torch.models import PcpModel, StepRequest, build_hf_model, small_config
+    from pcpkv_torch.models.hf import hf_modules
+    hf_modules("glm_moe_dsa")
+except ImportError as e:
+    pytest.skip(f"transformers lacks GlmMoeDsa (needs >= 5.17): {e}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_hf_model(small_config("glm-5", num_layers=2, hidden_size=128, num_heads=2, index_n_heads=2,
+                                       vocab_size=64), seed=3)
+
+
+def ids(n, seed=0):
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pcp_world=0), "pcp_world"), (dict(transport="p2p"), "transport"), (dict(kv_format="fp8_dsmla"), "kv_format"),
+    (dict(block_size=24), "block_size"), (dict(num_blocks=1), "num_blocks"), (dict(row_chunk=0), "row_chunk"),
+    (dict(scale_read="fp16"), "scale_read"),
+])
+def test_constructor_refuses(model, kwargs, match):
+    args = dict(pcp_world=2, num_blocks=8, block_size=16) | kwargs
+    with pytest.raises(ValueError, match=match):
+        PcpModel(model, **args)
+    assert not any(type(layer.self_attn).__name__ == "PcpAttention" for layer in model.model.layers)
+
+
+def test_step_refuses_before_writing(model):
+    pcp = PcpModel(model, 2, num_blocks=8, block_size=16, poison=True)
+    try:
+        before = [m.clone() for m in pcp.world.mla[0]]
+        bad = [
+            ([StepRequest("a", ids(20)), StepRequest("a", ids(3))], "appears twice"),
+            ([StepRequest("a", ids(2), context_len=0, decode=True)], "decode has 1 token"),
+            ([StepRequest("a", ids(5), context_len=7)], "context_len = 7"),
+            ([StepRequest("a", torch.zeros(0, dtype=torch.int64))], "token_ids"),
+            ([StepRequest("a", torch.zeros(3))], "token_ids"),
+            ([StepRequest("a", ids(3) + 64)], r"\[0, 64\)"),
+            ([StepRequest("a", ids(200))], "cache blocks"),
+        ]
+        for reqs, match in bad:
+            with pytest.raises(ValueError, match=match):
+                pcp.step(reqs)
+        with pytest.raises(ValueError, match="transport"):
+            pcp.step([StepRequest("a", ids(4))], transport="nccl")
+        for a, b in zip(before, pcp.world.mla[0]):
+            assert torch.equal(a, b), "a refused step wrote cache bytes"
+        pcp.step([StepRequest("a", ids(20))])
+        with pytest.raises(ValueError, match="context_len = 0, but 20"):
+            pcp.step([StepRequest("a", ids(4))])
+        pcp.step([StepRequest("a", ids(1), context_len=20, decode=True)])
+    finally:
+        pcp.restore()
+    with pytest.raises(RuntimeError, match="restore"):
+        pcp.step([StepRequest("b", ids(4))])
+
+
+def test_second_wrapper_refused(model):
+    pcp = PcpModel(model, 2, num_blocks=8, block_size=16)
+    try:
+        with pytest.raises(ValueError, match="already a PcpAttention"):
+            PcpModel(model, 2, num_blocks=8, block_size=16)
+    finally:
+        pcp.restore()
