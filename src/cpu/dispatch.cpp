@@ -34,19 +34,57 @@ float canonical_sum(const float* x, int n) {
   return math::pairwise_sum(leaves, m);
 }
 
-// RMSNorm in place (SPEC 2.1, 2.2): y = (x * r) * w, r = 1 / sqrt(sumsq / n + eps).
+// The row x * kRescale (token_math.h overflow guard), into out.
+void rescaled_row(const float* x, int n, float* out) {
+  for (int j = 0; j < n; j += math::kLeaf) {
+    for (int k = 0; k < math::kLeaf; ++k) out[j + k] = x[j + k];
+    math::rescale_leaf(out + j);
+  }
+}
+
+// RMSNorm in place (SPEC 2.1, 2.2): y = (x * r) * w, r = 1 / sqrt(sumsq / n + eps). A row whose sum of squares
+// overflows is normalized from x * 2^-72 with eps * 2^-144 (token_math.h overflow guard; the same formula).
 void rms_norm(float* x, int n, const float* w, float eps) {
-  const float r = math::rms_inv(canonical_sumsq(x, n), n, eps);
+  float sumsq = canonical_sumsq(x, n);
+  if (!math::finite(sumsq)) {
+    float xs[4096];
+    rescaled_row(x, n, xs);
+    const float s = canonical_sumsq(xs, n);
+    if (math::use_rescaled(sumsq, s)) {
+      std::memcpy(x, xs, sizeof(float) * static_cast<size_t>(n));
+      sumsq = s;
+      eps = math::rescaled_eps(eps);
+    }
+  }
+  const float r = math::rms_inv(sumsq, n, eps);
   for (int i = 0; i < n; ++i) x[i] = math::rms_apply(x[i], r, w[i]);
 }
 
-// LayerNorm over 128 in place (SPEC 2.4): mu = sum / n, d = x - mu, r = 1 / sqrt(sumsq(d) / n + eps),
-// y = (d * r) * w + b (biased variance).
-void layer_norm128(float* x, const float* w, const float* b, float eps) {
+// LayerNorm statistics over 128: d = x - mu with mu = sum / n; returns sumsq(d).
+float center128(const float* x, float* d) {
   const float mu = math::mean_of(canonical_sum(x, 128), 128);
-  for (int i = 0; i < 128; ++i) x[i] = fp32::sub(x[i], mu);
-  const float r = math::rms_inv(canonical_sumsq(x, 128), 128, eps);
-  for (int i = 0; i < 128; ++i) x[i] = math::ln_apply(x[i], r, w[i], b[i]);
+  for (int i = 0; i < 128; ++i) d[i] = fp32::sub(x[i], mu);
+  return canonical_sumsq(d, 128);
+}
+
+// LayerNorm over 128 in place (SPEC 2.4): mu = sum / n, d = x - mu, r = 1 / sqrt(sumsq(d) / n + eps),
+// y = (d * r) * w + b (biased variance). A row whose sums overflow is normalized from x * 2^-72 with
+// eps * 2^-144 (token_math.h overflow guard).
+void layer_norm128(float* x, const float* w, const float* b, float eps) {
+  float d[128];
+  float var = center128(x, d);
+  if (!math::finite(var)) {
+    float xs[128], ds[128];
+    rescaled_row(x, 128, xs);
+    const float v = center128(xs, ds);
+    if (math::use_rescaled(var, v)) {
+      std::memcpy(d, ds, sizeof(d));
+      var = v;
+      eps = math::rescaled_eps(eps);
+    }
+  }
+  const float r = math::rms_inv(var, 128, eps);
+  for (int i = 0; i < 128; ++i) x[i] = math::ln_apply(d[i], r, w[i], b[i]);
 }
 
 // The fp32 values of one token that the cache write quantizes (and the collect path materializes).

@@ -76,10 +76,39 @@ __device__ __forceinline__ void load_token(const DispatchArgs& a, int64_t g, Tok
   if (warp == 2 || warp == 3) v.pos = __ldg(ra.positions + t);
 }
 
+// This thread's share of the Q and KV sums of squares (token_math.h order): Q per warp into red[0..3] (all
+// 128 threads), KV per warp into red[4..5] (threads 0..63). kRescaled: of the rows x * 2^-72 (overflow guard).
+template <int QL, bool kRescaled>
+__device__ __forceinline__ void sumsq_parts(const TokenRegs<QL>& v, bool do_q, bool do_kv, float* red) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (do_q) {
+    float leaf_part[QL];
+#pragma unroll
+    for (int l = 0; l < QL; ++l) {
+      float qx[8];
+      unpack_bf16x8(v.q[l], qx);
+      leaf_part[l] = kRescaled ? math::leaf_sumsq_rescaled(qx) : math::leaf_sumsq(qx);
+    }
+    // The thread's QL consecutive leaves pairwise (QL is a power of two), then the lanes.
+#pragma unroll
+    for (int h = 1; h < QL; h <<= 1)
+#pragma unroll
+      for (int l = 0; l + h < QL; l += 2 * h) leaf_part[l] = fp32::add(leaf_part[l], leaf_part[l + h]);
+    const float part = lanes_sum<32>(leaf_part[0], 0xffffffffu);
+    if (lane == 0) red[warp] = part;
+  }
+  if (do_kv && tid < 64) {
+    float kx[8];
+    unpack_bf16x8(v.x, kx);
+    const float p = lanes_sum<32>(kRescaled ? math::leaf_sumsq_rescaled(kx) : math::leaf_sumsq(kx), 0xffffffffu);
+    if (lane == 0) red[4 + warp] = p;
+  }
+}
+
 template <KvFormat F, int QL, bool kAligned>
 __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, const TokenRegs<QL>& v,
                                               const TargetLite* s_targets, uint8_t* const* s_dests,
-                                              float (*s_red)[6], int parity) {
+                                              float (*s_red)[6], float* s_big, int parity) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const CommonArgs& c = a.c;
   const RankArgs& ra = a.r[find_rank(a, g)];
@@ -101,41 +130,39 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   float* red = s_red[parity];  // double-buffered by iteration parity: one barrier per token suffices
   // Only the raw 16-byte vectors stay live across the barrier (registers decide occupancy); the values are
   // unpacked again after it.
-  if (ra.do_q) {
-    float leaf_part[QL];
-#pragma unroll
-    for (int l = 0; l < QL; ++l) {
-      float qx[8];
-      unpack_bf16x8(v.q[l], qx);
-      const float p = math::leaf_sumsq(qx);
-      leaf_part[l] = p;
-    }
-    // The thread's QL consecutive leaves pairwise (QL is a power of two), then the lanes.
-#pragma unroll
-    for (int h = 1; h < QL; h <<= 1)
-#pragma unroll
-      for (int l = 0; l + h < QL; l += 2 * h) leaf_part[l] = fp32::add(leaf_part[l], leaf_part[l + h]);
-    const float part = lanes_sum<32>(leaf_part[0], 0xffffffffu);
-    if (lane == 0) red[warp] = part;
-  }
-  if (ra.need_kv && tid < 64) {
-    float kx[8];
-    unpack_bf16x8(v.x, kx);
-    const float p = lanes_sum<32>(math::leaf_sumsq(kx), 0xffffffffu);
-    if (lane == 0) red[4 + warp] = p;
-  }
+  sumsq_parts<QL, false>(v, ra.do_q, ra.need_kv, red);
   __syncthreads();
+  float q_total = ra.do_q ? fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3])) : 0.0f;
+  float kv_total = ra.need_kv ? fp32::add(red[4], red[5]) : 0.0f;
+  // Overflow guard (token_math.h; SPEC 2.1, 2.2): every thread read the same sums, so the branch (and its
+  // barrier) is CTA-uniform. s_big is read only between this barrier and the next token's first one.
+  bool q_big = false, kv_big = false;
+  if (!math::finite(q_total) || !math::finite(kv_total)) {
+    const bool redo_q = !math::finite(q_total), redo_kv = !math::finite(kv_total);
+    sumsq_parts<QL, true>(v, redo_q, redo_kv, s_big);
+    __syncthreads();
+    if (redo_q) {
+      const float t2 = fp32::add(fp32::add(s_big[0], s_big[1]), fp32::add(s_big[2], s_big[3]));
+      q_big = math::use_rescaled(q_total, t2);
+      if (q_big) q_total = t2;
+    }
+    if (redo_kv) {
+      const float t2 = fp32::add(s_big[4], s_big[5]);
+      kv_big = math::use_rescaled(kv_total, t2);
+      if (kv_big) kv_total = t2;
+    }
+  }
 
   // ---- Q output ----
   if (ra.do_q) {
-    const float total = fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3]));
-    const float r = math::rms_inv(total, c.q_lora_rank, c.q_eps);
+    const float r = math::rms_inv(q_total, c.q_lora_rank, q_big ? math::rescaled_eps(c.q_eps) : c.q_eps);
 #pragma unroll
     for (int l = 0; l < QL; ++l) {
       const int leaf = QL * tid + l;
       if (leaf < c.num_q_leaves) {
         float qx[8];
         unpack_bf16x8(v.q[l], qx);
+        if (q_big) math::rescale_leaf(qx);
         const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.q_norm_w + 8 * leaf));
         const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.q_norm_w + 8 * leaf + 4));
         const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
@@ -152,9 +179,10 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
 
   // ---- KV: RMSNorm, encode the kv_c part of the MLA row ----
   if (tid < 64) {
-    const float r = math::rms_inv(fp32::add(red[4], red[5]), static_cast<int>(kKvLoraRank), c.kv_eps);
+    const float r = math::rms_inv(kv_total, static_cast<int>(kKvLoraRank), kv_big ? math::rescaled_eps(c.kv_eps) : c.kv_eps);
     float kx[8];
     unpack_bf16x8(v.x, kx);
+    if (kv_big) math::rescale_leaf(kx);
     const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.kv_norm_w + 8 * tid));
     const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.kv_norm_w + 8 * tid + 4));
     const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
@@ -239,12 +267,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       float rc[8] = {}, rs[8] = {};
       if (lane < 8) load_rope(c.rope_cos_sin + v.pos * kRopeDims, lane, c.index_rope_interleaved, rc, rs);
       float x[8];
-      unpack_bf16x8(v.x, x);
-      const float mu = math::mean_of(lanes_sum<16>(math::leaf_sum(x), 0xffffu), static_cast<int>(kIndexHeadDim));
-#pragma unroll
-      for (int k = 0; k < 8; ++k) x[k] = fp32::sub(x[k], mu);
-      const float r = math::rms_inv(lanes_sum<16>(math::leaf_sumsq(x), 0xffffu), static_cast<int>(kIndexHeadDim),
-                                    c.index_eps);
+      const float r = index_ln_center(v.x, x, 0xffffu, c.index_eps);
       const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane));
       const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane + 4));
       const float4 b0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_b + 8 * lane));
@@ -287,6 +310,7 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
   __shared__ TargetLite s_targets[kMaxTargets];
   __shared__ uint8_t* s_dests[kMaxDests];
   __shared__ float s_red[2][6];
+  __shared__ float s_big[6];  // the overflow guard's rescaled sums (rare)
   // Device tables -> shared memory once per CTA (the grid is persistent).
   load_tables_to_smem(a, s_targets, s_dests, kThreads);
   __syncthreads();
@@ -303,14 +327,14 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
     for (int parity = 0; g < a.total_tokens; g += stride, parity ^= 1) {
       TokenRegs<QL> nxt;
       if (g + stride < a.total_tokens) load_token<QL, kAligned>(a, g + stride, nxt);
-      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, parity);
+      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, s_big, parity);
       cur = nxt;
     }
   } else {
     for (int parity = 0; g < a.total_tokens; g += stride, parity ^= 1) {
       TokenRegs<QL> cur;
       load_token<QL, kAligned>(a, g, cur);
-      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, parity);
+      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, s_big, parity);
     }
   }
 }

@@ -195,6 +195,39 @@ __device__ __forceinline__ void hadamard_leaf(float (&x)[8], int lane16, unsigne
   for (int k = 0; k < 8; ++k) x[k] = fp32::mul(x[k], math::kHadamard128Scale);
 }
 
+/// The indexer-K LayerNorm's mean and sum of squared deviations (SPEC 2.4, token_math.h order) over the 16
+/// lanes of `mask`, one leaf each, of the row x (kRescaled: x * 2^-72); x is not changed.
+template <bool kRescaled>
+__device__ __forceinline__ float index_ln_stats(const float (&x)[8], unsigned mask, float& mu) {
+  float v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = kRescaled ? fp32::mul(x[k], math::kRescale) : x[k];
+  mu = math::mean_of(lanes_sum<16>(math::leaf_sum(v), mask), static_cast<int>(kIndexHeadDim));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = fp32::sub(v[k], mu);
+  return lanes_sum<16>(math::leaf_sumsq(v), mask);
+}
+
+/// Indexer-K LayerNorm centring: x = the leaf of `raw` minus the row mean; returns r = 1 / sqrt(var + eps)
+/// (every lane of `mask` the same). Overflow guard (token_math.h): a row whose sums are not finite is centred
+/// from x * 2^-72 with eps * 2^-144 when that is finite (a lane-uniform branch).
+__device__ __forceinline__ float index_ln_center(const uint4& raw, float (&x)[8], unsigned mask, float eps) {
+  unpack_bf16x8(raw, x);
+  float mu;
+  float var = index_ln_stats<false>(x, mask, mu);
+  bool big = false;
+  if (!math::finite(var)) {
+    float mu2;
+    const float v2 = index_ln_stats<true>(x, mask, mu2);
+    big = math::use_rescaled(var, v2);
+    if (big) var = v2, mu = mu2, eps = math::rescaled_eps(eps);
+  }
+  if (big) math::rescale_leaf(x);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) x[k] = fp32::sub(x[k], mu);
+  return math::rms_inv(var, static_cast<int>(kIndexHeadDim), eps);
+}
+
 __device__ __forceinline__ uint8_t* mla_row(const TargetLite& tl, int64_t slot) {
   return tl.mla_base + (slot >> tl.block_shift) * tl.block_stride + (slot & tl.block_mask) * tl.row_stride;
 }

@@ -89,6 +89,22 @@ __device__ __forceinline__ float warp_total2(const float (&p)[2], int lane) {
   return fp32::add(g, __shfl_xor_sync(kFull, g, 1));
 }
 
+/// The overflow guard's Q total (token_math.h): the canonical sum of squares of the rescaled leaves
+/// 32 v + lane of the q_c row (leaves past num_q_leaves add 0), in warp_total8's order. It reloads the row
+/// (L1 / L2 hits: the token was just read) instead of reusing the kernel's registers: a rare path that reads
+/// those registers again made ptxas spill the whole kernel (~300 B per thread). Every lane returns the total.
+__device__ __noinline__ float rescaled_q_total(const uint16_t* row, int num_q_leaves, int lane) {
+  float part[kQLeaves];
+#pragma unroll
+  for (int v = 0; v < kQLeaves; ++v) {
+    const int leaf = 32 * v + lane;
+    float qx[8] = {};
+    if (leaf < num_q_leaves) unpack_bf16x8(*reinterpret_cast<const uint4*>(row + 8 * leaf), qx);
+    part[v] = math::leaf_sumsq_rescaled(qx);
+  }
+  return warp_total8(part, lane);
+}
+
 /// Bulk prefetch of [p, p + bytes) into L2 (sm_90 copy engine; p and bytes multiples of 16). A hint: no
 /// data reaches registers, nothing is written.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
@@ -130,7 +146,19 @@ __device__ __forceinline__ void encode_kv(const CommonArgs& c, const float* kv_w
   unpack_bf16x8(raw[0], ya);
   unpack_bf16x8(raw[1], yb);
   const float part[2] = {math::leaf_sumsq(ya), math::leaf_sumsq(yb)};
-  const float r = math::rms_inv(warp_total2(part, lane), static_cast<int>(kKvLoraRank), c.kv_eps);
+  float total = warp_total2(part, lane);
+  float eps = c.kv_eps;
+  if (!math::finite(total)) {  // overflow guard (token_math.h; SPEC 2.2), warp-uniform
+    const float part2[2] = {math::leaf_sumsq_rescaled(ya), math::leaf_sumsq_rescaled(yb)};
+    const float t2 = warp_total2(part2, lane);
+    if (math::use_rescaled(total, t2)) {
+      total = t2;
+      eps = math::rescaled_eps(eps);
+      math::rescale_leaf(ya);
+      math::rescale_leaf(yb);
+    }
+  }
+  const float r = math::rms_inv(total, static_cast<int>(kKvLoraRank), eps);
   float w[8];
   load_w8(kv_w + 8 * lane, w);
 #pragma unroll
@@ -265,7 +293,14 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
         unpack_bf16x8(q[v], qx);
         part[v] = math::leaf_sumsq(qx);  // zero leaves (past num_q_leaves) add +0: the canonical padding
       }
-      const float r = math::rms_inv(warp_total8(part, lane), c.q_lora_rank, c.q_eps);
+      float total = warp_total8(part, lane);
+      bool big = false;
+      if (!math::finite(total)) {  // overflow guard (token_math.h; SPEC 2.1), warp-uniform
+        const float t2 = rescaled_q_total(ra.q_c + t * ra.q_c_stride, c.num_q_leaves, lane);
+        big = math::use_rescaled(total, t2);
+        if (big) total = t2;
+      }
+      const float r = math::rms_inv(total, c.q_lora_rank, big ? math::rescaled_eps(c.q_eps) : c.q_eps);
       uint16_t* out = ra.q_c_out + t * c.q_lora_rank;
 #pragma unroll
       for (int v = 0; v < kQLeaves; ++v) {
@@ -273,6 +308,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
         if (leaf < c.num_q_leaves) {
           float qx[8], w[8];
           unpack_bf16x8(q[v], qx);
+          if (big) math::rescale_leaf(qx);
           load_w8(s_w + kWQ + 8 * leaf, w);
 #pragma unroll
           for (int k = 0; k < 8; ++k) qx[k] = math::rms_apply(qx[k], r, w[k]);
@@ -339,11 +375,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
       float rc[8] = {}, rs[8] = {};
       if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
       float xf[8];
-      unpack_bf16x8(x, xf);
-      const float mu = math::mean_of(lanes_sum<16>(math::leaf_sum(xf), kHalf), static_cast<int>(kIndexHeadDim));
-#pragma unroll
-      for (int k = 0; k < 8; ++k) xf[k] = fp32::sub(xf[k], mu);
-      const float r = math::rms_inv(lanes_sum<16>(math::leaf_sumsq(xf), kHalf), static_cast<int>(kIndexHeadDim), c.index_eps);
+      const float r = index_ln_center(x, xf, kHalf, c.index_eps);
       float w[8], b[8];
       load_w8(s_w + kWLnW + 8 * leaf, w);
       load_w8(s_w + kWLnB + 8 * leaf, b);

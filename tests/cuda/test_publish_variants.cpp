@@ -3,7 +3,8 @@
 // CPU reference backend, byte for byte: every replica's whole allocations (guards, padding, unwritten slots),
 // q_c_out and the top-k buffer, for every transport; then CUDA graphs of several back-to-back publications
 // with PDL on, replayed on re-poisoned caches (a dependent kernel that read before its grid-dependency wait
-// would see the poison). Skips with the reason when no GPU is visible.
+// would see the poison). The *_huge_rows cases hold rows whose norms overflow fp32 (the overflow guard of
+// pcpkv/device/token_math.h). Skips with the reason when no GPU is visible.
 #include <cuda_runtime_api.h>
 
 #include <iterator>
@@ -21,6 +22,7 @@
 #include "pcpkv/error.h"
 #include "pcpkv/pdl.h"
 #include "support/bytes.h"
+#include "support/huge_rows.h"
 #include "support/publish_case.h"
 #include "support/gpu.h"
 
@@ -56,6 +58,7 @@ const char* const kVariants[] = {"prefetch:separate:1", "simple:fused:2",       
 struct VariantCase {
   std::string name;
   test::CaseSpec spec;
+  bool huge_rows = false;  // test::make_rows_huge: norms that overflow fp32 (the overflow guard, token_math.h)
 };
 
 std::vector<VariantCase> variant_cases() {
@@ -96,6 +99,23 @@ std::vector<VariantCase> variant_cases() {
     c.spec.fmt.has_indexer = false;
     v.push_back(c);
   }
+  // Rows whose norms overflow fp32 (issue 12): the guard's rescaled path must give the CPU's bytes in every
+  // kernel (CTA and warp, Q / KV / indexer reductions), mixed with ordinary rows.
+  for (VariantCase c : {v[0], v[2]}) {
+    c.name += "_huge_rows";
+    c.huge_rows = true;
+    v.push_back(c);
+  }
+  {
+    VariantCase c;
+    c.name = "deepseek_pcp2_fp8_huge_rows";
+    c.spec.model = "deepseek-v3.2";
+    c.spec.requests = {{RequestKind::kPrefill, 301, 0}, {RequestKind::kDecode, 1, 5}};
+    c.spec.fmt.kv_format = KvFormat::kFp8;
+    c.spec.fmt.k_scale = 0.0213f;
+    c.huge_rows = true;
+    v.push_back(c);
+  }
   return v;
 }
 
@@ -105,6 +125,7 @@ TEST_P(PublishVariants, EveryVariantEveryTransportEqualsCpu) {
   REQUIRE_GPU();
   const VariantCase& vc = GetParam();
   auto c = test::make_case(vc.spec);
+  if (vc.huge_rows) test::make_rows_huge(c->inputs);
   auto cpu = make_cpu_backend(2);
   std::vector<PublishResult> want;
   for (Transport t : kTransports) want.push_back(cpu->publish(c->setup, c->inputs, t));

@@ -13,6 +13,17 @@
 // RMSNorm:   r = 1 / sqrt(sumsq / n + eps);  y = (x * r) * w            (SPEC 2.1, 2.2)
 // LayerNorm: mu = sum / n;  d = x - mu;  v = sumsq(d) / n;  r = 1 / sqrt(v + eps);  y = (d * r) * w + b
 // RoPE pair: (x0, x1) -> (x0*c - x1*s, x1*c + x0*s), each product rounded, then the sum (no FMA).
+//
+// Overflow guard (SPEC 2.1, 2.2, 2.4; issue 12): finite bf16 inputs reach 2^128, and the fp32 sum of squares
+// overflows once sum x^2 >= 2^128 (one |x| >= 2^64, or all of 512 elements >= 2^59.5), the LayerNorm sum
+// from |x| ~ 2^121. Such a row was published as zeros (r = 1/sqrt(inf) = 0). Both norms are scale invariant: normalizing x * 2^-72 with eps * 2^-144 is the same
+// formula, and multiplying by a power of two is exact (except for results below 2^-126, far under the row's
+// output resolution). The rescaled row's sums cannot overflow: 4096 * (2^128 * 2^-72)^2 = 2^124 (LayerNorm:
+// |x - mu| <= 2^57, 128 * 2^114 = 2^121). So: a row whose ordinary reduction is not finite is recomputed
+// from x * kRescale, and that result replaces the ordinary one when it is finite (use_rescaled). Every row
+// with a finite reduction, and every row with a NaN / inf input (whose rescaled reduction is not finite
+// either), keeps the ordinary path and its bytes; the CPU reference and the kernels take the same branch
+// on the same bits.
 #pragma once
 
 #include <cstdint>
@@ -52,6 +63,32 @@ PCPKV_HD float rms_inv(float sumsq, int n, float eps) {
   return fp32::rsqrt(fp32::add(fp32::div(sumsq, static_cast<float>(n)), eps));
 }
 PCPKV_HD float rms_apply(float x, float r, float w) { return fp32::mul(fp32::mul(x, r), w); }
+
+/// The overflow guard's scale (see the header comment): rows are rescaled by 2^-72, eps by 2^-144.
+constexpr float kRescale = 0x1p-72f;
+
+/// False for inf and NaN (as std::isfinite, identically on host and device).
+PCPKV_HD bool finite(float v) { return fp32::abs(v) <= 3.40282346638528859812e+38f; }
+/// Whether the rescaled reduction replaces the ordinary one: the ordinary one overflowed (or met a NaN /
+/// inf input) and the rescaled one is finite (so the input was finite).
+PCPKV_HD bool use_rescaled(float ordinary, float rescaled) { return !finite(ordinary) && finite(rescaled); }
+/// eps of the rescaled row: eps * 2^-144 in two exact steps (2^-144 itself is subnormal).
+PCPKV_HD float rescaled_eps(float eps) { return fp32::mul(fp32::mul(eps, kRescale), kRescale); }
+/// leaf_sumsq of the rescaled leaf x * kRescale without writing it (the same bits; no second array live).
+PCPKV_HD float leaf_sumsq_rescaled(const float* x) {
+  float s = 0.0f;
+PCPKV_UNROLL
+  for (int k = 0; k < kLeaf; ++k) {
+    const float v = fp32::mul(x[k], kRescale);
+    s = fp32::fma(v, v, s);
+  }
+  return s;
+}
+/// x[0..8) *= kRescale.
+PCPKV_HD void rescale_leaf(float* x) {
+PCPKV_UNROLL
+  for (int k = 0; k < kLeaf; ++k) x[k] = fp32::mul(x[k], kRescale);
+}
 
 PCPKV_HD float mean_of(float sum, int n) { return fp32::div(sum, static_cast<float>(n)); }
 PCPKV_HD float ln_apply(float d, float r, float w, float b) {
