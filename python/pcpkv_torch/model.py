@@ -113,6 +113,7 @@ class ModelSpec:
     index_topk_freq: int = 1
     index_skip_topk_offset: int = 0
     indexer_types: tuple = field(default_factory=tuple)
+    max_position_embeddings: int = 0  # 0: unknown; make_plan(..., max_position_embeddings=) refuses past it
 
     @staticmethod
     def from_hf_config(config: Any) -> "ModelSpec":
@@ -141,6 +142,7 @@ class ModelSpec:
             index_topk_freq=int(_get(config, "index_topk_freq", 1) or 1),
             index_skip_topk_offset=int(_get(config, "index_skip_topk_offset", 0) or 0),
             indexer_types=tuple(types),
+            max_position_embeddings=int(_get(config, "max_position_embeddings", 0) or 0),
         )
 
     def layer_has_indexer(self, layer_idx: int) -> bool:
