@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Builds pcpkv and all its tests if needed (installing the Debian packages it needs), then runs every
-# test with ctest. Exits nonzero when the build or any test fails. GPU tests skip, with the reason, on a
-# machine without a GPU.
+# test with ctest; then builds pcpkv_torch (CPU ops) in a virtual environment under the build directory
+# (scripts/setup_python.sh: pinned torch and transformers from the package registry, reused when present)
+# and runs its pytest suite. Exits nonzero when the build or any test fails (ctest or pytest). GPU tests
+# skip, with the reason, on a machine without a GPU.
 # Environment: PCPKV_BUILD_DIR (default build), PCPKV_JOBS (build jobs), PCPKV_CTEST_ARGS (extra ctest
-# arguments, e.g. "-L unit" or "-j2").
+# arguments, e.g. "-L unit" or "-j2"), PCPKV_PYTHON_TESTS=0 (skip the Python part), PCPKV_PYTEST_ARGS (extra
+# pytest arguments, e.g. "-k plan").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${PCPKV_BUILD_DIR:-$root/build}"
@@ -13,5 +16,21 @@ if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 fi
 ninja -C "$build" ${PCPKV_JOBS:+-j "$PCPKV_JOBS"}
+status=0
 # shellcheck disable=SC2086
-ctest --test-dir "$build" --output-on-failure --timeout 900 --no-tests=error ${PCPKV_CTEST_ARGS:-}
+ctest --test-dir "$build" --output-on-failure --timeout 900 --no-tests=error ${PCPKV_CTEST_ARGS:-} || status=1
+
+if [ "${PCPKV_PYTHON_TESTS:-1}" != 0 ]; then
+  venv="$build/python-venv"
+  "$root/scripts/setup_python.sh" "$venv"
+  py="$venv/bin/pcpkv-python"
+  # In place (python/pcpkv_torch/_C*.so), CPU ops only; objects under the build directory.
+  (cd "$root/python" && PCPKV_TORCH_CUDA=0 MAX_JOBS="${PCPKV_JOBS:-$(nproc)}" \
+     "$py" setup.py --quiet build_ext --inplace --build-temp "$build/pcpkv_torch-objects")
+  # A test module skips when the extension does not import; here that is a failure, not a skip.
+  (cd "$root/python" && "$py" -c 'import pcpkv_torch._C')
+  # pytest's exit 5 (no tests collected) fails too.
+  # shellcheck disable=SC2086
+  (cd "$root/python" && "$py" -m pytest tests -q -rs -p no:cacheprovider ${PCPKV_PYTEST_ARGS:-}) || status=1
+fi
+exit "$status"

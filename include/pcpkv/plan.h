@@ -83,6 +83,13 @@ void validate_plan(const PcpPlan& plan);
 void validate_slot_mapping(const int64_t* slots, int64_t n, int64_t num_slots, const std::string& name,
                            int64_t null_block_size = 0);
 
+/// Checks that every token's position is below the model's max_position_embeddings (the model, and the RoPE
+/// tables built for it, cover positions [0, max_position_embeddings)). `origin` prefixes the message (e.g.
+/// "publish: plan" or the CLI flags that made the batch). Throws pcpkv::Error naming the first request that
+/// reaches it, e.g. "plan: request 0 (prefill of 200000 tokens from position 0) reaches position 163840, but
+/// the model's max_position_embeddings is 163840 (positions must be < 163840)".
+void validate_positions(const PcpPlan& plan, int64_t max_position_embeddings, const std::string& origin = "plan");
+
 /// A short human description: tokens per rank, max_local_tokens, blocks.
 std::string describe(const PcpPlan& plan);
 

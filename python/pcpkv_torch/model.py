@@ -184,6 +184,7 @@ class ModelSpec:
     index_topk_freq: int = 1
     index_skip_topk_offset: int = 0
     indexer_types: tuple = field(default_factory=tuple)
+    max_position_embeddings: int = 0  # 0: unknown; make_plan(..., max_position_embeddings=) refuses past it
 
     @staticmethod
     def from_hf_config(config: Any) -> "ModelSpec":
@@ -238,6 +239,7 @@ class ModelSpec:
             index_topk_freq=ints["index_topk_freq"],
             index_skip_topk_offset=ints["index_skip_topk_offset"],
             indexer_types=tuple(types),
+            max_position_embeddings=int(_get(config, "max_position_embeddings", 0) or 0),
         )
 
     def layer_has_indexer(self, layer_idx: int) -> bool:

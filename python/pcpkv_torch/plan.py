@@ -54,13 +54,36 @@ class PcpPlan:
 
 
 def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 64, extra_blocks: int = 0,
-              reserve_null_block: bool = True, shuffle_blocks: bool = True, seed: int = 0) -> PcpPlan:
+              reserve_null_block: bool = True, shuffle_blocks: bool = True, seed: int = 0,
+              max_position_embeddings: int | None = None) -> PcpPlan:
     """DualChunkSwap prefill split over pcp_world ranks, decodes replicated (only rank 0 writes), seeded block
     tables (pcpkv::make_plan). Tensors are on the CPU. Raises ValueError naming the field (pcp_world < 1,
-    block_size not a power of two, an empty request, a decode with num_new_tokens != 1, ...)."""
+    block_size not a power of two, an empty request, a decode with num_new_tokens != 1, ...).
+
+    max_position_embeddings: the model's (ModelSpec.max_position_embeddings, HF config); when given, a request
+    whose positions reach it raises ValueError naming the request and the position (as pcpkv's publication
+    refuses it: the model and its RoPE table cover positions [0, max_position_embeddings) only)."""
+    if max_position_embeddings is not None and (
+            isinstance(max_position_embeddings, bool) or not isinstance(max_position_embeddings, int)
+            or max_position_embeddings < 1):
+        raise ValueError(f"max_position_embeddings = {max_position_embeddings!r} must be an int >= 1")
     r = torch.ops.pcpkv.make_plan(pcp_world, block_size, [int(q.decode) for q in requests],
                                   [q.num_new_tokens for q in requests], [q.context_len for q in requests],
                                   extra_blocks, reserve_null_block, shuffle_blocks, seed)
     positions, slots, gidx, counts, gathered, gpos, gslots, greq, tables, num_blocks = r
+    if max_position_embeddings is not None:
+        _check_positions(requests, max_position_embeddings)
     return PcpPlan(pcp_world, block_size, int(num_blocks), positions, slots, gidx, counts[:, 0].clone(),
                    counts[:, 1].clone(), counts[:, 2].clone(), gathered, gpos, gslots, greq, tables)
+
+
+def _check_positions(requests: Sequence[Request], max_positions: int) -> None:
+    # After the op: the requests are valid, so a request's last position is context_len + num_new_tokens - 1.
+    for i, q in enumerate(requests):
+        last = q.context_len + q.num_new_tokens - 1
+        if last >= max_positions:
+            what = (f"decode at position {q.context_len}" if q.decode
+                    else f"prefill of {q.num_new_tokens} tokens from position {q.context_len}")
+            first = max(q.context_len, max_positions)
+            raise ValueError(f"requests[{i}] ({what}) reaches position {first}, but max_position_embeddings is "
+                             f"{max_positions} (positions must be < {max_positions})")

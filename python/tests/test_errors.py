@@ -159,6 +159,26 @@ def test_combine_insert_fence_errors_name_the_argument(device):
     assert int(w.fence_state.epochs.count_nonzero()) == 0, "a rejected fence advanced an epoch"
 
 
+def test_plan_refuses_positions_past_the_model():
+    # DeepSeek-V3.2: max_position_embeddings 163840 (its HF config); positions 0..163839 are the model's.
+    reqs = [pk.Request(200000), pk.Request(1, 9, decode=True)]
+    with pytest.raises(ValueError, match=r"requests\[0\] \(prefill of 200000 tokens from position 0\) reaches "
+                                         r"position 163840, but max_position_embeddings is 163840"):
+        pk.make_plan(8, reqs, max_position_embeddings=163840)
+    with pytest.raises(ValueError, match=r"requests\[1\] \(decode at position 163840\) reaches position 163840"):
+        pk.make_plan(2, [pk.Request(5), pk.Request(1, 163840, decode=True)], max_position_embeddings=163840)
+    # The boundary: the last position allowed, and no argument (no check) for the same batch.
+    ok = pk.make_plan(2, [pk.Request(16, 163824)], block_size=16, max_position_embeddings=163840)
+    assert int(ok.global_positions.max()) == 163839
+    assert int(pk.make_plan(2, reqs).global_positions.max()) == 199999
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            pk.make_plan(2, [pk.Request(5)], max_position_embeddings=bad)
+    spec = pk.ModelSpec.from_hf_config({"model_type": "deepseek_v32", "q_lora_rank": 1536,
+                                        "max_position_embeddings": 163840})
+    assert spec.max_position_embeddings == 163840
+
+
 def test_host_side_errors():
     with pytest.raises(ValueError, match="kv_format"):
         pk.CacheFormat("fp4")

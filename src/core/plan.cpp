@@ -213,6 +213,29 @@ void validate_plan(const PcpPlan& p) {
               p.num_written_slots(), N);
 }
 
+void validate_positions(const PcpPlan& p, int64_t max_position_embeddings, const std::string& origin) {
+  PCPKV_CHECK(max_position_embeddings >= 1, "{}: max_position_embeddings = {} must be >= 1", origin,
+              max_position_embeddings);
+  PCPKV_CHECK(p.global_request.size() == p.global_positions.size(),
+              "{}: global_request has {} entries for {} global_positions", origin, p.global_request.size(),
+              p.global_positions.size());
+  for (size_t g = 0; g < p.global_positions.size(); ++g) {
+    if (p.global_positions[g] < max_position_embeddings) continue;
+    const int32_t r = p.global_request[g];
+    std::string what = "a request not in plan.requests";
+    if (r >= 0 && static_cast<size_t>(r) < p.requests.size()) {
+      const RequestSpec& q = p.requests[r];
+      what = q.kind == RequestKind::kDecode
+                 ? fmt::format("decode at position {}", q.context_len)
+                 : fmt::format("prefill of {} tokens from position {}", q.num_new_tokens, q.context_len);
+    }
+    PCPKV_FAIL("{}: request {} ({}) reaches position {}, but the model's max_position_embeddings is "
+               "{} (positions must be < {})",
+               origin, r, what, p.global_positions[g], max_position_embeddings,
+               max_position_embeddings);
+  }
+}
+
 std::string describe(const PcpPlan& p) {
   std::string s = fmt::format("PCP {} | {} tokens ({} requests) | block_size {} | {} blocks | max_local_tokens {}\n",
                               p.pcp_world, p.num_global_tokens(), p.requests.size(), p.block_size, p.num_blocks,

@@ -19,6 +19,8 @@ void validate_publish_setup(const PublishSetup& s) {
   for (size_t g = 0; g < s.plan->global_positions.size(); ++g)
     PCPKV_CHECK(s.plan->global_positions[g] >= 0, "plan: global_positions[{}] = {} must be >= 0", g,
                 s.plan->global_positions[g]);
+  // The model (and the RoPE table built for it) stops at max_position_embeddings: refuse, do not extrapolate.
+  validate_positions(*s.plan, s.model->max_position_embeddings, "publish: plan");
   const AllocationOptions& a = s.alloc;
   PCPKV_CHECK(a.guard_bytes >= 0, "alloc: guard_bytes = {} must be >= 0", a.guard_bytes);
   PCPKV_CHECK(a.base_offset >= 0, "alloc: base_offset = {} must be >= 0", a.base_offset);

@@ -43,6 +43,18 @@ TEST(CliBadInput, PcpBelowOne) {
   expect_refused("--pcp eight", {"--pcp", "eight"}, dir);
 }
 
+TEST(CliBadInput, PositionsPastTheModel) {
+  // DeepSeek-V3.2 has max_position_embeddings 163840: the prefill's token 163840 is past it, refused before
+  // any input is generated; so is a decode whose context is the whole range.
+  ScratchDir dir;
+  expect_refused("--tokens 200000 --model deepseek-v3.2",
+                 {"--tokens 200000 --decodes 4 (model deepseek-v3.2)", "request 0 (prefill of 200000 tokens",
+                  "reaches position 163840", "max_position_embeddings is 163840"},
+                 dir);
+  expect_refused("--tokens 0 --decodes 1 --decode-context 202752 --pcp 1",
+                 {"request 0 (decode at position 202752)", "max_position_embeddings is 202752", "glm-5"}, dir);
+}
+
 TEST(CliBadInput, BlockSizeNotPowerOfTwo) {
   ScratchDir dir;
   expect_refused("--block-size 48", {"--block-size", "power of two", "48"}, dir);

@@ -195,6 +195,29 @@ TEST(CpuBackend, RankWithZeroPrefillTokens) {
   }
 }
 
+TEST(CpuBackend, RefusesPositionsPastTheModel) {
+  // A prefill [0, 26) and a decode at 40: with max_position_embeddings 40 the decode's token is past the model.
+  CaseSpec spec;
+  spec.requests = {{RequestKind::kPrefill, 26, 0}, {RequestKind::kDecode, 1, 40}};
+  auto c = make_case(spec);
+  auto backend = make_cpu_backend(2);
+  for (Transport t : kTransports) {
+    SCOPED_TRACE(to_string(t));
+    c->model.max_position_embeddings = 40;
+    try {
+      (void)backend->publish(c->setup, c->inputs, t);
+      ADD_FAILURE() << "published a token at position 40 with max_position_embeddings 40";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("publish: plan: request 1 (decode at position 40) reaches position 40"), std::string::npos)
+          << m;
+      EXPECT_NE(m.find("max_position_embeddings is 40"), std::string::npos) << m;
+    }
+    c->model.max_position_embeddings = 41;  // the boundary: position 40 is the last one allowed
+    EXPECT_NO_THROW((void)backend->publish(c->setup, c->inputs, t));
+  }
+}
+
 TEST(CpuBackend, DecodeOnlyBatchWritesOnceFromRankZero) {
   CaseSpec spec;
   spec.pcp = 4;

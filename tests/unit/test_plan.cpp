@@ -156,6 +156,33 @@ TEST(Plan, BadConfigsNameFieldAndValue) {
   EXPECT_NE(plan_error(c).find("exceed 2^40 tokens"), std::string::npos);
 }
 
+std::string positions_error(const PcpPlan& p, int64_t max_positions, const std::string& origin = "plan") {
+  try {
+    validate_positions(p, max_positions, origin);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Plan, PositionsPastTheModelNameRequestAndPosition) {
+  // Decodes at 100 and 137 (requests 0, 1), then a prefill [0, 26) (request 2), over 3 ranks.
+  const PcpPlan p = make_plan(mixed(3, 26, 2));
+  EXPECT_EQ(positions_error(p, 138), "no error");  // the largest position, 137, is the last allowed
+  const std::string last = positions_error(p, 137, "--tokens 26");
+  EXPECT_NE(last.find("--tokens 26: request 1 (decode at position 137) reaches position 137"), std::string::npos)
+      << last;
+  EXPECT_NE(last.find("max_position_embeddings is 137 (positions must be < 137)"), std::string::npos) << last;
+  // The first offending token in global order names its request: here the decode at 100 comes first.
+  EXPECT_NE(positions_error(p, 26).find("request 0 (decode at position 100) reaches position 100"),
+            std::string::npos);
+  const PcpPlan prefill = make_plan(mixed(2, 40, 0));
+  const std::string pre = positions_error(prefill, 32);
+  EXPECT_NE(pre.find("plan: request 0 (prefill of 40 tokens from position 0) reaches position 32"),
+            std::string::npos) << pre;
+  EXPECT_NE(positions_error(prefill, 0).find("max_position_embeddings = 0 must be >= 1"), std::string::npos);
+}
+
 TEST(Plan, SlotMappingValidation) {
   const std::vector<int64_t> ok = {16, 17, -1, 40};
   EXPECT_NO_THROW(validate_slot_mapping(ok.data(), 4, 64, "slot_mapping", 16));

@@ -95,7 +95,7 @@ void expect_same_inputs(const GlobalInputs& a, const GlobalInputs& b) {
   EXPECT_EQ(a.positions, b.positions);
   auto bits = [](const std::vector<float>& v) {
     std::vector<uint32_t> out(v.size());
-    std::memcpy(out.data(), v.data(), v.size() * 4);
+    if (!v.empty()) std::memcpy(out.data(), v.data(), v.size() * 4);  // data() may be null when empty (UB)
     return out;
   };
   EXPECT_EQ(bits(a.weights.q_norm_w), bits(b.weights.q_norm_w));

@@ -632,6 +632,8 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
     }
   }
   p.plan = make_plan(pc);
+  validate_positions(p.plan, p.model.max_position_embeddings,
+                     fmt::format("{} (model {})", p.batch_source, p.model.name));
   // The file's block tables and slots replace the fresh plan's, so a run loaded from a file (and its --save)
   // keeps tables and slots that agree: slot = table[pos / B] * B + pos % B.
   const std::string origin = "--inputs " + o.inputs;
