@@ -2,6 +2,7 @@
 // exit code, stdout and stderr; a per-test scratch directory; a valid inputs file to corrupt.
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -41,8 +43,10 @@ class ScratchDir {
  public:
   ScratchDir() {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / (std::string("pcpkv_cli_") + info->test_suite_name() + "_" + info->name() +
-                                         "_" + std::to_string(::getpid()));
+    // Short (a hash of the test's name): launch refuses a --socket-dir whose socket path would not fit sun_path.
+    const std::string name = std::string(info->test_suite_name()) + "." + info->name();
+    path_ = fs::temp_directory_path() /
+            fmt::format("pcpkv_cli_{:08x}_{}", static_cast<uint32_t>(std::hash<std::string>{}(name)), ::getpid());
     fs::remove_all(path_);
     fs::create_directories(path_);
   }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits.h>
 
@@ -58,7 +59,10 @@ RankPublisherFactory rank_publisher_factory(const std::string& backend, std::str
 
 int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn) {
   // "pcpkv: error: mp-publish rank 1: ...", the one-line form of every CLI error.
-  const std::string who = world ? fmt::format("{} rank {}", cmd, world->rank()) : fmt::format("{} rank ?", cmd);
+  // Before the rendezvous there is no world yet: the launcher's RANK names the rank (checked when it is read).
+  const char* env_rank = std::getenv("RANK");
+  const std::string who = world ? fmt::format("{} rank {}", cmd, world->rank())
+                                : fmt::format("{} rank {}", cmd, env_rank && *env_rank ? env_rank : "?");
   try {
     return fn();
   } catch (const FenceTimeout& e) {
