@@ -150,17 +150,15 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     parent = (t && *t) ? t : "/tmp";
   }
   // Checked before any rank starts (each rank would otherwise fail on its own): the socket path must fit
-  // sun_path, with room for the sub-group sockets of Bootstrap::split ("<socket>.s<seq>c<color>").
+  // sun_path. (A rank's Bootstrap::split adds ".s<seq>c<color>" and checks that longer name itself.)
   constexpr size_t kSunPathMax = sizeof(sockaddr_un{}.sun_path) - 1;
-  constexpr size_t kSplitSuffixRoom = 16;
   const std::string socket_rel = std::string("/") + kLaunchDirPrefix + "XXXXXX/rendezvous.sock";
   const size_t socket_len = parent.size() + socket_rel.size();
-  PCPKV_CHECK(socket_len + kSplitSuffixRoom <= kSunPathMax,
-              "{}: '{}' is too long ({} bytes): the rendezvous socket '{}{}' would be {} bytes, and a Unix socket "
-              "path holds at most {} (pcpkv keeps {} for sub-group sockets); give a directory of at most {} bytes",
+  PCPKV_CHECK(socket_len <= kSunPathMax,
+              "{}: '{}' is too long ({} bytes): the rendezvous socket '<dir>{}' in it would be {} bytes, and a "
+              "Unix socket path holds at most {}; give a directory of at most {} bytes",
               opts.socket_dir.empty() ? "TMPDIR (the default of --socket-dir)" : "--socket-dir", clip(parent),
-              parent.size(), clip(parent, 40), socket_rel, socket_len, kSunPathMax, kSplitSuffixRoom,
-              kSunPathMax - kSplitSuffixRoom - socket_rel.size());
+              parent.size(), socket_rel, socket_len, kSunPathMax, kSunPathMax - socket_rel.size());
   remove_stale_launch_dirs(parent);
   std::string tmpl = parent + "/" + kLaunchDirPrefix + "XXXXXX";
   PCPKV_CHECK(::mkdtemp(tmpl.data()) != nullptr, "launch: cannot create a private directory in '{}': {}", parent,
