@@ -30,7 +30,7 @@ from helpers import DEVICES, torch
 pytest.importorskip("transformers", reason="transformers is not installed")
 try:
     from pcpkv_torch.models import PcpModel, StepRequest, build_hf_model, small_config
-    from pcpkv_torch.models.hf import hf_modules
+    from pcpkv_torch.models.hf import hf_modules, hf_reference_forward
     hf_modules("glm_moe_dsa")
     hf_modules("deepseek_v32")
 except ImportError as e:
@@ -121,30 +121,8 @@ HF_SCHEDULE = [[StepRequest("c", C[:180])], [StepRequest("c", C[180:299], contex
 
 
 def hf_forward(model, device, ids, inject=None):
-    """HF's eager forward; returns (logits, hidden states, {layer: HF's own top-k positions [N, topk]}).
-    inject: {layer: positions [N, topk] (-1 tail)} that HF's indexer returns instead of its own selection."""
-    m = hf_model(model, device, True)
-    seen, hooks = {}, []
-    for i, layer in enumerate(m.model.layers):
-        if layer.self_attn.indexer is None:
-            continue
-
-        def hook(mod, args, out, i=i):
-            seen[i] = out[0].cpu().long()
-            if inject is None:
-                return None
-            p = inject[i].to(out.device)
-            own = torch.arange(p.shape[0], device=out.device)[:, None].expand_as(p)
-            return torch.where(p >= 0, p, own)[None].to(out.dtype)  # -1 tail -> the token itself (selected anyway)
-
-        hooks.append(layer.self_attn.indexer.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            out = m(ids.to(device)[None], output_hidden_states=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out.logits[0].float().cpu(), [h[0].float().cpu() for h in out.hidden_states], seen
+    """HF's eager forward of the dense model (pcpkv_torch.models.hf_reference_forward)."""
+    return hf_reference_forward(hf_model(model, device, True), ids, inject)
 
 
 @pytest.mark.parametrize("device", DEVICES)

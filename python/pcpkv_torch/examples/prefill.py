@@ -25,6 +25,7 @@ import time
 import torch
 
 from ..models import TRANSPORTS, PcpModel, StepRequest, build_hf_model, small_config
+from ..models.hf import hf_reference_forward
 from ..models.attention import PcpRuntime
 
 T0 = time.perf_counter()
@@ -174,24 +175,7 @@ def hf_check(model, make, ids, args, device) -> bool:
         sel = {layer: pcp.topk_positions(layer) for layer in pcp.runtime.topk}
     finally:
         pcp.restore()
-    seen, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        if layer.self_attn.indexer is None:
-            continue
-
-        def hook(mod, a, out, i=i):
-            seen[i] = out[0].cpu().long()
-            q = sel[i].to(out.device)
-            own = torch.arange(q.shape[0], device=out.device)[:, None].expand_as(q)
-            return torch.where(q >= 0, q, own)[None].to(out.dtype)
-
-        hooks.append(layer.self_attn.indexer.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            ref = model(ids.to(device)[None], output_hidden_states=True)
-    finally:
-        for h in hooks:
-            h.remove()
+    ref_logits, ref_hidden, seen = hf_reference_forward(model, ids, inject=sel)
     ok = True
     for i, hs in seen.items():
         ov = []
@@ -207,8 +191,8 @@ def hf_check(model, make, ids, args, device) -> bool:
     types = list(model.config.mlp_layer_types)
     first_moe = types.index("sparse") if "sparse" in types else len(types)
     e = args.layers * (2.0 ** -4 if args.kv_format != "bf16" else 2.0 ** -6)
-    for i, (a, b) in enumerate(zip(hid, ref.hidden_states)):
-        a, b = a.float(), b[0].float()
+    for i, (a, b) in enumerate(zip(hid, ref_hidden)):
+        a, b = a.float().cpu(), b
         rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
         cos = F.cosine_similarity(a, b, dim=-1).min().item()
         judged = i <= first_moe
@@ -218,7 +202,7 @@ def hf_check(model, make, ids, args, device) -> bool:
         what = "embeddings" if i == 0 else f"layer {i - 1} output" + ("" if judged else " (after an MoE layer)")
         print(f"  {tag}  hidden state {i} ({what}) vs HF, same selection: max relative error {rel:.3g} "
               f"(bound {e:.3g}), min cosine {cos:.6f}")
-    a, b = lg.float().cpu(), ref.logits[0].float().cpu()
+    a, b = lg.float().cpu(), ref_logits
     err = (a - b).abs().amax(-1)
     rel = (err / b.abs().amax(-1)).max().item()
     top2 = b.topk(2, -1).values

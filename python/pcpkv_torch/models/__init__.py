@@ -9,10 +9,10 @@ Needs transformers >= 5.17 (GlmMoeDsa*, DeepseekV32*) for build_hf_model; PcpMod
 
 from .attention import PcpAttention, PcpRuntime, apply_rope, chunked
 from .batch import BlockTables, StepBatch, StepRequest
-from .hf import MODEL_TYPES, build_hf_model, hf_modules, randomize_weights, small_config
+from .hf import MODEL_TYPES, build_hf_model, hf_modules, hf_reference_forward, randomize_weights, small_config
 from .runner import PcpModel
 from .world import TRANSPORTS, LocalInputs, PcpWorld
 
 __all__ = ["PcpAttention", "PcpRuntime", "apply_rope", "chunked", "BlockTables", "StepBatch", "StepRequest",
-           "MODEL_TYPES", "build_hf_model", "hf_modules", "randomize_weights", "small_config", "PcpModel",
+           "MODEL_TYPES", "build_hf_model", "hf_modules", "hf_reference_forward", "randomize_weights", "small_config", "PcpModel",
            "TRANSPORTS", "LocalInputs", "PcpWorld"]

@@ -111,3 +111,34 @@ def build_hf_model(config, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16
         model = model.to(device)
     model.config._attn_implementation = "eager"
     return model.eval()
+
+
+@torch.no_grad()
+def hf_reference_forward(model, ids: torch.Tensor, inject: dict | None = None):
+    """HF's own eager forward of one sequence ids int64 [N] (a model whose attention is HF's, i.e. not wrapped
+    by a PcpModel). Returns (logits float32 [N, vocab], hidden states [float32 [N, hidden]] as HF's
+    output_hidden_states gives them, {layer: HF's own top-k key positions int64 [N, topk]}), all on the CPU.
+    inject: {layer: key positions [N, topk] (-1 tail)} that HF's indexer returns instead of its own selection,
+    so that HF attends over the same keys as the run they came from (its own selection is still reported);
+    a -1 entry becomes the query's own position, which every causal selection contains anyway."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if getattr(layer.self_attn, "indexer", None) is None:
+            continue
+
+        def hook(mod, args, out, i=i):
+            seen[i] = out[0].cpu().long()
+            if inject is None:
+                return None
+            p = inject[i].to(out.device)
+            own = torch.arange(p.shape[0], device=out.device)[:, None].expand_as(p)
+            return torch.where(p >= 0, p, own)[None].to(out.dtype)
+
+        hooks.append(layer.self_attn.indexer.register_forward_hook(hook))
+    try:
+        device = next(model.parameters()).device
+        out = model(ids.to(device)[None], output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out.logits[0].float().cpu(), [h[0].float().cpu() for h in out.hidden_states], seen
