@@ -79,8 +79,11 @@ struct IndexerCacheGeometry {
 /// Dense geometries (row_stride = row bytes, block_stride = block_size * row bytes / * 132).
 MlaCacheGeometry dense_mla_geometry(KvFormat f, int64_t num_blocks, int32_t block_size);
 IndexerCacheGeometry dense_indexer_geometry(int64_t num_blocks, int32_t block_size);
+/// Largest cache a geometry may describe (256 TiB): bounds num_blocks * block_stride and
+/// block_size * row_stride so every row offset fits in int64.
+constexpr int64_t kMaxCacheBytes = int64_t{1} << 48;
 /// Throws pcpkv::Error naming the field if a geometry cannot hold rows of format f (stride too small,
-/// block_size not a power of two, negative sizes, scale region misaligned).
+/// block_size not a power of two, negative sizes, scale region misaligned, more than kMaxCacheBytes).
 void validate_geometry(const MlaCacheGeometry& g, KvFormat f);
 void validate_geometry(const IndexerCacheGeometry& g);
 

@@ -57,10 +57,17 @@ void validate_geometry(const MlaCacheGeometry& g, KvFormat f) {
               g.row_stride, to_string(f), mla_row_bytes(f));
   // fp32 tile scales and bf16 values need their natural alignment; 16 B keeps rows vector-aligned.
   PCPKV_CHECK(g.row_stride % 16 == 0, "mla cache: row_stride = {} B must be a multiple of 16", g.row_stride);
+  // Bounded before any product: every offset inside bytes() then fits in int64 (hostile sizes from a table).
+  PCPKV_CHECK(g.row_stride <= kMaxCacheBytes / g.block_size,
+              "mla cache: row_stride = {} B times block_size = {} exceeds {} B", g.row_stride, g.block_size,
+              kMaxCacheBytes);
   PCPKV_CHECK(g.block_stride >= g.row_stride * g.block_size,
               "mla cache: block_stride = {} B is smaller than block_size * row_stride = {} B", g.block_stride,
               g.row_stride * g.block_size);
   PCPKV_CHECK(g.block_stride % 16 == 0, "mla cache: block_stride = {} B must be a multiple of 16", g.block_stride);
+  PCPKV_CHECK(g.block_stride <= kMaxCacheBytes / g.num_blocks,
+              "mla cache: num_blocks = {} times block_stride = {} B exceeds {} B", g.num_blocks, g.block_stride,
+              kMaxCacheBytes);
 }
 
 void validate_geometry(const IndexerCacheGeometry& g) {
@@ -71,6 +78,9 @@ void validate_geometry(const IndexerCacheGeometry& g) {
               int64_t{g.block_size} * kIndexerSlotBytes);
   PCPKV_CHECK(g.block_stride % 16 == 0, "indexer cache: block_stride = {} B must be a multiple of 16",
               g.block_stride);
+  PCPKV_CHECK(g.block_stride <= kMaxCacheBytes / g.num_blocks,
+              "indexer cache: num_blocks = {} times block_stride = {} B exceeds {} B", g.num_blocks, g.block_stride,
+              kMaxCacheBytes);
 }
 
 TransportRowLayout transport_row_layout(const CacheFormat& fmt) {

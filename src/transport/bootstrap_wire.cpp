@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -122,9 +123,18 @@ IoStatus recv_frame(int sock, Deadline d, Frame* out) {
   if (st != IoStatus::kOk) return st;
   if (h.magic != kMagic || h.bytes > kMaxPayload) return IoStatus::kError;
   out->type = static_cast<FrameType>(h.type);
-  out->payload.resize(h.bytes);
-  if (h.bytes == 0) return IoStatus::kOk;
-  return recv_bytes(sock, out->payload.data(), h.bytes, d, &out->fds);
+  // The buffer grows with the bytes that arrive, not with the size the header claims: a hostile or broken
+  // peer announcing 4 GiB and sending nothing must not make this process allocate 4 GiB.
+  out->payload.clear();
+  constexpr uint64_t kChunk = uint64_t{1} << 20;
+  for (uint64_t got = 0; got < h.bytes;) {
+    const uint64_t n = std::min(kChunk, h.bytes - got);
+    out->payload.resize(got + n);
+    st = recv_bytes(sock, out->payload.data() + got, n, d, &out->fds);
+    if (st != IoStatus::kOk) return st;
+    got += n;
+  }
+  return IoStatus::kOk;
 }
 
 }  // namespace pcpkv::bootstrap_wire
