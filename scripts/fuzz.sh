@@ -4,13 +4,20 @@
 # Prints one line per target: executions, coverage, findings. Exits nonzero on a crash, leak, OOM or timeout.
 #   FUZZ_SECONDS  seconds per target (default 30)      FUZZ_TARGETS  names (default: all five)
 #   FUZZ_JOBS     targets run at once (default 1)      FUZZ_BUILD    build dir (default build-fuzz)
+#   FUZZ_SEED     libFuzzer -seed (default 1: a CI run is repeatable; 0 picks one at random)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER=${FUZZ_SECONDS:-30}
 BUILD=${FUZZ_BUILD:-build-fuzz}
 TARGETS=${FUZZ_TARGETS:-"hf_config safetensors inputs bootstrap_wire cache_targets"}
 JOBS=${FUZZ_JOBS:-1}
-command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ not found (apt-get install -y clang)" >&2; exit 2; }
+if ! command -v clang++ >/dev/null; then  # Debian's clang brings libFuzzer (compiler-rt); install it by name
+  sudo_cmd=(); [ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+  echo "fuzz.sh: installing clang" >&2
+  { "${sudo_cmd[@]}" apt-get update -q && "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends clang; } >&2 ||
+    { echo "fuzz.sh: clang++ not found and apt-get install clang failed" >&2; exit 2; }
+fi
 if [ ! -f "$BUILD/build.ninja" ]; then
   CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPCPKV_CUDA=OFF \
     -DPCPKV_TESTS=OFF -DPCPKV_BENCH=OFF -DPCPKV_FUZZ=ON >/dev/null || exit 2
@@ -24,7 +31,7 @@ run_one() {
   local t=$1 log="$BUILD/fuzz-$1.log" work="$BUILD/corpus/$1" art="$BUILD/artifacts/$1/"
   rm -rf "$art"; mkdir -p "$work" "$art"
   ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    nice -n 10 "$BUILD/fuzz/fuzz_$t" "$work" "fuzz/corpus/$t" -max_total_time="$SECONDS_PER" \
+    nice -n 10 "$BUILD/fuzz/fuzz_$t" "$work" "fuzz/corpus/$t" -max_total_time="$SECONDS_PER" -seed="${FUZZ_SEED:-1}" \
       -max_len="$(max_len "$t")" -rss_limit_mb=2048 -malloc_limit_mb=1024 -timeout=10 \
       -artifact_prefix="$art" -print_final_stats=1 >"$log" 2>&1
   local rc=$?
