@@ -9,7 +9,7 @@ Environment:
     MAX_JOBS                  parallel compile jobs (ninja)
 
 The extension compiles pcpkv's core sources it needs (layouts, RoPE tables, PCP plan, the CPU reference
-kernels) and, with CUDA, pcpkv's own launchers and kernels (src/publish/cuda/launch.h: dispatch*.cu, combine.cu,
+kernels) and, with CUDA, pcpkv's own launchers and kernels (pcpkv/publish/kernels.h: dispatch*.cu, combine.cu,
 insert.cu, fence.cu, plus device.cpp and pdl_switch.cpp; the consumers' indexer_kernels.cu,
 sparse_mla_*.cu, lse_merge_kernels.cu): the torch ops run exactly the kernels the C++ library runs. fmt comes header-only from torch's own include directory, so nothing beyond torch, a C++20 compiler
 and (for CUDA) nvcc is needed.
@@ -33,7 +33,7 @@ def _sources():
     return core + cpu + [s for s in own if not s.endswith("_cuda.cpp")]
 
 
-# pcpkv's CUDA sources behind the launchers of src/publish/cuda/launch.h that the ops call (launch_dispatch,
+# pcpkv's CUDA sources behind the launchers of pcpkv/publish/kernels.h that the ops call (launch_dispatch,
 # launch_combine, launch_insert_mla / launch_insert_indexer, launch_fence) and what they need (num_sms in
 # device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch). run_device_tests.sh refuses a
 # build with an undefined pcpkv symbol, which is what a source missing here looks like.

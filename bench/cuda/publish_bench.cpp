@@ -10,7 +10,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "publish/cuda/publisher.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"

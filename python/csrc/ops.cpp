@@ -1,7 +1,7 @@
 // python/csrc/ops.cpp: the `pcpkv` torch library: schemas (TORCH_LIBRARY), the host-only setup ops
 // (rope_table, make_plan, make_cache_targets) and the CPU implementations, which call pcpkv's CPU reference
 // (pcpkv/publish/cpu.h) on host memory. The CUDA implementations (ops_cuda.cpp) call pcpkv's launchers
-// (src/publish/cuda/launch.h); fake (meta) kernels for torch.compile are registered in Python (pcpkv_torch/_fake.py).
+// (pcpkv/publish/kernels.h); fake (meta) kernels for torch.compile are registered in Python (pcpkv_torch/_fake.py).
 // Docstrings: pcpkv_torch/ops.py.
 #include <Python.h>
 

@@ -1,4 +1,4 @@
-// python/csrc/ops_cuda.cpp: CUDA implementations of the pcpkv ops, on pcpkv's own launchers (src/publish/cuda/launch.h:
+// python/csrc/ops_cuda.cpp: CUDA implementations of the pcpkv ops, on pcpkv's own launchers (pcpkv/publish/kernels.h:
 // launch_dispatch, launch_combine, launch_insert_mla / launch_insert_indexer, launch_fence), so the torch ops
 // and the C++ library run the same kernels (one kernel contract per job; the CPU reference is the oracle).
 //
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common.h"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 
 namespace pcpkv_torch {

@@ -1,4 +1,4 @@
-// The CUDA kernels of the publication (src/publish/cuda/launch.h) against the CPU oracle (pcpkv/publish/cpu.h), byte for
+// The CUDA kernels of the publication (pcpkv/publish/kernels.h) against the CPU oracle (pcpkv/publish/cpu.h), byte for
 // byte, on whole buffers (guards included): the fused dispatch in every mode (materialize, cache targets with
 // different padded geometries and misaligned bases, transport rows, top-k fill) and every kernel variant
 // (simple, prefetch, warp), several ranks in one launch, the combine (1, 2, 4 rows per warp), the collect
@@ -15,7 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "core/cuda/buffers.h"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/device/codec.h"

@@ -14,8 +14,9 @@
 #include <utility>
 
 #include "core/cuda/check.h"
+#include "core/cuda/device.h"
 #include "publish/cuda/kernel_util.cuh"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/core/pdl.h"
 

@@ -26,7 +26,7 @@
 #include "core/cuda/check.h"
 #include "publish/cuda/dispatch_args.cuh"
 #include "publish/cuda/kernel_util.cuh"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"

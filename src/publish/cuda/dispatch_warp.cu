@@ -29,7 +29,7 @@
 #include "core/cuda/check.h"
 #include "publish/cuda/dispatch_args.cuh"
 #include "publish/cuda/kernel_util.cuh"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/pdl.h"
 

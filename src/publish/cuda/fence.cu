@@ -1,6 +1,6 @@
 // The SPEC section 5 fence kernel (device code in pcpkv/device/fence_kernel.h) and its host side.
 #include "core/cuda/check.h"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/device/fence_kernel.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/pdl.h"

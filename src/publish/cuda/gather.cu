@@ -4,7 +4,8 @@
 #include <cstring>
 
 #include "core/cuda/check.h"
-#include "publish/cuda/launch.h"
+#include "core/cuda/device.h"
+#include "pcpkv/publish/kernels.h"
 
 namespace pcpkv::cuda_detail {
 namespace {

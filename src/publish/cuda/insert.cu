@@ -8,8 +8,9 @@
 #include <cstring>
 
 #include "core/cuda/check.h"
+#include "core/cuda/device.h"
 #include "publish/cuda/kernel_util.cuh"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 
 namespace pcpkv::cuda_detail {

@@ -1,7 +1,7 @@
 // LocalFence: see local_fence.h.
 #include "publish/cuda/local_fence.h"
 
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/ranks/fence.h"
 
 namespace pcpkv::cuda_detail {

@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/publish/cuda_multiproc.h"
 #include "pcpkv/core/error.h"

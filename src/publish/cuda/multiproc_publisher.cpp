@@ -1,6 +1,6 @@
 // The CUDA per-process publication driver (cuda::make_rank_publisher in pcpkv/publish/cuda_multiproc.h): this
 // process is one PCP rank on its device; caches, staging rows, collect rows and fence pads are device
-// symmetric memory; the kernels are the cuda engineer's launchers (publish/cuda/launch.h), called with one job.
+// symmetric memory; the kernels are the cuda engineer's launchers (pcpkv/publish/kernels.h), called with one job.
 #include <signal.h>
 
 #include <algorithm>
@@ -11,7 +11,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "publish/cuda/multiproc_fence.h"
 #include "publish/cuda/publisher.h"
 #include "pcpkv/ranks/bootstrap.h"

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/cuda/buffers.h"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "publish/cuda/local_fence.h"
 #include "pcpkv/publish/backend.h"
 #include "publish/publish_layout.h"

@@ -1,18 +1,21 @@
-// src/publish/cuda/launch.h: host launchers of the pcpkv kernels (internal API of pcpkv_cuda; the backend, the
-// bench and the tests use it). Every launcher validates its parameters on the host with the same checks
-// as the CPU reference (pcpkv/publish/cpu.h) and throws pcpkv::Error before enqueuing anything; the kernels
-// themselves trust their inputs. All launches are asynchronous on `stream` and capturable into graphs.
+// pcpkv/publish/kernels.h: host launchers of the publication kernels (defined in pcpkv_cuda; the backend, the
+// rank publishers, the bench, the tests and python/csrc call them). Every launcher validates its parameters
+// on the host with the same checks as the CPU reference (pcpkv/publish/cpu.h) and throws pcpkv::Error before
+// enqueuing anything; the kernels themselves trust their inputs. All launches are asynchronous on `stream`
+// and capturable into graphs.
+// Host header: no CUDA headers. Pointers in the parameter structs are device pointers; streams are
+// cudaStream_t (= CUstream_st*), forward-declared here like pcpkv/serving/router.h does, so a caller passes
+// its cudaStream_t unchanged. The namespace stays cuda_detail, the one the definitions and callers use.
 #pragma once
-
-#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "core/cuda/device.h"
 #include "pcpkv/device/fence_kernel.h"
 #include "pcpkv/publish/dispatch.h"
+
+struct CUstream_st;
 
 namespace pcpkv::cuda_detail {
 
@@ -42,7 +45,7 @@ DispatchVariant parse_dispatch_variant(const std::string& s);
 /// pdl: launch with programmatic stream serialization (pcpkv/core/pdl.h); the kernel waits for the previous
 /// kernel before it reads or writes anything but the device tables of targets / row destinations, which
 /// must not be written by the preceding kernel.
-void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream,
+void launch_dispatch(const DispatchJob* jobs, int num_jobs, CUstream_st* stream,
                      DispatchVariant variant = DispatchVariant::kAuto, bool pdl = false);
 
 /// Registers, shared memory and spills of the dispatch kernel instances (from cudaFuncGetAttributes), one
@@ -55,29 +58,29 @@ constexpr int kDefaultCombineRowsPerWarp = 1;
 /// Enqueues the combine of every job (one launch for up to 8). Throws pcpkv::Error on a bad parameter.
 /// rows_per_warp: 1 (one warp per row, the slot read before the row), 2 or 4 (a warp reads the slots and
 /// rows of that many rows at once, then stores), 0 = kDefaultCombineRowsPerWarp. pdl: see launch_dispatch.
-void launch_combine(const CombineParams* jobs, int num_jobs, cudaStream_t stream, int rows_per_warp = 0,
+void launch_combine(const CombineParams* jobs, int num_jobs, CUstream_st* stream, int rows_per_warp = 0,
                     bool pdl = false);
 
 // ---- collect: quantize-and-insert --------------------------------------------------------------------------
 /// MLA cache rows of every job (kv_c, k_pe); the indexer part is ignored here.
-void launch_insert_mla(const InsertParams* jobs, int num_jobs, cudaStream_t stream);
+void launch_insert_mla(const InsertParams* jobs, int num_jobs, CUstream_st* stream);
 /// Indexer-K slots of every job (jobs whose fmt.has_indexer is false are skipped).
-void launch_insert_indexer(const InsertParams* jobs, int num_jobs, cudaStream_t stream);
+void launch_insert_indexer(const InsertParams* jobs, int num_jobs, CUstream_st* stream);
 
 // ---- collect: all-gather between logical ranks of one GPU -------------------------------------------------
 /// dst[p][r * bytes_per_rank + i] = src[r][i] for every destination p and source r, i.e. the all-gather of
 /// one tensor (one launch per 8 x 8 block of ranks). Device pointers, 16-byte aligned; bytes_per_rank % 16 == 0.
 void launch_all_gather(const std::vector<const void*>& src, const std::vector<void*>& dst, int64_t bytes_per_rank,
-                       cudaStream_t stream);
+                       CUstream_st* stream);
 
 // ---- top-k buffer fill ------------------------------------------------------------------------------------
 /// Fills count int32 with -1 (a 0xFF byte fill at copy-engine speed).
-void launch_fill_minus_one(int32_t* p, int64_t count, cudaStream_t stream);
+void launch_fill_minus_one(int32_t* p, int64_t count, CUstream_st* stream);
 
 // ---- fence (SPEC section 5) -----------------------------------------------------------------------------
 /// Launches the fence kernel with num_blocks blocks (block b acts as rank args.first_rank + b). pdl: launch
 /// with programmatic stream serialization; the kernel waits for the previous kernel before it signals.
-void launch_fence(const FenceArgs& args, int num_blocks, cudaStream_t stream, bool pdl = false);
+void launch_fence(const FenceArgs& args, int num_blocks, CUstream_st* stream, bool pdl = false);
 
 /// Throws pcpkv::FenceTimeout when *error (host view of the host-mapped FenceError) reports a timeout.
 /// Call after synchronizing the stream that ran the fence.
