@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "pcpkv/device/config.h"
+#include "pcpkv/device/ptx_ordering.h"
 
 namespace pcpkv {
 
@@ -49,29 +50,11 @@ struct FenceArgs {
 };
 
 #if defined(__CUDACC__)
-namespace fence_detail {
-
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-}  // namespace fence_detail
-
 /// The whole fence for the rank this block serves. Call from every thread of the block (it uses
 /// __syncthreads). Returns after all W ranks arrived, or after the timeout (then `error` says who was
 /// missing, and the fence state is undefined until the host zeroes pads, epochs and claim).
 __device__ inline void fence_block(const FenceArgs& a) {
-  using namespace fence_detail;
+  using namespace ptx;
   __shared__ uint64_t s_epoch;
   const int32_t me = a.first_rank + static_cast<int32_t>(blockIdx.x);
   uint64_t* epoch = a.epochs + static_cast<int64_t>(blockIdx.x) * a.num_barriers + a.barrier_idx;
@@ -83,7 +66,7 @@ __device__ inline void fence_block(const FenceArgs& a) {
     *epoch = e;
     s_epoch = e;
   }
-  __threadfence_system();
+  fence_sys();
   __syncthreads();
   const uint64_t e = s_epoch;
   const int64_t slot_base = (static_cast<int64_t>(a.barrier_idx) * 2 + static_cast<int64_t>(e & 1)) * a.world;
@@ -106,9 +89,9 @@ __device__ inline void fence_block(const FenceArgs& a) {
           err->barrier_idx = a.barrier_idx;
           err->epoch = e;
           err->seen = v;
-          __threadfence_system();
+          fence_sys();
           err->flag = kFenceErrorFlag;
-          __threadfence_system();
+          fence_sys();
         }
         break;
       }

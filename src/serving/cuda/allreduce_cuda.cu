@@ -21,6 +21,7 @@
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/fp32.h"
+#include "pcpkv/device/ptx_ordering.h"
 #include "pcpkv/device/token_math.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/pdl.h"
@@ -51,20 +52,7 @@ struct ArParams {
   int64_t timeout_ns;
 };
 
-// ---- memory-model primitives ----
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// ---- memory-model primitives: ptx::st_release_sys / ld_acquire_sys (pcpkv/device/ptx_ordering.h) ----
 /// Peer data: written by other ranks during this launch, so never from L1.
 __device__ __forceinline__ uint4 ld_peer(const uint16_t* base, int64_t vec) {
   return __ldcg(reinterpret_cast<const uint4*>(base) + vec);
@@ -110,13 +98,13 @@ struct Ctx {
     if (tid < P.world) {
       uint32_t* remote =
           reinterpret_cast<uint32_t*>(P.ws[tid] + AllReduceLayout::signal_offset(blk, barrier_idx, parity, rank));
-      __threadfence_system();
-      st_release_sys(remote, epoch);
+      ptx::fence_sys();
+      ptx::st_release_sys(remote, epoch);
       const uint32_t* slot =
           reinterpret_cast<const uint32_t*>(P.ws[rank] + AllReduceLayout::signal_offset(blk, barrier_idx, parity, tid));
-      const uint64_t start = global_timer_ns();
-      while (ld_acquire_sys(slot) != epoch) {
-        if (global_timer_ns() - start > static_cast<uint64_t>(P.timeout_ns)) {
+      const uint64_t start = ptx::globaltimer_ns();
+      while (ptx::ld_acquire_sys(slot) != epoch) {
+        if (ptx::globaltimer_ns() - start > static_cast<uint64_t>(P.timeout_ns)) {
           atomicCAS(reinterpret_cast<unsigned int*>(P.ws[rank] + AllReduceLayout::kErrorOffset), 0u,
                     static_cast<unsigned int>(tid + 1));
           break;
