@@ -28,7 +28,7 @@ def _sources():
     src = os.path.join(ROOT, "src")
     core = [os.path.join(src, "core", f"{n}.cpp") for n in ("layout", "rope", "plan")]
     cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
-    cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_ref", "sparse_mla_ref", "lse_merge_ref")]
+    cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     return core + cpu + [s for s in own if not s.endswith("_cuda.cpp")]
 

@@ -1,7 +1,7 @@
 // python/csrc/consumers.cpp: the consumer ops of the `pcpkv` torch library (the DSA indexer, sparse MLA
 // attention, the LSE merge): schemas, the tensor checks shared with the CUDA implementations
-// (consumers.h) and the CPU implementations, which call pcpkv's CPU references (the oracle: indexer_cpu,
-// sparse_mla_cpu, lse_merge_cpu) after the library's full host validation. CUDA: consumers_cuda.cpp.
+// (consumers.h) and the CPU implementations, which call pcpkv's CPU references (the oracle: indexer_reference,
+// sparse_mla_reference, lse_merge_reference) after the library's full host validation. CUDA: consumers_cuda.cpp.
 // Docstrings: pcpkv_torch/consumers.py.
 #include "consumers.h"
 
@@ -204,7 +204,7 @@ void indexer_topk_cpu(const at::Tensor& q_fp8, const at::Tensor& q_scale, const 
       if (p.request_idx[t] != -1) m = std::max(m, p.positions[t]);
     p.max_keys = std::min<int64_t>(m, (int64_t{1} << 31) - 2) + 1;
   }
-  translate_errors([&] { pcpkv::indexer_cpu(p); });  // validates everything first
+  translate_errors([&] { pcpkv::indexer_reference(p); });  // validates everything first
 }
 
 void sparse_mla_cpu_op(const at::Tensor& q, const at::Tensor& mla_cache, const at::Tensor& indices, const at::Tensor& out,
@@ -214,12 +214,12 @@ void sparse_mla_cpu_op(const at::Tensor& q, const at::Tensor& mla_cache, const a
   const pcpkv::SparseMlaParams p =
       make_sparse_mla_params(q, mla_cache, indices, out, lse, std::string(kv_format), std::string(ds_mla_scale),
                              k_scale, softmax_scale, std::string(scale_read));
-  translate_errors([&] { pcpkv::sparse_mla_cpu(p); });  // validates every index first
+  translate_errors([&] { pcpkv::sparse_mla_reference(p); });  // validates every index first
 }
 
 void lse_merge_cpu_op(const at::Tensor& outs, const at::Tensor& lses, const at::Tensor& out, const at::Tensor& lse) {
   const pcpkv::LseMergeParams p = make_lse_merge_params(outs, lses, out, lse);
-  translate_errors([&] { pcpkv::lse_merge_cpu(p); });
+  translate_errors([&] { pcpkv::lse_merge_reference(p); });
 }
 
 }  // namespace

@@ -219,7 +219,7 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
     p.num_row_dests = static_cast<int32_t>(dv.size());
     p.row_bytes = pcpkv::transport_row_layout(p.fmt).row_bytes;
   }
-  translate_errors([&] { pcpkv::cpu_dispatch(p, cpu_threads()); });
+  translate_errors([&] { pcpkv::dispatch_reference(p, cpu_threads()); });
 }
 
 void combine_cpu(const at::Tensor& rows, const at::Tensor& slot_mapping, const at::Tensor& mla_cache,
@@ -227,7 +227,7 @@ void combine_cpu(const at::Tensor& rows, const at::Tensor& slot_mapping, const a
                  c10::string_view ds_mla_scale, double k_scale, bool has_indexer) {
   const pcpkv::CombineParams p = make_combine_params(rows, slot_mapping, mla_cache, index_cache, kv_format,
                                                      ds_mla_scale, k_scale, has_indexer);
-  translate_errors([&] { pcpkv::cpu_combine(p, cpu_threads()); });
+  translate_errors([&] { pcpkv::combine_reference(p, cpu_threads()); });
 }
 
 void insert_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::optional<at::Tensor>& index_k,
@@ -235,7 +235,7 @@ void insert_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::optio
                 c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale) {
   const pcpkv::InsertParams p = make_insert_params(kv_c, k_pe, index_k, slot_mapping, mla_cache, index_cache, kv_format,
                                                    ds_mla_scale, k_scale);
-  translate_errors([&] { pcpkv::cpu_insert(p, cpu_threads()); });
+  translate_errors([&] { pcpkv::insert_reference(p, cpu_threads()); });
 }
 
 // The SPEC section 5 fence for the ranks [first_rank, first_rank + epochs.size(0)) hosted by this call, over

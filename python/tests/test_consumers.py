@@ -382,7 +382,7 @@ def test_lse_merge_matches_fp64(device):
 @requires_cuda
 @pytest.mark.parametrize("logit", ["exact", "fp32_tree"])
 def test_cuda_indexer_equals_cpu(logit):
-    """indexer.h: scores and top-k of the CUDA kernels are bit-identical to indexer_cpu; the quantizer too."""
+    """indexer.h: scores and top-k of the CUDA kernels are bit-identical to indexer_reference; the quantizer too."""
     fmt = pk.CacheFormat("fp8_ds_mla")
     wc, wg = published(fmt, "cpu", seed=17), published(fmt, "cuda", seed=17)
     ic, ig = index_inputs(wc, 16, seed=18), index_inputs(wg, 16, seed=18)

@@ -153,7 +153,7 @@ Served serve(const Problem& pr, const PcpPlan& plan, const PublishResult& pub, i
   }
   auto t0 = Clock::now();
   if (reference)
-    indexer_cpu(ip);
+    indexer_reference(ip);
   else
     kernels.indexer(ip);
   if (rep && !reference) rep->indexer_ms += ms_since(t0);
@@ -177,7 +177,7 @@ Served serve(const Problem& pr, const PcpPlan& plan, const PublishResult& pub, i
   ap.lse = s.lse.data();
   t0 = Clock::now();
   if (reference)
-    sparse_mla_cpu(ap, &s.stats);
+    sparse_mla_reference(ap, &s.stats);
   else
     kernels.sparse_mla(ap);
   if (rep && !reference) rep->attention_ms += ms_since(t0);

@@ -115,9 +115,9 @@ namespace {
 class CpuConsumers final : public ConsumerKernels {
  public:
   std::string name() const override { return "cpu"; }
-  void indexer(const IndexerParams& p) override { indexer_cpu(p); }
-  void sparse_mla(const SparseMlaParams& p) override { sparse_mla_cpu(p); }
-  void lse_merge(const LseMergeParams& p) override { lse_merge_cpu(p); }
+  void indexer(const IndexerParams& p) override { indexer_reference(p); }
+  void sparse_mla(const SparseMlaParams& p) override { sparse_mla_reference(p); }
+  void lse_merge(const LseMergeParams& p) override { lse_merge_reference(p); }
 };
 }  // namespace
 

@@ -46,7 +46,7 @@ class ConsumersCuda : public ::testing::Test {
 void expect_indexer_identical(IndexerCase& c, ConsumerKernels& gpu, IndexerLogit logit, const std::string& what) {
   IndexerParams p = c.params();
   p.logit = logit;
-  indexer_cpu(p);
+  indexer_reference(p);
   const auto slots = c.topk_slots, pos = c.topk_pos;
   const auto scores = c.scores;
   p = c.params();
@@ -129,7 +129,7 @@ TEST_F(ConsumersCuda, IndexerPassesOverASmallWorkspace) {
   }
   c.build();
   IndexerParams p = c.params();
-  indexer_cpu(p);
+  indexer_reference(p);
   const auto slots = c.topk_slots;
   // device copies, workspace for 3 tokens at a time
   auto up = [](const void* h, size_t n) {
@@ -176,7 +176,7 @@ struct AttnStats {
 AttnStats attention_vs_reference(AttentionCase& c, ConsumerKernels& gpu) {
   SparseMlaParams p = c.params();
   SparseMlaRefStats stats;
-  sparse_mla_cpu(p, &stats);
+  sparse_mla_reference(p, &stats);
   const auto ref = c.out, ref_lse = c.lse;
   p = c.params();
   gpu.sparse_mla(p);
@@ -336,7 +336,7 @@ TEST_F(ConsumersCuda, LseMergeWithinTheBound) {
   for (int n = 0; n < S; ++n) lses[n * R + 7] = -std::numeric_limits<float>::infinity();  // row 7: all empty
   std::vector<float> ref(R * D), ref_lse(R), out(R * D, 3.0f), lse(R, 3.0f);
   LseMergeParams m{S, R, D, outs.data(), lses.data(), ref.data(), ref_lse.data()};
-  lse_merge_cpu(m);
+  lse_merge_reference(m);
   m.out = out.data();
   m.lse = lse.data();
   gpu->lse_merge(m);

@@ -269,7 +269,7 @@ TEST_P(DispatchKernel, BytesEqualCpuDispatch) {
   dp.row_dests = dest_table.as<uint8_t* const>();
   DispatchParams hp2 = hp;
   hp2.row_dests = host_dests.data();
-  cpu_dispatch(hp2);
+  dispatch_reference(hp2);
 
   for (auto variant : {cuda_detail::DispatchVariant::kSimple, cuda_detail::DispatchVariant::kPrefetch,
                        cuda_detail::DispatchVariant::kWarp, cuda_detail::DispatchVariant::kWarpPrefetch}) {
@@ -426,7 +426,7 @@ TEST(DispatchKernelRanks, SeveralRanksInOneLaunch) {
     slot_base += 3 * sizes[i] + 1;  // slots of different ranks never collide (3t + 1 spacing, disjoint ranges)
     DispatchParams hp = make_params(c, *ranks.back(), s, &tg, false, host_dests[i]);
     hp.row_dests = host_dests[i].data();
-    cpu_dispatch(hp);
+    dispatch_reference(hp);
     DispatchParams dp = make_params(c, *ranks.back(), s, &tg, true, dev_dests[i]);
     dest_tables.push_back(upload(dev_dests[i]));
     dp.row_dests = dest_tables.back().as<uint8_t* const>();
@@ -512,7 +512,7 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     p.slot_mapping = slots.data();
     p.fmt = cc.fmt;
     p.target = combine_tg.host[static_cast<size_t>(d)];
-    cpu_combine(p);
+    combine_reference(p);
     p.rows = d_rows.data();
     p.slot_mapping = d_slots.as<const int64_t>();
     p.target = combine_tg.dev_view[static_cast<size_t>(d)];
@@ -549,7 +549,7 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     p.slot_mapping = slots.data();
     p.fmt = cc.fmt;
     p.target = insert_tg.host[static_cast<size_t>(d)];
-    cpu_insert(p);
+    insert_reference(p);
     p.kv_c = d_kv.as<const uint16_t>();
     p.k_pe = d_kpe.as<const uint16_t>();
     p.index_k = cc.fmt.has_indexer ? d_idx.as<const uint16_t>() : nullptr;

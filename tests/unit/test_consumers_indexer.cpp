@@ -119,7 +119,7 @@ TEST(ConsumersIndexer, NanScoresAreTheCanonicalNan) {
   for (IndexerLogit logit : {IndexerLogit::kExact, IndexerLogit::kFp32Tree}) {
     IndexerParams p = c.params();
     p.logit = logit;
-    indexer_cpu(p);
+    indexer_reference(p);
     EXPECT_EQ(test::bits_of(c.scores[0]), 0x7fffffffu);
     for (int64_t j = 0; j < 20; ++j) EXPECT_EQ(test::bits_of(c.scores[c.max_keys + j]), 0x7fffffffu) << j;
     EXPECT_EQ(consumers::canonical_nan(1.5f), 1.5f);
@@ -132,11 +132,11 @@ TEST(ConsumersIndexer, NanScoresAreTheCanonicalNan) {
 TEST(ConsumersIndexer, LogitRulesAgreeToTheLastBits) {
   IndexerCase c = mixed_case();
   IndexerParams p = c.params();
-  indexer_cpu(p);
+  indexer_reference(p);
   const auto exact = c.scores;
   p = c.params();
   p.logit = IndexerLogit::kFp32Tree;
-  indexer_cpu(p);
+  indexer_reference(p);
   int64_t differ = 0, checked = 0;
   for (size_t t = 0; t < c.token_request.size(); ++t) {
     if (c.token_request[t] < 0) continue;
@@ -158,7 +158,7 @@ TEST(ConsumersIndexer, ScoresMatchFp64WithinTheSummationBound) {
   IndexerCase c = mixed_case();
   IndexerParams p = c.params();
   p.logit = logit;
-  indexer_cpu(p);
+  indexer_reference(p);
   const int H = c.num_heads;
   const double cw = 1.0 / std::sqrt(128.0 * H);
   int64_t checked = 0;
@@ -196,7 +196,7 @@ TEST(ConsumersIndexer, ScoresMatchFp64WithinTheSummationBound) {
 TEST(ConsumersIndexer, TopkIsTheSortedCausalSelection) {
   IndexerCase c = mixed_case();
   IndexerParams p = c.params();
-  indexer_cpu(p);
+  indexer_reference(p);
   for (size_t t = 0; t < c.token_request.size(); ++t) {
     const int32_t* slots = &c.topk_slots[t * c.topk];
     const int32_t* pos = &c.topk_pos[t * c.topk];
@@ -234,11 +234,11 @@ TEST(ConsumersIndexer, TiesGoToTheLowerPosition) {
   c.build();
   // Make key 3 the best (largest score) and copy it to 10 later positions: 11 equal scores for 6 places.
   IndexerParams p = c.params();
-  indexer_cpu(p);
+  indexer_reference(p);
   const int32_t best = c.topk_pos[0];
   for (int64_t j : {36, 30, 25, 20, 17, 14, 12, 11, 9, 2}) c.copy_key(0, best, j);
   p = c.params();
-  indexer_cpu(p);
+  indexer_reference(p);
   std::set<int32_t> tied_set = {best, 2, 9, 11, 12, 14, 17, 20, 25, 30, 36};
   const std::vector<int32_t> tied(tied_set.begin(), tied_set.end());  // ascending
   ASSERT_GE(tied.size(), 10u);
@@ -256,7 +256,7 @@ TEST(ConsumersIndexer, NanScoresRankLastAndZeroScoresTie) {
   for (int h = 0; h < 4; ++h) c.weights[0 * 4 + h] = std::numeric_limits<float>::quiet_NaN();  // every score NaN
   for (int h = 0; h < 4; ++h) c.weights[1 * 4 + h] = (h % 2) ? 0.0f : -0.0f;                 // every score 0
   IndexerParams p = c.params();
-  indexer_cpu(p);
+  indexer_reference(p);
   for (int i = 0; i < 5; ++i) {
     EXPECT_EQ(c.topk_pos[i], i) << "NaN row";
     EXPECT_EQ(c.topk_pos[5 + i], i) << "zero row";
@@ -270,7 +270,7 @@ TEST(ConsumersIndexer, BadInputThrowsBeforeWriting) {
     IndexerParams p = d.params();
     mutate(d, p);
     try {
-      indexer_cpu(p);
+      indexer_reference(p);
       ADD_FAILURE() << "no throw for " << needle;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();

@@ -38,7 +38,7 @@ TEST(ConsumersLseMerge, SplitKeysMergeBackToTheWhole) {
   std::fill(c.indices.begin() + 2 * c.topk, c.indices.begin() + 3 * c.topk, -1);  // token 2: none
   SparseMlaParams p = c.params();
   SparseMlaRefStats stats;
-  sparse_mla_cpu(p, &stats);
+  sparse_mla_reference(p, &stats);
   const std::vector<float> whole = c.out, whole_lse = c.lse;
   for (int S : {1, 2, 3, 5}) {
     const int64_t R = c.num_tokens * c.num_heads;
@@ -49,13 +49,13 @@ TEST(ConsumersLseMerge, SplitKeysMergeBackToTheWhole) {
         for (int i = 0; i < d.topk; ++i)
           if (i % S != n) d.indices[t * d.topk + i] = -1;
       SparseMlaParams q = d.params();
-      sparse_mla_cpu(q);
+      sparse_mla_reference(q);
       std::copy(d.out.begin(), d.out.end(), outs.begin() + n * R * 512);
       std::copy(d.lse.begin(), d.lse.end(), lses.begin() + n * R);
     }
     std::vector<float> out(R * 512, 7.0f), lse(R, 7.0f);
     LseMergeParams m{S, R, 512, outs.data(), lses.data(), out.data(), lse.data()};
-    lse_merge_cpu(m);
+    lse_merge_reference(m);
     for (int64_t r = 0; r < R; ++r) {
       if (std::isinf(whole_lse[r])) {  // no key anywhere: -inf and zeros
         ASSERT_EQ(lse[r], -kInf) << "S " << S << " row " << r;
@@ -90,7 +90,7 @@ TEST(ConsumersLseMerge, NanAndInfiniteShardsContributeNothing) {
   }
   std::vector<float> out(R * D, 9.0f), lse(R, 9.0f);
   LseMergeParams m{S, R, D, outs.data(), lses.data(), out.data(), lse.data()};
-  lse_merge_cpu(m);
+  lse_merge_reference(m);
   // row 0 is shard 0 alone: exactly its output and lse
   EXPECT_EQ(lse[0], 1.5f);
   for (int d = 0; d < D; ++d) EXPECT_EQ(out[d], outs[(0 * R + 0) * D + d]) << d;
@@ -110,13 +110,13 @@ TEST(ConsumersLseMerge, NanAndInfiniteShardsContributeNothing) {
 TEST(ConsumersLseMerge, BadInputThrows) {
   std::vector<float> a(16), b(2);
   LseMergeParams m{0, 2, 8, a.data(), b.data(), a.data(), b.data()};
-  EXPECT_THROW(lse_merge_cpu(m), Error);
+  EXPECT_THROW(lse_merge_reference(m), Error);
   m.num_shards = 1;
   m.head_dim = 0;
-  EXPECT_THROW(lse_merge_cpu(m), Error);
+  EXPECT_THROW(lse_merge_reference(m), Error);
   m.head_dim = 8;
   m.lses = nullptr;
-  EXPECT_THROW(lse_merge_cpu(m), Error);
+  EXPECT_THROW(lse_merge_reference(m), Error);
 }
 
 TEST(ConsumersLseMerge, BoundIsFiniteAndScalesWithShards) {

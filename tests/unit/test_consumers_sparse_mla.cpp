@@ -73,7 +73,7 @@ TEST_P(ConsumersSparseMla, MatchesNaiveLongDouble) {
   std::fill(c.indices.begin() + 3 * c.topk, c.indices.end(), -1);  // token 3: no valid key
   SparseMlaParams p = c.params();
   SparseMlaRefStats stats;
-  sparse_mla_cpu(p, &stats);
+  sparse_mla_reference(p, &stats);
   int64_t checked = 0;
   for (int64_t t = 0; t < c.num_tokens; ++t)
     for (int h = 0; h < c.num_heads; ++h) {
@@ -114,7 +114,7 @@ TEST(ConsumersSparseMlaRef, MinusOneEntriesAreSkipped) {
   c.minus_one_rate = 0.4;
   c.build();
   SparseMlaParams p = c.params();
-  sparse_mla_cpu(p);
+  sparse_mla_reference(p);
   const std::vector<float> out = c.out, lse = c.lse;
   AttentionCase d = c;
   for (int64_t t = 0; t < d.num_tokens; ++t) {
@@ -122,7 +122,7 @@ TEST(ConsumersSparseMlaRef, MinusOneEntriesAreSkipped) {
     std::stable_partition(b, b + d.topk, [](int32_t v) { return v >= 0; });
   }
   SparseMlaParams q = d.params();
-  sparse_mla_cpu(q);
+  sparse_mla_reference(q);
   for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(bits_of(out[i]), bits_of(d.out[i])) << i;
   for (size_t i = 0; i < lse.size(); ++i) ASSERT_EQ(bits_of(lse[i]), bits_of(d.lse[i])) << i;
 }
@@ -135,15 +135,15 @@ TEST(ConsumersSparseMlaRef, ScalesAsBf16ReadsTheBf16RoundedScales) {
     c.fmt = format_of(KvFormat::kFp8DsMla, mode);
     c.build();
     SparseMlaParams p = c.params();
-    sparse_mla_cpu(p);
+    sparse_mla_reference(p);
     const std::vector<float> out32 = c.out;
     p = c.params();
     p.scales_as_bf16 = true;
-    sparse_mla_cpu(p);
+    sparse_mla_reference(p);
     AttentionCase r = c;
     test::round_tile_scales_to_bf16(r);
     SparseMlaParams q = r.params();
-    sparse_mla_cpu(q);
+    sparse_mla_reference(q);
     size_t moved = 0;
     for (size_t i = 0; i < c.out.size(); ++i) {
       ASSERT_EQ(bits_of(c.out[i]), bits_of(r.out[i])) << to_string(mode) << " " << i;
@@ -164,7 +164,7 @@ TEST(ConsumersSparseMlaRef, BadIndexThrowsBeforeWriting) {
   c.indices[1 * c.topk + 7] = static_cast<int32_t>(c.geometry.num_slots());
   SparseMlaParams p = c.params();
   try {
-    sparse_mla_cpu(p);
+    sparse_mla_reference(p);
     FAIL() << "no throw";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(fmt::format("indices[1, 7] = {} is out of range [-1, {})",
@@ -175,14 +175,14 @@ TEST(ConsumersSparseMlaRef, BadIndexThrowsBeforeWriting) {
   EXPECT_TRUE(std::all_of(c.out.begin(), c.out.end(), [](float v) { return v == 1234.5f; }));
   c.indices[1 * c.topk + 7] = -2;
   p = c.params();
-  EXPECT_THROW(sparse_mla_cpu(p), Error);
+  EXPECT_THROW(sparse_mla_reference(p), Error);
   c.indices[1 * c.topk + 7] = 0;
   p = c.params();
   p.softmax_scale = 0.0f;
-  EXPECT_THROW(sparse_mla_cpu(p), Error);
+  EXPECT_THROW(sparse_mla_reference(p), Error);
   p.softmax_scale = 0.1f;
   p.num_heads = 0;
-  EXPECT_THROW(sparse_mla_cpu(p), Error);
+  EXPECT_THROW(sparse_mla_reference(p), Error);
 }
 
 TEST(ConsumersSparseMlaRef, BoundGrowsWithKeysScoresAndShards) {

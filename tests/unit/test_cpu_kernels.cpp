@@ -212,7 +212,7 @@ TEST(CpuKernels, HandComputedDsMlaToken) {
   CacheTarget t = b.target();
   p.targets = &t;
   p.num_targets = 1;
-  cpu_dispatch(p);
+  dispatch_reference(p);
 
   // Step by step.
   const float r = 1.0f / std::sqrt(10880.0f / 512.0f + 1e-5f);
@@ -260,7 +260,7 @@ TEST(CpuKernels, AllZeroTileGetsScale2PowMinus13AndZeroBytes) {
   CacheTarget t = b.target();
   p.targets = &t;
   p.num_targets = 1;
-  cpu_dispatch(p);
+  dispatch_reference(p);
   const uint8_t* row = b.mla.data() + b.mg.row_offset(b.slots[0]);
   for (int tile = 0; tile < 4; ++tile) {
     float s;
@@ -295,7 +295,7 @@ TEST_P(CpuDispatchFormats, MatchesIndependentStatement) {
     p.q_c = bb.q_c.data();
     p.q_c_stride = kQRank;
     p.q_c_out = q_out.data();
-    cpu_dispatch(p);
+    dispatch_reference(p);
     for (int64_t tok = 0; tok < bb.T; ++tok) {
       const float* cs = bb.rope.row(bb.positions[static_cast<size_t>(tok)]);
       const std::vector<float> q = ref_rms(bb.q_c.data() + tok * kQRank, kQRank, bb.q_w.data(), 1e-5f);
@@ -343,7 +343,7 @@ TEST(CpuKernels, HadamardMatchesTokenMath) {
   p.index_hadamard = true;
   std::vector<uint16_t> out(4 * 128);
   p.index_k_out = out.data();
-  cpu_dispatch(p);
+  dispatch_reference(p);
   for (int64_t tok = 0; tok < 4; ++tok) {
     std::vector<float> k = ref_index(b.index_k.data() + tok * 128, b.ln_w.data(), b.ln_b.data(), 1e-6f,
                                      b.rope.row(b.positions[static_cast<size_t>(tok)]), false);
@@ -374,7 +374,7 @@ TEST(CpuKernels, RowsCombineAndDirectAgreeAndPadIsZero) {
       CacheTarget td = direct.target();
       pd.targets = &td;
       pd.num_targets = 1;
-      cpu_dispatch(pd);
+      dispatch_reference(pd);
 
       const TransportRowLayout layout = transport_row_layout(f);
       std::vector<uint8_t> rows_a(static_cast<size_t>(20 * layout.row_bytes), 0xA5), rows_b = rows_a;
@@ -383,7 +383,7 @@ TEST(CpuKernels, RowsCombineAndDirectAgreeAndPadIsZero) {
       ps.num_row_dests = 2;
       ps.row_dests = dests;
       ps.row_bytes = layout.row_bytes;
-      cpu_dispatch(ps);
+      dispatch_reference(ps);
       ASSERT_TRUE(test::bytes_equal(rows_a, rows_b, "the two row destinations"));
       for (int64_t t = 0; t < 20; ++t) {
         const uint8_t* r = rows_a.data() + t * layout.row_bytes;
@@ -402,7 +402,7 @@ TEST(CpuKernels, RowsCombineAndDirectAgreeAndPadIsZero) {
       c.slot_mapping = staged.slots.data();
       c.fmt = f;
       c.target = staged.target();
-      cpu_combine(c, 3);
+      combine_reference(c, 3);
       ASSERT_TRUE(test::bytes_equal(direct.mla.data() - 256, staged.mla.data() - 256, direct.mg.bytes() + 512,
                                     fmt::format("{} mla: combine vs direct", to_string(kvf))));
       ASSERT_TRUE(test::bytes_equal(direct.idx.data() - 256, staged.idx.data() - 256, direct.ig.bytes() + 512,
@@ -419,7 +419,7 @@ TEST(CpuKernels, MaterializedBf16AndInsert) {
     CacheTarget tf = fused.target();
     pf.targets = &tf;
     pf.num_targets = 1;
-    cpu_dispatch(pf);
+    dispatch_reference(pf);
 
     std::vector<uint16_t> kv_c(16 * 512), k_pe(16 * 64), index_k(16 * 128);
     std::vector<int32_t> topk(16 * 40, 7);
@@ -429,7 +429,7 @@ TEST(CpuKernels, MaterializedBf16AndInsert) {
     pm.index_k_out = index_k.data();
     pm.topk_fill = topk.data();
     pm.topk_width = 40;
-    cpu_dispatch(pm);
+    dispatch_reference(pm);
     EXPECT_TRUE(collect.mla.untouched("materialize-only dispatch leaves the cache alone"));
     for (int32_t v : topk) ASSERT_EQ(v, -1);
     // Materialized values are bf16 of the fused path's fp32 values.
@@ -446,7 +446,7 @@ TEST(CpuKernels, MaterializedBf16AndInsert) {
     ip.slot_mapping = collect.slots.data();
     ip.fmt = f;
     ip.target = collect.target();
-    cpu_insert(ip, 2);
+    insert_reference(ip, 2);
     // Each inserted row is the encoding of the widened bf16 values.
     for (int64_t tok = 0; tok < 16; ++tok) {
       const std::vector<uint8_t> row =
@@ -483,7 +483,7 @@ TEST(CpuKernels, FusedKvApOutputStridesAndThreadCountDoNotChangeBytes) {
   a.q_c = dense.q_c.data();
   a.q_c_stride = kQRank;
   a.q_c_out = q1.data();
-  cpu_dispatch(a, 1);
+  dispatch_reference(a, 1);
 
   DispatchParams b = strided.params();
   CacheTarget tb = strided.target();
@@ -496,7 +496,7 @@ TEST(CpuKernels, FusedKvApOutputStridesAndThreadCountDoNotChangeBytes) {
   b.q_c = wide_q.data();
   b.q_c_stride = 80;
   b.q_c_out = q2.data();
-  cpu_dispatch(b, 3);
+  dispatch_reference(b, 3);
   EXPECT_TRUE(test::bytes_equal(dense.mla.data() - 256, strided.mla.data() - 256, dense.mg.bytes() + 512, "mla"));
   EXPECT_TRUE(test::bytes_equal(dense.idx.data() - 256, strided.idx.data() - 256, dense.ig.bytes() + 512, "indexer"));
   EXPECT_EQ(q1, q2);
@@ -516,7 +516,7 @@ TEST(CpuKernels, TwoTargetsGetIdenticalRowsWithPaddedGeometry) {
   DispatchParams p = b.params();
   p.targets = t;
   p.num_targets = 2;
-  cpu_dispatch(p);
+  dispatch_reference(p);
   for (int64_t tok = 0; tok < b.T; ++tok) {
     const int64_t s = b.slots[static_cast<size_t>(tok)];
     ASSERT_TRUE(test::bytes_equal(b.mla.data() + b.mg.row_offset(s), mla2.data() + mg2.row_offset(s), 656, "row"));
@@ -564,7 +564,7 @@ TEST(CpuKernels, StaticFp8DividesByTheScale) {
   ip.slot_mapping = b.slots.data();
   ip.fmt = f;
   ip.target = b.target();
-  cpu_insert(ip);
+  insert_reference(ip);
   const float x = codec::bf16_to_float(x_bits);
   const uint8_t* row = b.mla.data() + b.mg.row_offset(b.slots[0]);
   EXPECT_EQ(row[0], codec::float_to_e4m3(x / k_scale));
@@ -631,7 +631,7 @@ TEST(CpuKernels, BadParametersThrowBeforeWriting) {
     p.targets = &t;
     p.num_targets = 1;
     c.mutate(b, p);
-    const std::string msg = error_of([&] { cpu_dispatch(p); });
+    const std::string msg = error_of([&] { dispatch_reference(p); });
     EXPECT_NE(msg.find(c.expect), std::string::npos) << "expected '" << c.expect << "' in: " << msg;
     EXPECT_TRUE(b.mla.untouched(std::string("mla cache after: ") + c.expect));
     EXPECT_TRUE(b.idx.untouched(std::string("indexer cache after: ") + c.expect));
@@ -651,9 +651,9 @@ TEST(CpuKernels, BadCombineAndInsertThrowBeforeWriting) {
   c.fmt = f;
   c.target = b.target();
   b.slots[6] = b.slots[1];
-  EXPECT_NE(error_of([&] { cpu_combine(c); }).find("combine: slot_mapping[6]"), std::string::npos);
+  EXPECT_NE(error_of([&] { combine_reference(c); }).find("combine: slot_mapping[6]"), std::string::npos);
   b.slots[6] = 1000;
-  EXPECT_NE(error_of([&] { cpu_combine(c); }).find("slot_mapping[6] = 1000 is out of range"), std::string::npos);
+  EXPECT_NE(error_of([&] { combine_reference(c); }).find("slot_mapping[6] = 1000 is out of range"), std::string::npos);
   std::vector<uint16_t> bf(8 * 512, 0x3f80);
   InsertParams ip;
   ip.num_tokens = 8;
@@ -663,11 +663,11 @@ TEST(CpuKernels, BadCombineAndInsertThrowBeforeWriting) {
   ip.slot_mapping = b.slots.data();
   ip.fmt = f;
   ip.target = b.target();
-  EXPECT_NE(error_of([&] { cpu_insert(ip); }).find("insert: slot_mapping[6] = 1000"), std::string::npos);
+  EXPECT_NE(error_of([&] { insert_reference(ip); }).find("insert: slot_mapping[6] = 1000"), std::string::npos);
   b.slots[6] = 5000;  // in range of nothing, but fix and break k_scale instead
   b.slots[6] = -1;
   ip.fmt.k_scale = NAN;
-  EXPECT_NE(error_of([&] { cpu_insert(ip); }).find("fmt.k_scale = nan"), std::string::npos);
+  EXPECT_NE(error_of([&] { insert_reference(ip); }).find("fmt.k_scale = nan"), std::string::npos);
   EXPECT_TRUE(b.mla.untouched("mla after bad combine/insert"));
   EXPECT_TRUE(b.idx.untouched("indexer after bad combine/insert"));
 }
@@ -678,7 +678,7 @@ TEST(CpuKernels, EmptyBatchIsANoOp) {
   CacheTarget t = b.target();
   p.targets = &t;
   p.num_targets = 1;
-  cpu_dispatch(p);
+  dispatch_reference(p);
   EXPECT_TRUE(b.mla.untouched("mla"));
 }
 

@@ -35,7 +35,7 @@ class ConsumerKernels {
   virtual SparseMlaArith attention_arith() const { return SparseMlaArith::kFp32; }
 };
 
-/// The CPU reference consumers (indexer_cpu, sparse_mla_cpu, lse_merge_cpu).
+/// The CPU reference consumers (indexer_reference, sparse_mla_reference, lse_merge_reference).
 std::unique_ptr<ConsumerKernels> make_cpu_consumers();
 
 namespace cuda {

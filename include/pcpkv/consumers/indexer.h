@@ -21,7 +21,7 @@
 namespace pcpkv {
 
 /// How a head's logit q_fp8[h] . k_fp8[n] becomes fp32 (pcpkv/device/consumers.h has the exact rules).
-/// indexer_cpu and cuda::indexer agree bit for bit under either.
+/// indexer_reference and cuda::indexer agree bit for bit under either.
 enum class IndexerLogit : int32_t {
   kExact = 0,     // the exact dot product rounded once (order-free; fp64 tensor cores on the GPU). Default.
   kFp32Tree = 1,  // fp32 sums in a fixed leaf/tree order (the first CUDA-core kernel, kept for comparison)
@@ -71,7 +71,7 @@ void validate_indexer_scalars(const IndexerParams& p);
 void validate_indexer(const IndexerParams& p);
 
 /// CPU reference (host pointers). Validates, then writes every output row.
-void indexer_cpu(const IndexerParams& p);
+void indexer_reference(const IndexerParams& p);
 
 namespace cuda {
 /// Bytes of device workspace the launcher needs at least (scores of one token: max_keys fp32); more lets
@@ -80,7 +80,7 @@ int64_t indexer_min_workspace_bytes(const IndexerParams& p);
 
 /// CUDA kernels (device pointers; stream is a cudaStream_t). Checks the scalar fields (throws
 /// pcpkv::Error); the device-resident contents (positions, request_idx, block tables) must already be
-/// valid: validate_indexer on the host copies. Scores and top-k are bit-identical to indexer_cpu.
+/// valid: validate_indexer on the host copies. Scores and top-k are bit-identical to indexer_reference.
 /// p.logit picks the score kernel: kExact -> fp64 tensor cores (DMMA m16n8k16, sm_90), kFp32Tree -> the
 /// CUDA-core kernel of the fixed fp32 order.
 void indexer(const IndexerParams& p, void* workspace, int64_t workspace_bytes, void* stream);

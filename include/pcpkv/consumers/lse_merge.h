@@ -29,7 +29,7 @@ struct LseMergeParams {
 void validate_lse_merge(const LseMergeParams& p);
 
 /// CPU reference (host pointers).
-void lse_merge_cpu(const LseMergeParams& p);
+void lse_merge_reference(const LseMergeParams& p);
 
 struct LseMergeBound {
   /// Bounds of row r's values; inputs are the host copies of the merge's inputs.

@@ -61,7 +61,7 @@ struct SparseMlaRefStats {
 };
 
 /// CPU reference (host pointers); validates first. stats (optional) receives the error-model data.
-void sparse_mla_cpu(const SparseMlaParams& p, SparseMlaRefStats* stats = nullptr);
+void sparse_mla_reference(const SparseMlaParams& p, SparseMlaRefStats* stats = nullptr);
 
 /// Error bound of a computation against the fp64 reference, per value (u = 2^-24, K = num_keys):
 ///   kFp32:     score error delta = (576 + 8) u max_abs_s    (any summation order of 576 terms, the

@@ -25,18 +25,18 @@ namespace pcpkv {
 ///  row_dests every token t < T (padding included) writes its transport row at row_dests[d] + t * row_bytes;
 ///            the 12 pad bytes of an indexer row are written as zeros.
 /// Throws pcpkv::Error (nothing written) on a bad parameter.
-void cpu_dispatch(const DispatchParams& p, int num_threads = 1);
+void dispatch_reference(const DispatchParams& p, int num_threads = 1);
 
 /// Staging rows -> local caches (SPEC section 5, "staging"): row i of rows (i < num_src_ranks *
 /// max_local_tokens) with slot_mapping[i] >= 0 is copied byte for byte: bytes [0, mla_bytes) to the MLA row
 /// of that slot and, for indexer layers, the indexer data and scale to the indexer slot.
 /// Throws pcpkv::Error (nothing written) on a bad parameter.
-void cpu_combine(const CombineParams& p, int num_threads = 1);
+void combine_reference(const CombineParams& p, int num_threads = 1);
 
 /// Collect path (SPEC section 5, "collect"): quantize-and-insert gathered bf16 rows. Token t with
 /// slot_mapping[t] >= 0 is encoded from the fp32 values of its bf16 inputs (so collect bytes differ from
 /// the fused path's, which quantizes fp32 registers). Throws pcpkv::Error (nothing written) on bad input.
-void cpu_insert(const InsertParams& p, int num_threads = 1);
+void insert_reference(const InsertParams& p, int num_threads = 1);
 
 /// The checks the kernels above run first, without writing. The *_shape variants read no memory behind
 /// the pointers (usable on device parameters before a launch); the full variants also read slot_mapping

@@ -1,5 +1,5 @@
 // CUDA DSA indexer (SPEC section 6): scores by the rules of pcpkv/device/consumers.h (bit-identical to
-// indexer_cpu), then an exact block-wide radix select + bitonic sort for the top-k.
+// indexer_reference), then an exact block-wide radix select + bitonic sort for the top-k.
 // Two score kernels: kExact logits on fp64 tensor cores (DMMA m16n8k16: every partial sum of E4M3
 // products is exact in fp64, so the hardware's internal order cannot change a bit), and the first
 // CUDA-core kernel for the kFp32Tree order (kept for comparison; 4x load-bound on shared memory).

@@ -6,7 +6,7 @@
 
 namespace pcpkv {
 
-void cpu_combine(const CombineParams& p, int num_threads) {
+void combine_reference(const CombineParams& p, int num_threads) {
   validate_combine(p);
   const TransportRowLayout layout = transport_row_layout(p.fmt);
   const int64_t n = int64_t{p.num_src_ranks} * p.max_local_tokens;
@@ -20,7 +20,7 @@ void cpu_combine(const CombineParams& p, int num_threads) {
   });
 }
 
-void cpu_insert(const InsertParams& p, int num_threads) {
+void insert_reference(const InsertParams& p, int num_threads) {
   validate_insert(p);
   const TransportRowLayout layout = transport_row_layout(p.fmt);
   cpu_detail::parallel_for(p.num_tokens, num_threads, [&](int64_t begin, int64_t end) {

@@ -257,7 +257,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         d.targets = targets.data();
         d.num_targets = W;
       }
-      cpu_dispatch(d, threads_per_rank);
+      dispatch_reference(d, threads_per_rank);
     } else if (name == "all-gather") {
       // Three all-gathers: every rank copies every rank's padded rows, rank-major.
       for (int32_t src = 0; src < W; ++src) {
@@ -276,7 +276,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
       p.slot_mapping = plan.gathered_slot_mapping.data();
       p.fmt = fmt;
       p.target = st.target;
-      cpu_insert(p, threads_per_rank);
+      insert_reference(p, threads_per_rank);
     } else if (name == "fence") {
       st.fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs);
     } else if (name == "combine") {
@@ -288,7 +288,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
       p.slot_mapping = plan.gathered_slot_mapping.data();
       p.fmt = fmt;
       p.target = st.target;
-      cpu_combine(p, threads_per_rank);
+      combine_reference(p, threads_per_rank);
     }
   };
 

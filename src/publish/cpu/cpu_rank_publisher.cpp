@@ -243,7 +243,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
           d.targets = targets.data();
           d.num_targets = W;
         }
-        cpu_dispatch(d, threads);
+        dispatch_reference(d, threads);
         if (options_.kill_pcp_rank == me) ::raise(SIGKILL);  // test hook: die between dispatch and fence
       } else if (stage == "all-gather") {
         fence(kPublishBarrier, "all-gather");
@@ -264,7 +264,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         p.slot_mapping = plan.gathered_slot_mapping.data();
         p.fmt = fmt;
         p.target = targets[static_cast<size_t>(me)];
-        cpu_insert(p, threads);
+        insert_reference(p, threads);
       } else if (stage == "fence") {
         fence(kPublishBarrier, "publication");
       } else if (stage == "combine") {
@@ -276,7 +276,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         p.slot_mapping = plan.gathered_slot_mapping.data();
         p.fmt = fmt;
         p.target = targets[static_cast<size_t>(me)];
-        cpu_combine(p, threads);
+        combine_reference(p, threads);
       }
       stage_ms[k] += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     }

@@ -172,7 +172,7 @@ void dispatch_range(const DispatchParams& p, int64_t begin, int64_t end) {
 
 }  // namespace
 
-void cpu_dispatch(const DispatchParams& p, int num_threads) {
+void dispatch_reference(const DispatchParams& p, int num_threads) {
   validate_dispatch(p);
   cpu_detail::parallel_for(p.num_tokens, num_threads,
                            [&](int64_t begin, int64_t end) { dispatch_range(p, begin, end); });

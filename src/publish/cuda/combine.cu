@@ -1,5 +1,5 @@
 // The staging combine (SPEC section 5): rank-major transport rows of one staging half -> the local paged
-// caches. A pure copy (bytes equal cpu_combine's): 16-byte chunks, the MLA row first, then the indexer data
+// caches. A pure copy (bytes equal combine_reference's): 16-byte chunks, the MLA row first, then the indexer data
 // and the 4-byte indexer scale. Rows whose gathered slot is -1 (padding, decode copies of ranks > 0) are
 // skipped, so decode rows land once, from rank 0. Two kernels:
 //   rows_per_warp 1 (the first one): one warp per row; the slot is read first, the row only when it is >= 0

@@ -1,7 +1,7 @@
 // The fused dispatch kernel (SPEC section 2, 3): Q RMSNorm, KV RMSNorm, k_pe RoPE, indexer LayerNorm +
 // RoPE (+ Hadamard), quantization into the cache format, cache writes into every target ("direct") and/or
 // transport rows into every row destination ("staging"), materialized bf16 outputs ("collect"), and the
-// top-k -1 fill. Bytes equal cpu_dispatch's (pcpkv/publish/cpu.h) exactly.
+// top-k -1 fill. Bytes equal dispatch_reference's (pcpkv/publish/cpu.h) exactly.
 //
 // This file: the CTA-per-token kernels (variants simple, prefetch) and the host launcher of every variant;
 // the warp-per-token kernel (variant warp) is in dispatch_warp.cu, the shared parameter block and RoPE /

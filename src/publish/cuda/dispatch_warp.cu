@@ -1,5 +1,5 @@
 // The "warp" variant of the fused dispatch (SPEC sections 2, 3): one warp per token, no CTA barrier, the
-// same bytes as dispatch.cu's CTA-per-token kernel and cpu_dispatch (the same math helpers in the same
+// same bytes as dispatch.cu's CTA-per-token kernel and dispatch_reference (the same math helpers in the same
 // rounding order; only the lane mapping differs). docs/perf.md section 3 explains why it should be faster.
 //
 // Work split, per token, inside one warp (lane l):

@@ -1,6 +1,6 @@
 // The collect path's quantize-and-insert kernels (SPEC section 5, "collect"), as engines run them after the
 // all-gathers: one for the MLA cache (vLLM's concat_and_cache_mla) and one for the indexer-K cache
-// (indexer_k_quant_and_cache). They encode from the gathered bf16 values; bytes equal cpu_insert's.
+// (indexer_k_quant_and_cache). They encode from the gathered bf16 values; bytes equal insert_reference's.
 //   MLA:     one warp per token; lane l holds kv_c leaves l and l + 32 (tiles l/16 and 2 + l/16 of
 //            fp8_ds_mla), lanes 0..7 the k_pe leaves.
 //   indexer: one half-warp per token; lane l holds leaf l of the 128 values.
@@ -48,7 +48,7 @@ __device__ __forceinline__ const InsertJobArgs& job_of(const InsertArgs& a, int6
   return a.j[jn];
 }
 
-/// bf16 -> fp32 -> bf16 (canonicalizes NaN payloads exactly as cpu_insert's round trip does).
+/// bf16 -> fp32 -> bf16 (canonicalizes NaN payloads exactly as insert_reference's round trip does).
 __device__ __forceinline__ void bf16_roundtrip(const uint4& v, uint32_t (&w)[4]) {
   float x[8];
   unpack_bf16x8(v, x);

@@ -103,7 +103,7 @@ void attend_token(const SparseMlaParams& p, int64_t t, double scale, SparseMlaRe
 
 }  // namespace
 
-void sparse_mla_cpu(const SparseMlaParams& p, SparseMlaRefStats* stats) {
+void sparse_mla_reference(const SparseMlaParams& p, SparseMlaRefStats* stats) {
   validate_sparse_mla(p);
   constexpr int kQk = consumers::kMlaQkDim, kV = consumers::kMlaVDim;
   const int H = p.num_heads;

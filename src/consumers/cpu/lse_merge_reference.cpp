@@ -42,7 +42,7 @@ void validate_lse_merge(const LseMergeParams& p) {
   PCPKV_CHECK(p.outs && p.lses && p.out && p.lse, "lse_merge: outs, lses, out and lse must be non-null");
 }
 
-void lse_merge_cpu(const LseMergeParams& p) {
+void lse_merge_reference(const LseMergeParams& p) {
   validate_lse_merge(p);
   const int64_t D = p.head_dim;
   std::vector<double> weights;

@@ -103,7 +103,7 @@ float load_scale(const uint8_t* p) {
 
 }  // namespace
 
-void indexer_cpu(const IndexerParams& p) {
+void indexer_reference(const IndexerParams& p) {
   validate_indexer(p);
   const int H = p.num_heads;
   const int64_t bs = p.geometry.block_size;
