@@ -26,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 
 def _sources():
     src = os.path.join(ROOT, "src")
-    core = [os.path.join(src, "core", f"{n}.cpp") for n in ("layout", "rope", "plan")]
+    core = [os.path.join(src, "core", f"{n}.cpp") for n in ("layout", "rope", "plan", "env")]
     cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
     cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
@@ -35,8 +35,9 @@ def _sources():
 
 # pcpkv's CUDA sources behind the launchers of pcpkv/publish/kernels.h that the ops call (launch_dispatch,
 # launch_combine, launch_insert_mla / launch_insert_indexer, launch_fence) and what they need (num_sms in
-# device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch). run_device_tests.sh refuses a
-# build with an undefined pcpkv symbol, which is what a source missing here looks like.
+# device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch; read_env of core/env.cpp, in the
+# core list above). run_device_tests.sh refuses a build with an undefined pcpkv symbol, which is what a
+# source missing here looks like.
 # The consumer ops (csrc/consumers_cuda.cpp) call cuda::indexer, cuda::sparse_mla and cuda::lse_merge.
 CUDA_SOURCES = ("publish/cuda/combine.cu", "publish/cuda/insert.cu", "publish/cuda/fence.cu", "core/cuda/device.cpp",
                 "consumers/cuda/indexer_kernels.cu", "consumers/cuda/sparse_mla_kernels.cu",

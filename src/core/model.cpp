@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/rope.h"
@@ -553,7 +554,7 @@ ModelConfig parse_hf_json(const json& j, const std::string& json_text, const std
 std::vector<std::string> preset_names() { return {"deepseek-v3.2", "glm-5"}; }
 
 std::string config_dir() {
-  if (const char* env = std::getenv("PCPKV_CONFIG_DIR"); env && *env) return env;
+  if (const char* env = read_env("PCPKV_CONFIG_DIR"); env && *env) return env;
 #ifdef PCPKV_CONFIG_DIR
   return PCPKV_CONFIG_DIR;
 #else

@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "ranks/bootstrap_wire.h"
@@ -694,7 +695,7 @@ void Bootstrap::abort(const std::string& why) noexcept {
 namespace {
 
 const char* env(const char* name) {
-  const char* v = std::getenv(name);
+  const char* v = read_env(name);
   return (v && *v) ? v : nullptr;
 }
 

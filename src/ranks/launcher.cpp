@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 
@@ -124,7 +125,7 @@ LaunchOutput parse_launch_output(const std::string& s) {
 
 int32_t pick_device_round_robin(int32_t local_rank, int32_t num_visible_devices) {
   PCPKV_CHECK(num_visible_devices >= 1, "no GPU is visible to rank (local rank {})", local_rank);
-  if (const char* v = std::getenv("PCPKV_DEVICE"); v && *v) {
+  if (const char* v = read_env("PCPKV_DEVICE"); v && *v) {
     char* end = nullptr;
     const long d = std::strtol(v, &end, 10);
     PCPKV_CHECK(end != v && *end == '\0' && d >= 0 && d < num_visible_devices,

@@ -1,5 +1,5 @@
-// `pcpkv info`: the presets and their key dims, the byte layouts (SPEC section 3), and which backends can
-// run here (and why not).
+// `pcpkv info`: the presets and their key dims, the byte layouts (SPEC section 3), which backends can
+// run here (and why not), and the PCPKV_* environment variables (pcpkv/core/env.h).
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -14,6 +14,7 @@
 
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
+#include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/layout.h"
@@ -156,6 +157,19 @@ void info(bool as_json) {
   text += fmt::format("  auto  picks {}\n", cuda_ok ? "cuda" : "cpu");
   j["backends"] = backends;
 
+  // ---- environment (the registry of pcpkv/core/env.h). Whether a variable is set, not its value: a value
+  // may be anything (invalid UTF-8 would break the JSON).
+  text += "\nenvironment variables (read by the library and the CLI)\n";
+  json envs = json::array();
+  for (const EnvVar& v : env_registry()) {
+    const bool set = read_env(v.name) != nullptr;
+    text += fmt::format("  {:<28} {}{}\n  {:<28} default: {}; read by {}\n", v.name, v.meaning, set ? " (set here)" : "",
+                        "", v.default_value, v.reader);
+    envs.push_back(
+        {{"name", v.name}, {"meaning", v.meaning}, {"default", v.default_value}, {"reader", v.reader}, {"set", set}});
+  }
+  j["environment"] = envs;
+
   if (as_json) {
     std::fputs(j.dump(2).c_str(), stdout);
     std::fputs("\n", stdout);
@@ -168,7 +182,7 @@ void info(bool as_json) {
 
 void add_info_command(CLI::App& app) {
   auto as_json = std::make_shared<bool>(false);
-  CLI::App* sub = app.add_subcommand("info", "List model presets, byte layouts and the backends available here");
+  CLI::App* sub = app.add_subcommand("info", "List model presets, byte layouts, the backends available here and the PCPKV_* variables");
   sub->add_flag("--json", *as_json, "Print as JSON");
   sub->callback([as_json] { info(*as_json); });
 }

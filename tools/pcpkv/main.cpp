@@ -13,6 +13,7 @@
 
 #include "pcpkv/commands.h"
 #include "pcpkv/error_line.h"
+#include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 
 namespace {
@@ -59,7 +60,7 @@ int run_app(CLI::App& app, int argc, char** argv) {
     return 2;
   } catch (const pcpkv::Error& e) {
     pcpkv::cli::print_error(e.what());
-    if (std::getenv("PCPKV_DEBUG") && !e.where().empty()) fmt::print(stderr, "pcpkv: (raised at {})\n", e.where());
+    if (pcpkv::read_env("PCPKV_DEBUG") && !e.where().empty()) fmt::print(stderr, "pcpkv: (raised at {})\n", e.where());
     return 2;
   } catch (const std::bad_alloc&) {
     fmt::print(stderr, "pcpkv: error: out of memory (try fewer --tokens or a smaller --pcp)\n");

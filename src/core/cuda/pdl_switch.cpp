@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "pcpkv/core/pdl.h"
+#include "pcpkv/core/env.h"
 
 namespace pcpkv::pdl {
 namespace {
@@ -14,7 +15,7 @@ std::atomic<int> g_state{-1};
 bool enabled() {
   int s = g_state.load(std::memory_order_relaxed);
   if (s < 0) {
-    const char* env = std::getenv("PCPKV_PDL");
+    const char* env = read_env("PCPKV_PDL");
     s = (env != nullptr && std::strcmp(env, "1") == 0) ? 1 : 0;
     int expected = -1;
     g_state.compare_exchange_strong(expected, s);

@@ -28,6 +28,7 @@
 #include "publish/cuda/kernel_util.cuh"
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
+#include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/pdl.h"
@@ -383,7 +384,7 @@ constexpr DispatchVariant kDefaultVariant = DispatchVariant::kWarp;
 
 DispatchVariant resolve_variant(DispatchVariant v) {
   if (v != DispatchVariant::kAuto) return v;
-  if (const char* env = std::getenv("PCPKV_DISPATCH_VARIANT")) {
+  if (const char* env = read_env("PCPKV_DISPATCH_VARIANT")) {
     if (std::strcmp(env, "simple") == 0) return DispatchVariant::kSimple;
     if (std::strcmp(env, "prefetch") == 0) return DispatchVariant::kPrefetch;
     if (std::strcmp(env, "warp") == 0) return DispatchVariant::kWarp;

@@ -1,0 +1,70 @@
+// src/core/env.cpp: the registry of pcpkv/core/env.h. Add a variable here before reading it anywhere.
+#include "pcpkv/core/env.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "pcpkv/core/error.h"
+
+namespace pcpkv {
+namespace {
+
+std::vector<EnvVar> sorted(std::vector<EnvVar> v) {
+  std::sort(v.begin(), v.end(), [](const EnvVar& a, const EnvVar& b) { return std::string_view(a.name) < b.name; });
+  return v;
+}
+
+}  // namespace
+
+const std::vector<EnvVar>& env_registry() {
+  static const std::vector<EnvVar> kRegistry = sorted({
+      {"PCPKV_ALLOW_NONLOCAL_MASTER", "1: accept a torchrun MASTER_ADDR that does not look like this host",
+       "unset: MASTER_ADDR must be a loopback address, localhost or this host's name",
+       "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_BOOTSTRAP", "path of rank 0's rendezvous socket (set by `pcpkv launch` for each rank)",
+       "unset: not a `pcpkv launch` rank", "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_BOOTSTRAP_DIR", "directory of the rendezvous socket of torchrun-style jobs",
+       "$TMPDIR, else /tmp", "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_BOOTSTRAP_TIMEOUT_S", "bound of every blocking bootstrap step, seconds (> 0)", "60",
+       "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_CONFIG_DIR", "directory of the presets' HF config.json files (<preset>.json)",
+       "the configs/ directory the library was built (or installed) with", "core (src/core/model.cpp)"},
+      {"PCPKV_DEBUG", "set: the CLI also prints where an error was raised", "unset: the message only",
+       "CLI (tools/pcpkv/main.cpp)"},
+      {"PCPKV_DEVICE", "GPU index every rank process uses, in [0, visible devices)",
+       "unset: local rank % visible devices", "ranks (src/ranks/launcher.cpp)"},
+      {"PCPKV_DISPATCH_VARIANT", "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf",
+       "warp (any other value too)", "publish/cuda (src/publish/cuda/dispatch.cu)"},
+      {"PCPKV_JOB_ID", "names a torchrun-style job (its token is derived from it)",
+       "unset: the run id and the command line name the job", "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_JOB_TOKEN", "per-job token every rank presents (set by `pcpkv launch`; torchrun jobs may set it)",
+       "unset: derived from PCPKV_JOB_ID or the command line", "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_LOCAL_RANK", "rank among the processes of this host (set by `pcpkv launch`)", "PCPKV_RANK",
+       "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_LOCAL_WORLD_SIZE", "processes on this host (set by `pcpkv launch`)", "PCPKV_WORLD_SIZE",
+       "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_PDL", "1: launch kernels with programmatic dependent launch (pcpkv/core/pdl.h)", "off",
+       "core/cuda (src/core/cuda/pdl_switch.cpp)"},
+      {"PCPKV_RANK", "this process's rank (set by `pcpkv launch`)", "unset: not a `pcpkv launch` rank",
+       "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_WORLD_SIZE", "number of rank processes (set by `pcpkv launch`)", "unset: not a `pcpkv launch` rank",
+       "ranks (src/ranks/bootstrap.cpp)"},
+  });
+  return kRegistry;
+}
+
+const EnvVar* find_env_var(std::string_view name) {
+  for (const EnvVar& v : env_registry())
+    if (name == v.name) return &v;
+  return nullptr;
+}
+
+const char* read_env(const char* name) {
+  PCPKV_CHECK(name != nullptr, "read_env: name is null");
+  PCPKV_CHECK(!std::string_view(name).starts_with("PCPKV_") || find_env_var(name) != nullptr,
+              "read_env: {} is not in the registry of environment variables (src/core/env.cpp)", name);
+  return std::getenv(name);
+}
+
+}  // namespace pcpkv
