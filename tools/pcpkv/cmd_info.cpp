@@ -163,8 +163,8 @@ void info(bool as_json) {
   json envs = json::array();
   for (const EnvVar& v : env_registry()) {
     const bool set = read_env(v.name) != nullptr;
-    text += fmt::format("  {:<28} {}{}\n  {:<28} default: {}; read by {}\n", v.name, v.meaning, set ? " (set here)" : "",
-                        "", v.default_value, v.reader);
+    text += fmt::format("  {:<28} {}{}\n  {:<28} default: {}; read by {}\n", v.name, v.meaning,
+                        set ? " (set here)" : "", "", v.default_value, v.reader);
     envs.push_back(
         {{"name", v.name}, {"meaning", v.meaning}, {"default", v.default_value}, {"reader", v.reader}, {"set", set}});
   }
@@ -182,7 +182,8 @@ void info(bool as_json) {
 
 void add_info_command(CLI::App& app) {
   auto as_json = std::make_shared<bool>(false);
-  CLI::App* sub = app.add_subcommand("info", "List model presets, byte layouts, the backends available here and the PCPKV_* variables");
+  CLI::App* sub = app.add_subcommand(
+      "info", "List model presets, byte layouts, the backends available here and the PCPKV_* variables");
   sub->add_flag("--json", *as_json, "Print as JSON");
   sub->callback([as_json] { info(*as_json); });
 }
