@@ -61,7 +61,9 @@ TEST(EnvRegistry, EntriesAreUniqueSortedAndDocumented) {
     const std::string name = reg[i].name;
     EXPECT_EQ(name.rfind("PCPKV_", 0), 0u) << name;
     EXPECT_TRUE(names.insert(name).second) << "registered twice: " << name;
-    if (i > 0) EXPECT_LT(std::string(reg[i - 1].name), name) << "not sorted";
+    if (i > 0) {
+      EXPECT_LT(std::string(reg[i - 1].name), name) << "not sorted";
+    }
     EXPECT_GT(std::string(reg[i].meaning).size(), 10u) << name;
     EXPECT_FALSE(std::string(reg[i].default_value).empty()) << name;
     EXPECT_FALSE(std::string(reg[i].reader).empty()) << name;
@@ -79,8 +81,9 @@ TEST(EnvRegistry, EveryNameTheSourcesReadIsRegistered) {
     seen.insert(h.name);
     EXPECT_NE(pcpkv::find_env_var(h.name), nullptr) << h.file << " names " << h.name
                                                     << ", which is not in the registry (src/core/env.cpp)";
-    if (h.file != "src/core/env.cpp")
+    if (h.file != "src/core/env.cpp") {
       EXPECT_FALSE(h.getenv) << h.file << " calls getenv(\"" << h.name << "\"): use pcpkv::read_env";
+    }
   }
   // The scan itself works: the readers known today are found outside the registry's own file.
   for (const char* known : {"PCPKV_CONFIG_DIR", "PCPKV_DEVICE", "PCPKV_DISPATCH_VARIANT", "PCPKV_PDL", "PCPKV_DEBUG",
