@@ -6,7 +6,7 @@
 # skip, with the reason, on a machine without a GPU.
 # Environment: PCPKV_BUILD_DIR (default build), PCPKV_JOBS (build jobs), PCPKV_CTEST_ARGS (extra ctest
 # arguments, e.g. "-L unit" or "-j2"), PCPKV_PYTHON_TESTS=0 (skip the Python part), PCPKV_PYTEST_ARGS (extra
-# pytest arguments, e.g. "-k plan").
+# pytest arguments, e.g. "-k plan"), PCPKV_INSTALL_TEST=0 (skip scripts/test_install.sh).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${PCPKV_BUILD_DIR:-$root/build}"
@@ -19,6 +19,10 @@ ninja -C "$build" ${PCPKV_JOBS:+-j "$PCPKV_JOBS"}
 status=0
 # shellcheck disable=SC2086
 ctest --test-dir "$build" --output-on-failure --timeout 900 --no-tests=error ${PCPKV_CTEST_ARGS:-} || status=1
+# The installed package from a separate project (find_package(pcpkv)); PCPKV_INSTALL_TEST=0 skips it.
+if [ "${PCPKV_INSTALL_TEST:-1}" != 0 ]; then
+  "$root/scripts/test_install.sh" || status=1
+fi
 
 if [ "${PCPKV_PYTHON_TESTS:-1}" != 0 ]; then
   venv="$build/python-venv"

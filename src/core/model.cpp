@@ -556,6 +556,13 @@ std::vector<std::string> preset_names() { return {"deepseek-v3.2", "glm-5"}; }
 std::string config_dir() {
   if (const char* env = read_env("PCPKV_CONFIG_DIR"); env && *env) return env;
 #ifdef PCPKV_CONFIG_DIR
+#ifdef PCPKV_INSTALL_CONFIG_DIR
+  // An installed library whose source tree is gone reads the copy `cmake --install` made.
+  std::error_code ec;
+  if (!std::filesystem::is_directory(PCPKV_CONFIG_DIR, ec) &&
+      std::filesystem::is_directory(PCPKV_INSTALL_CONFIG_DIR, ec))
+    return PCPKV_INSTALL_CONFIG_DIR;
+#endif
   return PCPKV_CONFIG_DIR;
 #else
   return "configs";

@@ -106,7 +106,8 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
                             ConfigNotes* notes = nullptr, bool strict = false,
                             const std::string& origin = "config");
 
-/// Directory holding the shipped configs (configs/ in the source tree, or PCPKV_CONFIG_DIR).
+/// Directory holding the shipped configs: PCPKV_CONFIG_DIR when set, else configs/ of the source tree the
+/// library was built from, else (an installed library without its source tree) <prefix>/share/pcpkv/configs.
 std::string config_dir();
 
 }  // namespace pcpkv
