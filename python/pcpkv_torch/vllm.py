@@ -36,8 +36,9 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
     from the same RoPE parameters; they differ only in the rotation style, which is ``index_rope_interleave``).
     The check compares the values once per pair of tables (a host sync on CUDA the first time).
   * ``mla_k_scale`` (fp8 only): vLLM reads a float32 [1] device tensor in the kernel; pcpkv takes the scale
-    as a host float, so a CUDA tensor is read with ``.item()`` (a host sync; not inside a CUDA graph
-    capture). Pass a Python float instead to avoid it. Ignored for "auto" and "fp8_ds_mla" (as in vLLM).
+    as a host float, so a tensor is read with ``.item()`` once per tensor object and version (a host sync on
+    CUDA; inference-mode tensors have no version: read once). Pass a Python float to avoid the read; a
+    scale changed in place under inference mode is not seen. Ignored for "auto" and "fp8_ds_mla" (as vLLM).
   * Caches: pcpkv honours the caches' real block and row strides and requires the indexer cache to have the
     MLA cache's (num_blocks, block_size); vLLM derives its indexer block stride from the shape. Identical
     for the contiguous caches vLLM allocates. An indexer cache without an MLA cache raises (pcpkv's cache
@@ -51,8 +52,11 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
     ``indexer_slot_mapping`` must be None or ``slot_mapping`` itself (pcpkv writes both caches at one slot).
   * Activations must be bf16 (the only activation dtype of pcpkv's kernels).
 
-Not traceable by dynamo (it inspects tensor addresses); under CUDA graphs call it once before capture: the
-first call per table converts/compares the cos/sin tables and builds the cache table, later calls only launch.
+Like vLLM's, the work is one custom op (``torch.ops.pcpkv_vllm.fused_norm_rope``, mutation marks on the
+caches, the top-k buffer and the outputs, a fake kernel), so ``torch.compile(fullgraph=True)`` traces through
+the function. Under CUDA graphs call it once before capture: the first call per table converts / compares
+the cos/sin tables, reads a k_scale tensor and builds the cache table (host work, a device copy), later calls
+reuse them and only launch.
 """
 
 from __future__ import annotations
@@ -168,15 +172,22 @@ def _check_index_table(k_table: Tensor, idx_table: Tensor, k_f32: Tensor, idx_f3
                                             "index_k with one table (the rotation style is index_rope_interleave)")
 
 
-def _k_scale(mla_k_scale) -> float:
+def _scale_args(mla_k_scale) -> tuple[Optional[Tensor], float]:
+    """mla_k_scale (None, a number or a float [1] tensor) as the op's (tensor, value) pair."""
     if mla_k_scale is None:
-        return 1.0
+        return None, 1.0
     if isinstance(mla_k_scale, (int, float)) and not isinstance(mla_k_scale, bool):
-        v = float(mla_k_scale)
-    elif isinstance(mla_k_scale, torch.Tensor) and mla_k_scale.numel() == 1 and mla_k_scale.is_floating_point():
-        v = float(mla_k_scale.detach().reshape(()).item())  # a host sync for a CUDA tensor (documented)
-    else:
-        _fail("mla_k_scale", "expected None, a float or a float [1] tensor", mla_k_scale)
+        return None, float(mla_k_scale)
+    if isinstance(mla_k_scale, torch.Tensor) and mla_k_scale.numel() == 1 and mla_k_scale.is_floating_point():
+        return mla_k_scale, 0.0
+    _fail("mla_k_scale", "expected None, a float or a float [1] tensor", mla_k_scale)
+
+
+_scales = _Memo()  # k_scale tensor -> its value (read once: a host sync on CUDA)
+
+
+def _k_scale(t: Optional[Tensor], value: float) -> float:
+    v = value if t is None else _scales.get((t,), lambda: float(t.detach().reshape(()).item()))
     if not (v > 0 and v != float("inf")):
         _fail("mla_k_scale", f"= {v} must be finite and > 0")
     return v
@@ -274,18 +285,68 @@ def fused_norm_rope(
     Raises ValueError naming the argument (before anything is written) for a dtype, shape or device the
     mapping cannot take, and for each refused vLLM semantics listed in the module docstring; pcpkv's op then
     checks the rest (CPU: slot and position values too)."""
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.dtype != torch.int64:
-        _fail("positions", "expected int64 [num_tokens]", positions)
-    T, device = positions.shape[0], positions.device
-    if not isinstance(mla_kv_cache_dtype, str) or mla_kv_cache_dtype not in KV_CACHE_DTYPES:
-        _fail("mla_kv_cache_dtype", f"= {mla_kv_cache_dtype!r}; pcpkv maps {sorted(KV_CACHE_DTYPES)} (vLLM would write "
-                                    "e4m3 bytes for any other string)")
     for name, v in (("has_indexer", has_indexer), ("index_rope_interleave", index_rope_interleave),
                     ("write_kv_output", write_kv_output)):
         if not isinstance(v, bool):
             _fail(name, f"= {v!r} must be a bool")
     if write_kv_output:
         _fail("write_kv_output", "= True (in-place kv_c / k_pe outputs) is not supported; pass kv_c_out / k_pe_out")
+    if not isinstance(mla_kv_cache_dtype, str) or mla_kv_cache_dtype not in KV_CACHE_DTYPES:
+        _fail("mla_kv_cache_dtype", f"= {mla_kv_cache_dtype!r}; pcpkv maps {sorted(KV_CACHE_DTYPES)} (vLLM would write "
+                                    "e4m3 bytes for any other string)")
+    if ds_mla_scale not in ("raw", "pow2"):
+        _fail("ds_mla_scale", f"= {ds_mla_scale!r}; expected 'raw' (vLLM's rule) or 'pow2'")
+    for name, v in (("q_rms_eps", q_rms_eps), ("kv_rms_eps", kv_rms_eps), ("index_k_layer_norm_eps",
+                                                                          index_k_layer_norm_eps)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            _fail(name, f"= {v!r} must be a float")
+    # The op's schema takes tensors (or None) only: anything else is refused here, naming the argument.
+    for name, v, optional in (
+            ("positions", positions, False), ("q_c", q_c, False), ("q_rms_norm_w", q_rms_norm_w, False),
+            ("kv_c", kv_c, False), ("kv_rms_norm_w", kv_rms_norm_w, False), ("k_pe", k_pe, False),
+            ("k_rope_cos_sin_cache", k_rope_cos_sin_cache, False), ("index_k", index_k, True),
+            ("index_k_layer_norm_w", index_k_layer_norm_w, True),
+            ("index_k_layer_norm_bias", index_k_layer_norm_bias, True),
+            ("index_k_rope_cos_sin_cache", index_k_rope_cos_sin_cache, True),
+            ("topk_indices_buffer", topk_indices_buffer, False), ("slot_mapping", slot_mapping, True),
+            ("indexer_k_cache", indexer_k_cache, True), ("mla_kv_cache", mla_kv_cache, True),
+            ("q_c_out", q_c_out, True), ("kv_c_out", kv_c_out, True), ("k_pe_out", k_pe_out, True),
+            ("index_k_out", index_k_out, True), ("indexer_slot_mapping", indexer_slot_mapping, True)):
+        if not (isinstance(v, torch.Tensor) or (optional and v is None)):
+            _fail(name, f"expected a tensor{' or None' if optional else ''}", v)
+    if positions.dim() != 1 or q_c.dim() != 2:
+        _fail("positions" if positions.dim() != 1 else "q_c", "expected int64 [num_tokens] positions and "
+              "q_c [num_tokens, q_lora_rank]", positions if positions.dim() != 1 else q_c)
+    scale_t, scale_v = _scale_args(mla_k_scale)
+    if q_c_out is None:  # as vLLM: allocated here, returned
+        q_c_out = torch.empty((positions.shape[0], q_c.shape[-1]), dtype=torch.bfloat16, device=q_c.device)
+    # One opaque custom op (as vLLM registers its own), so torch.compile(fullgraph=True) traces through it.
+    torch.ops.pcpkv_vllm.fused_norm_rope(
+        positions, q_c, q_rms_norm_w, float(q_rms_eps), kv_c, kv_rms_norm_w, float(kv_rms_eps), k_pe,
+        k_rope_cos_sin_cache, index_k, index_k_layer_norm_w, index_k_layer_norm_bias, float(index_k_layer_norm_eps),
+        index_k_rope_cos_sin_cache, topk_indices_buffer, slot_mapping, indexer_k_cache, mla_kv_cache,
+        mla_kv_cache_dtype, scale_t, scale_v, has_indexer, index_rope_interleave, q_c_out, kv_c_out, k_pe_out,
+        index_k_out, indexer_slot_mapping, ds_mla_scale)
+    return q_c_out
+
+
+@torch.library.custom_op("pcpkv_vllm::fused_norm_rope",
+                         mutates_args=("topk_indices_buffer", "indexer_k_cache", "mla_kv_cache", "q_c_out", "kv_c_out",
+                                       "k_pe_out", "index_k_out"))
+def _fused_norm_rope_op(
+    positions: Tensor, q_c: Tensor, q_rms_norm_w: Tensor, q_rms_eps: float, kv_c: Tensor, kv_rms_norm_w: Tensor,
+    kv_rms_eps: float, k_pe: Tensor, k_rope_cos_sin_cache: Tensor, index_k: Optional[Tensor],
+    index_k_layer_norm_w: Optional[Tensor], index_k_layer_norm_bias: Optional[Tensor], index_k_layer_norm_eps: float,
+    index_k_rope_cos_sin_cache: Optional[Tensor], topk_indices_buffer: Tensor, slot_mapping: Optional[Tensor],
+    indexer_k_cache: Optional[Tensor], mla_kv_cache: Optional[Tensor], mla_kv_cache_dtype: str,
+    mla_k_scale: Optional[Tensor], mla_k_scale_value: float, has_indexer: bool, index_rope_interleave: bool,
+    q_c_out: Tensor, kv_c_out: Optional[Tensor], k_pe_out: Optional[Tensor], index_k_out: Optional[Tensor],
+    indexer_slot_mapping: Optional[Tensor], ds_mla_scale: str) -> None:
+    """The mapping onto pcpkv_torch.dispatch (runs eagerly, also under torch.compile: tensor addresses and the
+    tables' memos are looked at here, at run time)."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.dtype != torch.int64:
+        _fail("positions", "expected int64 [num_tokens]", positions)
+    T, device = positions.shape[0], positions.device
     r = _rows(q_c, "q_c", T, None)
     _weight(q_rms_norm_w, "q_rms_norm_w", r)
     _rows(kv_c, "kv_c", T, 512)
@@ -307,16 +368,12 @@ def fused_norm_rope(
                   topk_indices_buffer)
     elif index_k_out is not None:
         _fail("index_k_out", "given but has_indexer=False")
-    if q_c_out is None:
-        q_c_out = torch.empty((T, r), dtype=torch.bfloat16, device=device)
-    elif (not isinstance(q_c_out, torch.Tensor) or q_c_out.dtype != torch.bfloat16 or q_c_out.shape != (T, r) or
-          not q_c_out.is_contiguous()):
+    if (not isinstance(q_c_out, torch.Tensor) or q_c_out.dtype != torch.bfloat16 or q_c_out.shape != (T, r) or
+            not q_c_out.is_contiguous()):
         _fail("q_c_out", f"expected a contiguous bfloat16 [{T}, {r}]", q_c_out)
 
     kv_format = KV_CACHE_DTYPES[mla_kv_cache_dtype][0]
-    k_scale = _k_scale(mla_k_scale) if kv_format == "fp8" else 1.0
-    if ds_mla_scale not in ("raw", "pow2"):
-        _fail("ds_mla_scale", f"= {ds_mla_scale!r}; expected 'raw' (vLLM's rule) or 'pow2'")
+    k_scale = _k_scale(mla_k_scale, mla_k_scale_value) if kv_format == "fp8" else 1.0
     if indexer_slot_mapping is not None and not (
             isinstance(slot_mapping, torch.Tensor) and isinstance(indexer_slot_mapping, torch.Tensor) and
             _same_tensor(slot_mapping, indexer_slot_mapping)):
@@ -355,4 +412,8 @@ def fused_norm_rope(
              index_k_out=index_k_out, topk_fill=topk, q_eps=float(q_rms_eps), kv_eps=float(kv_rms_eps),
              index_eps=float(index_k_layer_norm_eps), mla_rope_interleaved=True,
              index_rope_interleaved=index_rope_interleave, index_hadamard=False, written=written)
-    return q_c_out
+
+
+@_fused_norm_rope_op.register_fake
+def _(*args, **kwargs):
+    return None

@@ -212,3 +212,42 @@ def test_bad_arguments_name_the_argument(device):
         assert "fused_norm_rope" in str(e.value), f"{name}: {e.value}"
         for k in WRITTEN:
             assert_bytes_equal(orig[k].view(torch.uint8), before[k].view(torch.uint8), f"{name}: {k} was written")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_compiled_equals_eager(device):
+    """The custom op's schema (mutation marks, fake kernel, functionalized dispatch), and the drop-in under
+    torch.compile(fullgraph=True), as vLLM compiles its model forward: the bytes of the eager call."""
+    a = vllm_inputs(device, "fp8_ds_mla", seed=6)
+    args = dict(clone_outputs(a))
+    scale_t, scale_v = None, 1.0
+    op_args = [args[k] for k in ("positions", "q_c", "q_rms_norm_w", "q_rms_eps", "kv_c", "kv_rms_norm_w",
+                                 "kv_rms_eps", "k_pe", "k_rope_cos_sin_cache", "index_k", "index_k_layer_norm_w",
+                                 "index_k_layer_norm_bias", "index_k_layer_norm_eps", "index_k_rope_cos_sin_cache",
+                                 "topk_indices_buffer", "slot_mapping", "indexer_k_cache", "mla_kv_cache",
+                                 "mla_kv_cache_dtype")]
+    op_args += [scale_t, scale_v, True, False, args["q_c_out"], None, None, None, None, "raw"]
+    torch.library.opcheck(torch.ops.pcpkv_vllm.fused_norm_rope.default, op_args)
+
+    eager, comp = clone_outputs(a), clone_outputs(a)
+    fused_norm_rope(**eager)
+
+    @torch.compile(fullgraph=True, backend="inductor")
+    def step(x):
+        return fused_norm_rope(**x)
+
+    step(comp)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_same(comp, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_inference_mode(device):
+    """vLLM runs its forward under torch.inference_mode, whose tensors have no version counter (the memos of
+    the converted cos/sin tables and the k_scale read must cope), called twice to use the memos."""
+    with torch.inference_mode():
+        a = vllm_inputs(device, "fp8", seed=7)
+        for _ in range(2):
+            got, want = run_both(a)
+            assert_same(got, want)
