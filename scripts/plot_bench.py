@@ -7,6 +7,8 @@ from its stages (`runs[i].stages[j].ms`, one colour per stage name), a black mar
 (`single_rank`, when present) get a panel of their own. Times are drawn in microseconds.
 
 Usage: python3 scripts/plot_bench.py BENCH.json [-o OUT.png] [--title TEXT]   (default OUT: BENCH.png)
+A file ending in .md is read as `pcpkv bench --markdown` output instead (scripts/bench_markdown.py: runs saved
+before JSON was kept, e.g. docs/results/).
 Needs matplotlib: `python3 -m pip install -r scripts/requirements-plot.txt` (pinned, tested versions) or
 `python3 -m pip install matplotlib`. Exit status: 0 written; 1 the JSON is unreadable or malformed (the
 message names the field, e.g. `runs[2].stages[0].ms`); 2 matplotlib is missing or the command line is wrong.
@@ -193,14 +195,20 @@ def plot(bars: list[Bar], single_bars: list[Bar], subtitle: str, out: str, title
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json_file", help="the file of `pcpkv bench --json FILE`")
+    ap.add_argument("json_file", help="the file of `pcpkv bench --json FILE` (or of --markdown: *.md)")
     ap.add_argument("-o", "--output", help="PNG to write (default: the JSON's name with .png)")
     ap.add_argument("--title", help="figure title (default: pcpkv bench, device and copy bandwidth)")
     a = ap.parse_args(argv)
     out = a.output or os.path.splitext(a.json_file)[0] + ".png"
     try:
         with open(a.json_file, encoding="utf-8") as f:
-            doc = json.load(f)
+            if a.json_file.endswith(".md"):
+                sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+                from bench_markdown import read_markdown
+
+                doc = read_markdown(f.read())
+            else:
+                doc = json.load(f)
         bars, single_bars, subtitle = parse(doc)
     except OSError as e:
         print(f"plot_bench: error: cannot read {a.json_file}: {e.strerror}", file=sys.stderr)
@@ -208,7 +216,7 @@ def main(argv=None) -> int:
     except json.JSONDecodeError as e:
         print(f"plot_bench: error: {a.json_file} is not valid JSON: {e}", file=sys.stderr)
         return 1
-    except BenchJsonError as e:
+    except ValueError as e:  # BenchJsonError, or a malformed markdown table
         print(f"plot_bench: error: {a.json_file}: {e}", file=sys.stderr)
         return 1
     try:

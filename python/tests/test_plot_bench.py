@@ -115,3 +115,58 @@ def test_missing_file_and_missing_matplotlib(tmp_path):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "requirements-plot.txt" in r.stderr and "pip install" in r.stderr
     assert not (tmp_path / "bench.png").exists()
+
+
+RESULTS_MD = os.path.join(os.path.dirname(SCRIPT), "..", "docs", "results", "2026-12-01-h200",
+                          "overflow_guard_bench_after_1.md")
+
+
+def read_markdown(text):
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        from bench_markdown import read_markdown as rm
+    finally:
+        sys.path.pop(0)
+    return rm(text)
+
+
+def test_reads_a_saved_bench_markdown():
+    """A real run's --markdown output (docs/results) read back into the JSON fields, values as in its tables."""
+    with open(RESULTS_MD, encoding="utf-8") as f:
+        doc = read_markdown(f.read())
+    assert doc["copy_bandwidth_gbps"] == 4192.0 and doc["device"]["name"] == "NVIDIA H200"
+    runs = {(r["model"], r["transport"]): r for r in doc["runs"]}
+    assert len(doc["runs"]) == 6 and len(runs) == 6
+    d = runs[("glm-5", "direct")]
+    assert (d["total_ms"], d["floor_ms"], d["time_over_floor"], d["speedup_vs_collect"]) == (0.273, 0.188, 1.45, 2.07)
+    assert [(s["name"], s["ms"]) for s in d["stages"]] == [("dispatch", 0.268), ("fence", 0.0053)]
+    assert [s["name"] for s in runs[("deepseek-v3.2", "collect")]["stages"]] == [
+        "topk-fill", "dispatch", "all-gather", "insert-mla", "insert-indexer"]
+    assert "speedup_vs_collect" not in runs[("glm-5", "collect")] and d["tokens"] == 32768
+    s = doc["single_rank"][2]
+    assert (s["model"], s["tokens"], s["fused_topk"]) == ("glm-5", 32768, True)
+    assert (s["ms"], s["floor_ms"]) == pytest.approx((0.1847, 0.1454), rel=1e-12)  # us in the table
+
+
+def test_plots_a_saved_bench_markdown(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (scripts/requirements-plot.txt)")
+    out = tmp_path / "md.png"
+    r = run(RESULTS_MD, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and "6 runs, 4 single-rank cases" in r.stdout
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda t: t.replace("## summary", "## totals"), "no '## summary...' table"),
+    (lambda t: t.replace("| 0.273 | 0.257 |", "| fast | 0.257 |"), "summary row 3: column 'layer ms' = 'fast'"),
+    (lambda t: t.replace("| direct | warp:fused:4 | dispatch |", "| direkt | warp:fused:4 | dispatch |", 1),
+     "stages row 9: no summary row"),
+])
+def test_bad_markdown_names_the_table(tmp_path, edit, field):
+    with open(RESULTS_MD, encoding="utf-8") as f:
+        text = edit(f.read())
+    p = tmp_path / "bench.md"
+    p.write_text(text)
+    r = run(p)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert field in r.stderr, r.stderr
