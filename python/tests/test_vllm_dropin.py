@@ -3,7 +3,8 @@ same inputs: q_c_out, every byte of both caches and the whole top-k buffer must 
 
 import pytest
 
-from helpers import DEVICES, GUARD, POISON_BF16, POISON_I32, assert_bytes_equal, llm_like, norm_weight, pk, torch
+from helpers import (DEVICES, GUARD, POISON_BF16, POISON_I32, assert_bytes_equal, llm_like, norm_weight, pk,
+                     requires_cuda, torch)
 
 from pcpkv_torch.vllm import fused_norm_rope
 
@@ -251,3 +252,32 @@ def test_under_inference_mode(device):
         for _ in range(2):
             got, want = run_both(a)
             assert_same(got, want)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_dtype", ["fp8_ds_mla", "fp8"])
+def test_cuda_graph_replay_equals_eager(kv_dtype):
+    """Engines capture the layer in a CUDA graph: after one warm-up call (tables converted, k_scale read, cache
+    table built) the call captures, and each replay writes the eager call's bytes, on fresh inputs too."""
+    a = vllm_inputs("cuda", kv_dtype, seed=8)
+    g = clone_outputs(a)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused_norm_rope(**g)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_norm_rope(**g)
+    gen = torch.Generator().manual_seed(9)
+    for replay in range(2):
+        for k in ("q_c", "kv_c", "k_pe", "index_k"):  # new activations in place (the graph reads these addresses)
+            a[k].copy_(llm_like(gen, T, a[k].shape[1]).to("cuda"))
+        for k in WRITTEN:
+            g[k].copy_(a[k])  # the starting bytes again
+        eager = clone_outputs(a)
+        fused_norm_rope(**eager)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same(g, eager)
