@@ -48,7 +48,7 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
     table always has the MLA row); an MLA cache without an indexer cache on an indexer layer writes the MLA
     rows only (and still fills the top-k buffer).
   * Outputs: pcpkv writes ``q_c_out``, ``kv_c_out``, ``k_pe_out`` and ``index_k_out`` for every token (later
-    vLLM versions skip ``index_k_out`` rows of negative slots). ``q_c_out`` must be a contiguous bf16
+    vLLM versions skip ``index_k_out`` rows of negative slots; on a shared layer both leave it untouched). ``q_c_out`` must be a contiguous bf16
     [T, q_lora_rank] tensor (None: allocated, as in vLLM). The top-k buffer's first T rows are filled with -1
     on indexer layers (as in vLLM; its other rows are untouched), so they must be contiguous int32.
   * ``write_kv_output=True`` (in-place kv_c / k_pe outputs) raises: pass ``kv_c_out`` / ``k_pe_out``.
@@ -369,8 +369,8 @@ def _fused_norm_rope_impl(
         if topk_indices_buffer.dtype != torch.int32 or topk_indices_buffer.shape[0] < T or not topk.is_contiguous():
             _fail("topk_indices_buffer", f"expected int32 [>= {T}, topk] whose first {T} rows are contiguous",
                   topk_indices_buffer)
-    elif index_k_out is not None:
-        _fail("index_k_out", "given but has_indexer=False")
+    else:
+        index_k_out = None  # a shared layer leaves it untouched, as vLLM's kernel does
     if (not isinstance(q_c_out, torch.Tensor) or q_c_out.dtype != torch.bfloat16 or q_c_out.shape != (T, r) or
             not q_c_out.is_contiguous()):
         _fail("q_c_out", f"expected a contiguous bfloat16 [{T}, {r}]", q_c_out)

@@ -121,20 +121,25 @@ def test_interleaved_index_rope_pow2_scales_fp32_table(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_materialized_outputs(device):
-    """kv_c_out / k_pe_out / index_k_out of later vLLM versions (the PCP prefill path, no caches)."""
-    a = vllm_inputs(device, "fp8_ds_mla", seed=1)
+@pytest.mark.parametrize("has_indexer", [True, False])
+def test_materialized_outputs(device, has_indexer):
+    """kv_c_out / k_pe_out / index_k_out of later vLLM versions (the PCP prefill path, no caches); a shared
+    layer leaves index_k_out untouched, as vLLM's kernel does."""
+    a = vllm_inputs(device, "fp8_ds_mla", seed=1, has_indexer=has_indexer)
     a.update(slot_mapping=None)
     outs = {k: torch.full((T, n), POISON_BF16, dtype=torch.bfloat16, device=device)
             for k, n in (("kv_c_out", 512), ("k_pe_out", 64), ("index_k_out", 128))}
     got, want = clone_outputs(a), clone_outputs(a)
     got_outs = {k: v.clone() for k, v in outs.items()}
     fused_norm_rope(**got, **got_outs)
-    pcpkv_reference(want, **outs)
+    pcpkv_reference(want, **{k: v for k, v in outs.items() if has_indexer or k != "index_k_out"})
     assert_same(got, want, wrote_caches=False)
     for k in outs:
         assert_bytes_equal(got_outs[k].view(torch.uint8), outs[k].view(torch.uint8), k)
-        assert not (got_outs[k] == POISON_BF16).any(), f"{k}: rows left unwritten"
+        written = has_indexer or k != "index_k_out"
+        assert bool((got_outs[k] == POISON_BF16).all()) != written, f"{k}: written = {not written}"
+        if written:
+            assert not (got_outs[k] == POISON_BF16).any(), f"{k}: rows left unwritten"
 
 
 @pytest.mark.parametrize("device", DEVICES)
