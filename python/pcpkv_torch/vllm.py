@@ -101,18 +101,18 @@ def _fail(name: str, what: str, t=None):
     raise ValueError(f"fused_norm_rope: {name}: {what}" + ("" if t is None else f", got {_describe(t)}"))
 
 
-def _rows(t, name: str, T: int, cols: Optional[int], dtype=torch.bfloat16) -> int:
-    """Checks an activation [T, cols] of `dtype` with unit inner stride; returns its width."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != dtype or t.shape[0] != T or (
-            cols is not None and t.shape[1] != cols) or (t.shape[1] > 1 and t.stride(1) != 1):
-        _fail(name, f"expected {dtype} [{T} (positions), {cols if cols is not None else 'n'}] with unit inner "
-                    "stride", t)
+def _rows(t, name: str, T: int, cols: Optional[int], device) -> int:
+    """Checks a bf16 activation [T, cols] with unit inner stride on `device`; returns its width."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16 or t.shape[0] != T or (
+            cols is not None and t.shape[1] != cols) or (t.shape[1] > 1 and t.stride(1) != 1) or t.device != device:
+        _fail(name, f"expected bfloat16 [{T} (positions), {cols if cols is not None else 'n'}] with unit inner "
+                    f"stride on {device} (positions' device)", t)
     return t.shape[1]
 
 
-def _weight(t, name: str, n: int):
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != (n,):
-        _fail(name, f"expected a float [{n}] weight", t)
+def _weight(t, name: str, n: int, device):
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != (n,) or t.device != device:
+        _fail(name, f"expected a float [{n}] weight on {device}", t)
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -153,11 +153,13 @@ _same_values = _Memo()  # (k table, index table) -> bool
 _targets = {}          # cache pointers and geometry -> CacheTargets (a pointer table stays right while equal)
 
 
-def _rope_table(t, name: str) -> Tensor:
+def _rope_table(t, name: str, device) -> Tensor:
     if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != 64 or not t.is_floating_point() or (
             t.shape[0] > 1 and t.stride(1) != 1):
         _fail(name, "expected a float [max_position, 64] cos/sin cache ([cos 32 | sin 32] per position; pcpkv's "
                     "rotary dims are 64)", t)
+    if t.device != device:
+        _fail(name, f"is on {t.device} but positions on {device}")
     if t.dtype == torch.float32 and t.is_contiguous():
         return t
     return _tables.get((t,), lambda: t.to(torch.float32).contiguous())
@@ -350,30 +352,31 @@ def _fused_norm_rope_impl(
     if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.dtype != torch.int64:
         _fail("positions", "expected int64 [num_tokens]", positions)
     T, device = positions.shape[0], positions.device
-    r = _rows(q_c, "q_c", T, None)
-    _weight(q_rms_norm_w, "q_rms_norm_w", r)
-    _rows(kv_c, "kv_c", T, 512)
-    _weight(kv_rms_norm_w, "kv_rms_norm_w", 512)
-    _rows(k_pe, "k_pe", T, 64)
-    rope = _rope_table(k_rope_cos_sin_cache, "k_rope_cos_sin_cache")
+    r = _rows(q_c, "q_c", T, None, device)
+    _weight(q_rms_norm_w, "q_rms_norm_w", r, device)
+    _rows(kv_c, "kv_c", T, 512, device)
+    _weight(kv_rms_norm_w, "kv_rms_norm_w", 512, device)
+    _rows(k_pe, "k_pe", T, 64, device)
+    rope = _rope_table(k_rope_cos_sin_cache, "k_rope_cos_sin_cache", device)
     if not isinstance(topk_indices_buffer, torch.Tensor) or topk_indices_buffer.dim() != 2:
         _fail("topk_indices_buffer", "expected int32 [max_tokens, topk]", topk_indices_buffer)
     topk = None
     if has_indexer:
-        _rows(index_k, "index_k", T, 128)
-        _weight(index_k_layer_norm_w, "index_k_layer_norm_w", 128)
-        _weight(index_k_layer_norm_bias, "index_k_layer_norm_bias", 128)
-        idx_rope = _rope_table(index_k_rope_cos_sin_cache, "index_k_rope_cos_sin_cache")
+        _rows(index_k, "index_k", T, 128, device)
+        _weight(index_k_layer_norm_w, "index_k_layer_norm_w", 128, device)
+        _weight(index_k_layer_norm_bias, "index_k_layer_norm_bias", 128, device)
+        idx_rope = _rope_table(index_k_rope_cos_sin_cache, "index_k_rope_cos_sin_cache", device)
         _check_index_table(k_rope_cos_sin_cache, index_k_rope_cos_sin_cache, rope, idx_rope)
         topk = topk_indices_buffer[:T]
-        if topk_indices_buffer.dtype != torch.int32 or topk_indices_buffer.shape[0] < T or not topk.is_contiguous():
-            _fail("topk_indices_buffer", f"expected int32 [>= {T}, topk] whose first {T} rows are contiguous",
-                  topk_indices_buffer)
+        if topk_indices_buffer.dtype != torch.int32 or topk_indices_buffer.shape[0] < T or not topk.is_contiguous() \
+                or topk.device != device:
+            _fail("topk_indices_buffer", f"expected int32 [>= {T}, topk] on {device} whose first {T} rows are "
+                                         "contiguous", topk_indices_buffer)
     else:
         index_k_out = None  # a shared layer leaves it untouched, as vLLM's kernel does
     if (not isinstance(q_c_out, torch.Tensor) or q_c_out.dtype != torch.bfloat16 or q_c_out.shape != (T, r) or
-            not q_c_out.is_contiguous()):
-        _fail("q_c_out", f"expected a contiguous bfloat16 [{T}, {r}]", q_c_out)
+            not q_c_out.is_contiguous() or q_c_out.device != device):
+        _fail("q_c_out", f"expected a contiguous bfloat16 [{T}, {r}] on {device}", q_c_out)
 
     kv_format = KV_CACHE_DTYPES[mla_kv_cache_dtype][0]
     k_scale = _k_scale(mla_k_scale, mla_k_scale_value) if kv_format == "fp8" else 1.0

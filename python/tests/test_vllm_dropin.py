@@ -199,6 +199,13 @@ def bad_cases(device):
         (dict(write_kv_output=True), "write_kv_output"),
         (dict(ds_mla_scale="recip"), "ds_mla_scale"),
         (dict(has_indexer=1), "has_indexer"),
+        # another device than positions' (meta stands in for a GPU where there is none)
+        (dict(kv_rms_norm_w=lambda a: a["kv_rms_norm_w"].to("meta")), "kv_rms_norm_w"),
+        (dict(k_pe=lambda a: a["k_pe"].to("meta")), "k_pe"),
+        (dict(k_rope_cos_sin_cache=lambda a: a["k_rope_cos_sin_cache"].to("meta")), "k_rope_cos_sin_cache"),
+        (dict(topk_indices_buffer=lambda a: a["topk_indices_buffer"].to("meta")), "topk_indices_buffer"),
+        (dict(q_c_out=lambda a: a["q_c_out"].to("meta")), "q_c_out"),
+        (dict(slot_mapping=lambda a: a["slot_mapping"].to("meta")), "slot_mapping"),
     ]
 
 
