@@ -131,7 +131,8 @@ def _version(t: Tensor):
 
 class _Memo:
     """Results keyed by source tensors, valid while each source is alive and unmodified (same object and
-    _version): a new tensor at a freed tensor's address never hits a stale entry."""
+    _version): a new tensor at a freed tensor's address never hits a stale entry, and an entry is dropped
+    when a source dies (a converted table does not outlive its source)."""
 
     def __init__(self):
         self._d = {}
@@ -144,7 +145,8 @@ class _Memo:
         value = make()
         if len(self._d) >= _MAX_CACHED:
             self._d.clear()
-        self._d[key] = ([(weakref.ref(s), _version(s)) for s in srcs], value)
+        drop = lambda _ref, d=self._d, k=key: d.pop(k, None)  # noqa: E731
+        self._d[key] = ([(weakref.ref(s, drop), _version(s)) for s in srcs], value)
         return value
 
 

@@ -293,3 +293,16 @@ def test_cuda_graph_replay_equals_eager(kv_dtype):
         graph.replay()
         torch.cuda.synchronize()
         assert_same(g, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tables_changed_in_place_are_converted_again(device):
+    """The converted cos/sin tables and weights are reused while their sources are unmodified: a source
+    changed in place (its version moves) is converted again, never served stale."""
+    a = vllm_inputs(device, "fp8_ds_mla", seed=12)
+    fused_norm_rope(**clone_outputs(a))
+    for k in ("k_rope_cos_sin_cache", "index_k_rope_cos_sin_cache"):
+        a[k].copy_(pk.rope_table(pk.RopeSpec("default", 1e6), a[k].shape[0], device).to(a[k].dtype))
+    a["kv_rms_norm_w"].mul_(2)
+    got, want = run_both(a)
+    assert_same(got, want)
