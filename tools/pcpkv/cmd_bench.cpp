@@ -45,6 +45,8 @@ struct BenchArgs {
   std::string pdl_tokens = "1,8,64";
   int32_t pdl_pcp = 8;
   int32_t pdl_layers = 20;
+  int32_t per_gpu_pcp = 8;
+  int64_t per_gpu_tokens = 32768;
   int64_t tokens = 32768;
   int64_t topk_width = 2048;
   int32_t block_size = 64;
@@ -152,6 +154,11 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
   PCPKV_CHECK(a.pdl_pcp >= 1 && a.pdl_pcp <= kMaxBenchPcp, "--pdl-pcp: must be in [1, {}], got {}", kMaxBenchPcp,
               a.pdl_pcp);
   PCPKV_CHECK(a.pdl_layers >= 1, "--pdl-layers: must be >= 1, got {}", a.pdl_layers);
+  PCPKV_CHECK(a.per_gpu_pcp >= 0 && a.per_gpu_pcp <= kMaxBenchPcp, "--per-gpu-pcp: must be in [0, {}], got {}",
+              kMaxBenchPcp, a.per_gpu_pcp);
+  PCPKV_CHECK(a.per_gpu_pcp == 0 || (a.per_gpu_tokens >= 2 * a.per_gpu_pcp && a.per_gpu_tokens % (2 * a.per_gpu_pcp) == 0),
+              "--per-gpu-tokens: must be a positive multiple of 2 x --per-gpu-pcp = {}, got {}", 2 * a.per_gpu_pcp,
+              a.per_gpu_tokens);
   PCPKV_CHECK(std::isfinite(a.copy_gib) && a.copy_gib > 0.0 && a.copy_gib <= 64.0,
               "--copy-gib: must be in (0, 64], got {}", a.copy_gib);
   PCPKV_CHECK(a.device >= 0, "--device: must be >= 0, got {}", a.device);
@@ -236,6 +243,32 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
                     {"vllm_time_over_floor", v == kVllm.end() ? json(nullptr) : json(v->second.ratio)}});
     }
     j["single_rank"] = js;
+  }
+
+  // ---- per GPU: rank 0's dispatch alone in a PCP group
+  if (!rep.per_gpu.empty()) {
+    md += fmt::format("\n## per GPU: rank 0's dispatch alone, PCP {} ({} local rows of one prefill, fp8_ds_mla, indexer "
+                      "layer, top-k fill), writing {} staging slots / replicas\n\n",
+                      rep.per_gpu.front().pcp, rep.per_gpu.front().local_tokens, rep.per_gpu.front().pcp);
+    md += "| model | transport | variant | time us | bytes MB | floor us | time / floor |\n|---|---|---|---|---|---|---|\n";
+    json jg = json::array();
+    for (const cuda::BenchPerGpu& g : rep.per_gpu) {
+      const Derived d = derive(g.ms, g.bytes, rep.copy_gbps);
+      md += fmt::format("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} |\n", g.model, to_string(g.transport),
+                        g.variant, g.ms * 1e3, g.bytes / 1e6, d.floor_ms * 1e3, d.ratio);
+      jg.push_back({{"model", g.model},
+                    {"pcp", g.pcp},
+                    {"local_tokens", g.local_tokens},
+                    {"transport", to_string(g.transport)},
+                    {"variant", g.variant},
+                    {"ms", g.ms},
+                    {"bytes", g.bytes},
+                    {"gbps", d.gbps},
+                    {"fraction_of_copy", d.frac},
+                    {"floor_ms", d.floor_ms},
+                    {"time_over_floor", d.ratio}});
+    }
+    j["per_gpu"] = jg;
   }
 
   // ---- stages
@@ -398,6 +431,8 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
   o.pdl_tokens = c.pdl_tokens;
   o.pdl_pcp = a.pdl_pcp;
   o.pdl_layers = a.pdl_layers;
+  o.per_gpu_pcp = a.per_gpu_pcp;
+  o.per_gpu_tokens = a.per_gpu_tokens;
   if (a.quick) {  // a smoke run for tests: small and fast, every code path once
     o.models = {"glm-5"};
     o.pcp = {2};
@@ -411,6 +446,8 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
     o.pdl_tokens = {8};
     o.pdl_pcp = 2;
     o.pdl_layers = 4;
+    o.per_gpu_pcp = o.per_gpu_pcp == 0 ? 0 : 2;
+    o.per_gpu_tokens = 2048;
   }
   const cuda::BenchReport rep =
       cuda::run_bench(o, [](const std::string& line) { std::fprintf(stderr, "pcpkv bench: %s\n", line.c_str()); });
@@ -462,6 +499,11 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--pdl-pcp", a->pdl_pcp, "PCP world of the PDL rows")->capture_default_str();
   sub->add_option("--pdl-layers", a->pdl_layers, "publications per captured graph in the PDL rows")->capture_default_str();
+  sub->add_option("--per-gpu-pcp", a->per_gpu_pcp,
+                  "PCP world of the per-GPU case (rank 0's dispatch alone, writing every peer; 0: skip)")
+      ->capture_default_str();
+  sub->add_option("--per-gpu-tokens", a->per_gpu_tokens, "tokens of the per-GPU case's prefill (local rows: / P)")
+      ->capture_default_str();
   sub->add_option("--copy-gib", a->copy_gib, "size of the copy that measures the copy bandwidth")->capture_default_str();
   sub->add_option("--device", a->device, "CUDA device index")->capture_default_str();
   sub->add_option("--seed", a->seed, "input seed")->capture_default_str();
@@ -479,10 +521,11 @@ void add_bench_command(CLI::App& app) {
                  : fmt::format("pcpkv bench --models {} --pcp {} --kv-formats {} --transports {} --tokens {} --layer {} "
                                "--topk-width {} --block-size {} --iters {} --warmup {} --single-rank-tokens {} "
                                "--variants {} --layer-variants {} --pdl-tokens {} --pdl-pcp {} --pdl-layers {} "
-                               "--copy-gib {}{}",
+                               "--per-gpu-pcp {} --per-gpu-tokens {} --copy-gib {}{}",
                                a->models, a->pcp, a->kv_formats, a->transports, a->tokens, a->layer, a->topk_width,
                                a->block_size, a->iters, a->warmup, a->single, a->variants, a->layer_variants,
-                               a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->copy_gib, a->no_graph ? " --no-graph" : "");
+                               a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->per_gpu_pcp, a->per_gpu_tokens,
+                               a->copy_gib, a->no_graph ? " --no-graph" : "");
     run(*a, checked, command);
   });
 }

@@ -350,6 +350,21 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
   }
 }
 
+void Publisher::enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStream_t stream) {
+  PCPKV_CHECK(rank >= 0 && rank < world_, "enqueue_rank_dispatch: rank {} is not in [0, {})", rank, world_);
+  const int s = next_set_;
+  next_set_ = (next_set_ + 1) % options_.num_sets;
+  last_set_ = s;
+  const PublishVariant& v = options_.variant;
+  const int64_t M = max_local_tokens_;
+  if (layout_.fill_topk && !v.fuse_topk) {
+    int32_t* topk = topk_sets_[static_cast<size_t>(s)].as<int32_t>() + rank * M * setup_.topk_width;
+    launch_fill_minus_one(topk, M * setup_.topk_width, stream);
+  }
+  const DispatchJob job = dispatch_job(rank, transport, ranks_[static_cast<size_t>(rank)]->sets[static_cast<size_t>(s)]);
+  launch_dispatch(&job, 1, stream, v.dispatch, false);
+}
+
 std::vector<Stage> Publisher::stage_model(Transport transport) const {
   const int64_t W = world_, M = max_local_tokens_;
   const int64_t idx = setup_.fmt.has_indexer ? 1 : 0;

@@ -80,6 +80,10 @@ class Publisher {
   /// timer is null). Rotates to the next input set. With variant().pdl the staging / direct kernels are
   /// PDL launches (a timer's events between them then also separate them).
   void enqueue(Transport transport, cudaStream_t stream, StageTimer* timer = nullptr);
+  /// Enqueues rank `rank`'s share of the dispatch stage alone (its top-k fill unless fused, then its dispatch
+  /// kernel writing every peer's staging slot / replica): what one GPU of a PCP group runs before the fence,
+  /// the bench's per-GPU case. Rotates the input set like enqueue(); no fence, no combine.
+  void enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStream_t stream);
   /// Switches kernels / fill / PDL for the following runs (no reallocation).
   void set_variant(const PublishVariant& v) { options_.variant = v; }
   const PublishVariant& variant() const { return options_.variant; }
