@@ -14,6 +14,7 @@
 #include "publish/transport_table.h"
 #include "support/gpu.h"
 #include "support/publish_case.h"
+#include "support/stage_cases.h"
 
 namespace pcpkv {
 namespace {
@@ -23,23 +24,14 @@ using test::make_case;
 
 constexpr Transport kTransports[] = {Transport::kCollect, Transport::kStaging, Transport::kDirect};
 
-struct LayerCase {
-  const char* what;
-  bool indexer;
-  int64_t topk_width;
-};
+using test::LayerCase;
 
 class CudaBackendStages : public ::testing::TestWithParam<LayerCase> {};
 
 TEST_P(CudaBackendStages, SameNamesAndBytesAsTheTableAndTheCpuBackend) {
   REQUIRE_GPU();
   const LayerCase lc = GetParam();
-  CaseSpec spec;
-  spec.pcp = 3;
-  spec.requests = {{RequestKind::kPrefill, 31, 0}, {RequestKind::kDecode, 1, 9}};
-  spec.fmt.has_indexer = lc.indexer;
-  spec.topk_width = lc.topk_width;
-  auto c = make_case(spec);
+  auto c = make_case(test::stage_case_spec(lc));
   const mp::PublishLayout l = mp::make_publish_layout(c->setup);
   auto cpu = make_cpu_backend(2);
   auto gpu = cuda::make_backend(0);
@@ -59,13 +51,7 @@ TEST_P(CudaBackendStages, SameNamesAndBytesAsTheTableAndTheCpuBackend) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Layers, CudaBackendStages,
-                         ::testing::Values(LayerCase{"indexer+topk", true, 16}, LayerCase{"indexer", true, 0},
-                                           LayerCase{"shared", false, 16}),
-                         [](const auto& i) {
-                           return std::string(i.param.indexer ? "Indexer" : "Shared") +
-                                  (i.param.topk_width > 0 ? "Topk" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(Layers, CudaBackendStages, test::layer_cases(), test::layer_case_name);
 
 // The stages a timer sees on the stream are the ones stage_model() names, for separate and fused fills.
 TEST(CudaPublisherStages, TimerMarksTheTablesStepsSeparateAndFused) {

@@ -12,6 +12,7 @@
 #include "publish/publish_layout.h"
 #include "publish/transport_table.h"
 #include "support/publish_case.h"
+#include "support/stage_cases.h"
 
 namespace pcpkv {
 namespace {
@@ -71,22 +72,13 @@ TEST(TransportTable, FusedFillMovesItsBytesIntoTheDispatch) {
   }
 }
 
-struct LayerCase {
-  const char* what;
-  bool indexer;
-  int64_t topk_width;
-};
+using test::LayerCase;
 
 class CpuBackendStages : public ::testing::TestWithParam<LayerCase> {};
 
 TEST_P(CpuBackendStages, ReportExactlyTheTablesNamesAndBytes) {
   const LayerCase lc = GetParam();
-  CaseSpec spec;
-  spec.pcp = 3;
-  spec.requests = {{RequestKind::kPrefill, 31, 0}, {RequestKind::kDecode, 1, 9}};  // uneven ranks: padding rows
-  spec.fmt.has_indexer = lc.indexer;
-  spec.topk_width = lc.topk_width;
-  auto c = make_case(spec);
+  auto c = make_case(test::stage_case_spec(lc));
   const mp::PublishLayout l = mp::make_publish_layout(c->setup);
   const mp::ByteModel model = mp::make_byte_model(c->setup, l, false);
   auto backend = make_cpu_backend(2);
@@ -103,13 +95,7 @@ TEST_P(CpuBackendStages, ReportExactlyTheTablesNamesAndBytes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Layers, CpuBackendStages,
-                         ::testing::Values(LayerCase{"indexer+topk", true, 16}, LayerCase{"indexer", true, 0},
-                                           LayerCase{"shared", false, 16}),
-                         [](const auto& i) {
-                           return std::string(i.param.indexer ? "Indexer" : "Shared") +
-                                  (i.param.topk_width > 0 ? "Topk" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(Layers, CpuBackendStages, test::layer_cases(), test::layer_case_name);
 
 }  // namespace
 }  // namespace pcpkv
