@@ -98,7 +98,8 @@ TEST_P(CpuBackendPcp, ReplicasIdenticalGuardsIntactAndEqualToSingleRank) {
             << "q_c_out rank " << rank << " row " << i;
       }
     }
-    ASSERT_EQ(r.profile.stages.size(), t == Transport::kDirect ? 2u : 3u);
+    // topk-fill (topk_width 16 on an indexer layer), dispatch, then 2 (collect, staging) or 1 (direct) stages.
+    ASSERT_EQ(r.profile.stages.size(), t == Transport::kDirect ? 3u : 4u);
     for (const Stage& s : r.profile.stages) {
       EXPECT_GE(s.ms, 0.0) << s.name;
       EXPECT_GT(s.bytes, 0) << s.name;

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "pcpkv/core/error.h"
 #include "pcpkv/publish/backend.h"
 #include "publish/publish_layout.h"
 #include "publish/transport_table.h"
