@@ -131,7 +131,7 @@ struct TransportReport {
   bool ok() const { return identical && guard_bad == 0 && q_topk_ok && epochs_ok; }
 };
 
-// Bytes the dispatch's P2P stores move between GPUs (the byte model of mp::stage_bytes_for_rank): direct stores
+// Bytes the dispatch's P2P stores move between GPUs (the transport tables' byte model, publish/transport_table.h): direct stores
 // every written row's final cache bytes into every replica; staging stores all M packed rows into every
 // peer's staging slot. Own-replica stores are local, not counted.
 struct P2pBytes {
@@ -546,8 +546,8 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
     std::vector<uint8_t> all_eok(static_cast<size_t>(group->world_size()));
     group->all_gather(&eok, 1, all_eok.data());
     rep.epochs_ok = std::all_of(all_eok.begin(), all_eok.end(), [](uint8_t v) { return v == 1; });
-    // Bytes: each rank's own byte model, summed (stage names differ from the CPU reference's: the CUDA
-    // collect splits its insert into insert-mla and insert-indexer).
+    // Bytes: each rank's share of the transport table's byte model, summed (the stage names are the table's,
+    // the same as the CPU reference's).
     for (size_t k = 0; k < S; ++k) {
       Stage s = timed_profile.stages[k];
       s.ms = 0;
