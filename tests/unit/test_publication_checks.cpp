@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -14,7 +15,7 @@
 namespace pcpkv {
 namespace {
 
-struct Run {
+struct Published {
   std::unique_ptr<test::PublishCase> c;
   PcpPlan single_plan;
   PublishResult r, single;
@@ -29,13 +30,13 @@ struct Run {
   }
 };
 
-Run publish(Transport t, int64_t topk_width = 0) {
+Published publish(Transport t, int64_t topk_width = 0) {
   test::CaseSpec spec;
   spec.pcp = 3;
   spec.requests = {{RequestKind::kPrefill, 40, 0}, {RequestKind::kDecode, 1, 20}};
   spec.alloc.guard_bytes = 32;
   spec.topk_width = topk_width;
-  Run run;
+  Published run;
   run.c = test::make_case(spec);
   run.c->setup.materialize_q = true;
   auto cpu = make_cpu_backend(2);
@@ -55,7 +56,7 @@ std::vector<std::string> names(const std::vector<Check>& checks) {
 }
 
 TEST(PublicationChecks, PassOnACorrectPublicationInOrder) {
-  const Run run = publish(Transport::kStaging, 16);
+  const Published run = publish(Transport::kStaging, 16);
   std::vector<std::string> steps;
   const std::vector<Check> checks =
       check_publication(run.r, run.single, run.pc(), [&](const std::string& s) { steps.push_back(s); });
@@ -76,7 +77,7 @@ TEST(PublicationChecks, PassOnACorrectPublicationInOrder) {
 }
 
 TEST(PublicationChecks, AFlippedRowByteFailsReplicasAndReferenceNamingTheSlot) {
-  Run run = publish(Transport::kDirect);
+  Published run = publish(Transport::kDirect);
   const int64_t slot = run.c->plan.global_slots[0];
   run.r.mla_alloc[2][static_cast<size_t>(run.r.mla_cache_offset + run.r.mla_geometry.row_offset(slot) + 3)] ^= 0x10;
   const std::vector<Check> checks = check_publication(run.r, run.single, run.pc());
@@ -96,7 +97,7 @@ TEST(PublicationChecks, AFlippedRowByteFailsReplicasAndReferenceNamingTheSlot) {
 }
 
 TEST(PublicationChecks, AChangedGuardByteFailsTheGuardCheckOnly) {
-  Run run = publish(Transport::kCollect);
+  Published run = publish(Transport::kCollect);
   run.r.mla_alloc[1][0] ^= 0x01;
   const Check g = check_guards(run.r, run.c->plan, run.c->setup.fmt, {4, 5, 6});
   EXPECT_FALSE(g.pass);
@@ -106,7 +107,7 @@ TEST(PublicationChecks, AChangedGuardByteFailsTheGuardCheckOnly) {
 }
 
 TEST(PublicationChecks, SameCachesFingerprintsOutputsAndEpochs) {
-  const Run a = publish(Transport::kStaging), b = publish(Transport::kDirect);
+  const Published a = publish(Transport::kStaging), b = publish(Transport::kDirect);
   EXPECT_TRUE(check_same_caches(a.r, b.r, a.c->setup.fmt, "staging == direct", "").pass);
   EXPECT_EQ(replicas_fingerprint(a.r), replicas_fingerprint(b.r));
   EXPECT_TRUE(check_same_fingerprint("staging == direct", 7, 7).pass);
@@ -131,7 +132,7 @@ TEST(PublicationChecks, SameCachesFingerprintsOutputsAndEpochs) {
 }
 
 TEST(PublicationChecks, JsonShapeKeepsTheKeysOfPcpkvRun) {
-  const Run run = publish(Transport::kDirect);
+  const Published run = publish(Transport::kDirect);
   const std::vector<Check> checks = check_publication(run.r, run.single, run.pc());
   const auto j = nlohmann::json::parse(checks_json(checks));
   ASSERT_TRUE(j.is_array());
