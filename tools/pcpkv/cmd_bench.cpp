@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "batch_flags.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/flag_checks.h"
@@ -33,12 +34,16 @@
 namespace pcpkv::cli {
 namespace {
 
-struct BenchArgs {
+struct BenchArgs : BatchFlags {
+  BenchArgs() {
+    tokens = 32768;
+    topk_width = 2048;
+    seed = 1;
+  }
   std::string models = "glm-5,deepseek-v3.2";
   std::string pcp = "2,4,8";
   std::string kv_formats = "fp8,fp8_ds_mla";
   std::string transports = "collect,staging,direct";
-  std::string layer = "indexer";
   std::string single = "4096,32768";
   std::string variants = "simple,prefetch,warp,warp_pf";
   std::string layer_variants = "prefetch:separate:1,warp:separate:1,warp:fused:1,warp:fused:2,warp_pf:fused:4,warp:fused:4";
@@ -47,16 +52,12 @@ struct BenchArgs {
   int32_t pdl_layers = 20;
   int32_t per_gpu_pcp = 8;
   int64_t per_gpu_tokens = 32768;
-  int64_t tokens = 32768;
-  int64_t topk_width = 2048;
-  int32_t block_size = 64;
   int iters = 20;
   int warmup = 5;
   bool no_graph = false;
   bool quick = false;
   double copy_gib = 2.0;
   int device = 0;
-  uint64_t seed = 1;
   std::string json_path;
   std::string markdown_path;
 };
@@ -476,11 +477,10 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--pcp", a->pcp, "comma-separated PCP world sizes (logical ranks on one GPU, 1..8)")->capture_default_str();
   sub->add_option("--kv-formats", a->kv_formats, "comma-separated: fp8, fp8_ds_mla, bf16")->capture_default_str();
   sub->add_option("--transports", a->transports, "comma-separated: collect, staging, direct")->capture_default_str();
-  sub->add_option("--tokens", a->tokens, "tokens of the one prefill request")->capture_default_str();
-  sub->add_option("--layer", a->layer, "indexer | shared")->capture_default_str();
-  sub->add_option("--topk-width", a->topk_width, "top-k buffer width filled with -1 on indexer layers (0: none)")
-      ->capture_default_str();
-  sub->add_option("--block-size", a->block_size, "cache block size")->capture_default_str();
+  using F = BatchFlag;
+  add_batch_flags(sub, *a, {F::kTokens, F::kLayer, F::kTopkWidth, F::kBlockSize},
+                  {{F::kTokens, "tokens of the one prefill request"}, {F::kLayer, "indexer | shared"},
+                   {F::kTopkWidth, "top-k buffer width filled with -1 on indexer layers (0: none)"}});
   sub->add_option("--iters", a->iters, "timed runs per case (median)")->capture_default_str();
   sub->add_option("--warmup", a->warmup, "untimed runs first")->capture_default_str();
   sub->add_flag("--no-graph", a->no_graph, "skip the CUDA-graph capture and replay");
@@ -506,7 +506,7 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--copy-gib", a->copy_gib, "size of the copy that measures the copy bandwidth")->capture_default_str();
   sub->add_option("--device", a->device, "CUDA device index")->capture_default_str();
-  sub->add_option("--seed", a->seed, "input seed")->capture_default_str();
+  add_batch_flags(sub, *a, {F::kSeed}, {{F::kSeed, "input seed"}});
   CLI::Option* json_opt = sub->add_option("--json", a->json_path, "write the results as JSON");
   CLI::Option* markdown_opt = sub->add_option("--markdown", a->markdown_path, "write the tables as markdown");
   sub->add_flag("--quick", a->quick,
