@@ -29,7 +29,19 @@ def _sources():
     cpu = [os.path.join(ROOT, "src", "cpu", f"{n}.cpp")
            for n in ("dispatch", "combine", "validate_params", "indexer_ref", "sparse_mla_ref", "lse_merge_ref")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
-    return core + cpu + [s for s in own if not s.endswith("_cuda.cpp")]
+    return core + cpu + [_find_source(n) for n in RANK_SOURCES] + [s for s in own if not s.endswith("_cuda.cpp")]
+
+
+# pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp) and
+# what they need; found by name under src/ so that moving a folder does not break the build.
+RANK_SOURCES = ("input_limits.cpp", "bootstrap.cpp", "bootstrap_wire.cpp", "symmetric_shm.cpp")
+
+
+def _find_source(name):
+    hits = sorted(glob.glob(os.path.join(ROOT, "src", "**", name), recursive=True))
+    if len(hits) != 1:
+        raise RuntimeError(f"pcpkv_torch: expected one src/**/{name}, found {hits}")
+    return hits[0]
 
 
 # pcpkv's CUDA sources behind the launchers of src/cuda/launch.h that the ops call (launch_dispatch,
@@ -49,7 +61,8 @@ def _cuda_sources():
         raise RuntimeError(f"pcpkv_torch: src/cuda/{missing} not found (set PCPKV_TORCH_CUDA=0 for a CPU-only build)")
     names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "dispatch*.cu")))
     names += list(CUDA_SOURCES) + [f for f in CUDA_SOURCES_IF_PRESENT if os.path.exists(os.path.join(d, f))]
-    return [os.path.join(d, f) for f in names]
+    # device symmetric memory of pcpkv_torch.distributed (csrc/symmetric_cuda.cpp)
+    return [os.path.join(d, f) for f in names] + [_find_source("symmetric_vmm.cpp")]
 
 
 def _want_cuda():
