@@ -26,6 +26,7 @@ except ImportError as e:
 
 LAYERS, TOPK, BLOCK, NUM_BLOCKS = 4, 32, 16, 24
 FENCE_TIMEOUT_S = 3.0
+TRANSPORTS = ("direct", "staging", "collect")
 
 
 def _schedule():
@@ -87,9 +88,22 @@ def _prefill(rank, world, path, transports):
     return out
 
 
+def _prefill_then_corrupt(rank, world, path, transports):
+    """Both P = 2 scenarios in one spawn (a spawn costs seconds): (a), then (c)."""
+    return dict(prefill=_prefill(rank, world, path, transports), corrupt=_corrupted(rank, world, path, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def p2_run():
+    return run_ranks(_prefill_then_corrupt, 2, model_file(), TRANSPORTS, timeout=120)
+
+
 @pytest.mark.parametrize("P", [2, 4])
-def test_logits_equal_the_single_process_run(P):
-    out = run_ranks(_prefill, P, model_file(), ("direct", "staging", "collect"), timeout=120)
+def test_logits_equal_the_single_process_run(P, request):
+    if P == 2:
+        out = {r: (k, v["prefill"] if k == "ok" else v) for r, (k, v) in request.getfixturevalue("p2_run").items()}
+    else:
+        out = run_ranks(_prefill, P, model_file(), TRANSPORTS, timeout=120)
     for r in range(P):
         kind, val = out[r]
         assert kind == "ok", val
@@ -159,8 +173,8 @@ def _corrupted(rank, world, path, victim, layer):
     return dict(error=None)
 
 
-def test_a_corrupted_replica_is_named_by_the_replica_check():
-    out = run_ranks(_corrupted, 2, model_file(), 1, 2, timeout=60)
+def test_a_corrupted_replica_is_named_by_the_replica_check(p2_run):
+    out = {r: (k, v["corrupt"] if k == "ok" else v) for r, (k, v) in p2_run.items()}
     slot = out[1][1].get("slot") if out[1][0] == "ok" else None
     assert slot is not None, out
     for r in range(2):
