@@ -114,6 +114,7 @@ def run(args, dist, world, device, backend) -> int:
             t0 = time.perf_counter()
             logits = [pcp.step(s)[0].cpu() for s in steps]
             seconds = time.perf_counter() - t0
+            chk = pcp.world.replica_check
             same = True
             for layer in range(args.layers):
                 reps = [pcp.world.replica_bytes(layer, r) for r in range(world)]
@@ -124,6 +125,9 @@ def run(args, dist, world, device, backend) -> int:
         say(f"  {'PASS' if same else 'FAIL'}  {tr:8s} {world} replicas x {args.layers} layers byte-identical "
             f"(rank 0's view; step {seconds:.3f} s)")
         ok &= same
+        if chk.enabled:
+            say(f"        {tr:8s} replica check: {chk.seconds / max(chk.layers, 1) * 1e3:.3f} ms per layer on rank 0 "
+                f"({chk.layers} layers; hash of the written slots + an all-gather of the hashes; in the step time)")
         if rank == 0 and not args.no_reference:
             ref = PcpModel(model, world, transport=tr, **kw)
             try:

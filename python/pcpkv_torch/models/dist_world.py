@@ -22,6 +22,7 @@ peer's connection closes or after the group's timeout).
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -127,11 +128,13 @@ class DistPcpWorld(PcpWorld):
     def check_published(self, layer_idx: int, step):
         if not self.replica_check.enabled:
             return
+        t0 = time.perf_counter()
         slots = self.replica_check.written_slots(step)
         idx = self.index[layer_idx]
         mine = slot_hashes(self.mla[layer_idx][self.rank], idx[self.rank] if idx is not None else None, slots)
         hashes = self._named(f"layer {layer_idx} replica check", lambda: self.all_gather(mine))
         compare_hashes(hashes, slots, layer_idx)
+        self.replica_check.record(t0)
 
     def close(self):
         """Releases this rank's symmetric memory and bootstrap (local; the peers need not be alive)."""

@@ -12,6 +12,7 @@ always changes it.
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 import torch
@@ -71,6 +72,11 @@ class ReplicaCheck:
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"check_replicas = {enabled!r} must be True, False or None")
         self.enabled = os.environ.get(ENV, "0") == "1" if enabled is None else enabled
+        self.seconds, self.layers = 0.0, 0  # its cost: wall time of every check (it synchronizes), layers checked
+
+    def record(self, t0: float):
+        self.seconds += time.perf_counter() - t0
+        self.layers += 1
 
     @staticmethod
     def written_slots(step) -> torch.Tensor:
@@ -79,8 +85,10 @@ class ReplicaCheck:
 
     def check_local(self, world, layer_idx: int, step):
         """Every replica of a world whose ranks all live in this process (PcpWorld)."""
+        t0 = time.perf_counter()
         slots = self.written_slots(step)
         idx = world.index[layer_idx]
         h = torch.stack([slot_hashes(world.mla[layer_idx][r], idx[r] if idx is not None else None, slots)
                          for r in range(world.W)])
         compare_hashes(h, slots, layer_idx)
+        self.record(t0)
