@@ -30,19 +30,10 @@ def _sources():
     cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
     cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_ref", "sparse_mla_ref", "lse_merge_ref")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
-    return core + cpu + [_find_source(n) for n in RANK_SOURCES] + [s for s in own if not s.endswith("_cuda.cpp")]
-
-
-# pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp) and
-# what they need; found by name under src/ so that moving a folder does not break the build.
-RANK_SOURCES = ("input_limits.cpp", "bootstrap.cpp", "bootstrap_wire.cpp", "symmetric_shm.cpp")
-
-
-def _find_source(name):
-    hits = sorted(glob.glob(os.path.join(ROOT, "src", "**", name), recursive=True))
-    if len(hits) != 1:
-        raise RuntimeError(f"pcpkv_torch: expected one src/**/{name}, found {hits}")
-    return hits[0]
+    # pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp)
+    ranks = [os.path.join(src, f) for f in ("core/input_limits.cpp", "ranks/bootstrap.cpp", "ranks/bootstrap_wire.cpp",
+                                            "ranks/symmetric_shm.cpp")]
+    return core + cpu + ranks + [s for s in own if not s.endswith("_cuda.cpp")]
 
 
 # pcpkv's CUDA sources behind the launchers of src/publish/cuda/launch.h that the ops call (launch_dispatch,
@@ -53,6 +44,8 @@ def _find_source(name):
 CUDA_SOURCES = ("publish/cuda/combine.cu", "publish/cuda/insert.cu", "publish/cuda/fence.cu", "core/cuda/device.cpp",
                 "consumers/cuda/indexer_kernels.cu", "consumers/cuda/sparse_mla_kernels.cu",
                 "consumers/cuda/sparse_mla_mma.cu", "consumers/cuda/lse_merge_kernels.cu")
+# Device symmetric memory of pcpkv_torch.distributed (csrc/symmetric_cuda.cpp): ranks/cuda/symmetric_vmm.cpp.
+CUDA_SOURCES += ("ranks/cuda/symmetric_vmm.cpp",)
 CUDA_SOURCES_IF_PRESENT = ("core/cuda/pdl_switch.cpp",)
 
 
@@ -63,8 +56,7 @@ def _cuda_sources():
         raise RuntimeError(f"pcpkv_torch: src/{missing} not found (set PCPKV_TORCH_CUDA=0 for a CPU-only build)")
     names = sorted(os.path.relpath(p, d) for p in glob.glob(os.path.join(d, "publish", "cuda", "dispatch*.cu")))
     names += list(CUDA_SOURCES) + [f for f in CUDA_SOURCES_IF_PRESENT if os.path.exists(os.path.join(d, f))]
-    # device symmetric memory of pcpkv_torch.distributed (csrc/symmetric_cuda.cpp)
-    return [os.path.join(d, f) for f in names] + [_find_source("symmetric_vmm.cpp")]
+    return [os.path.join(d, f) for f in names]
 
 
 def _want_cuda():

@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "pcpkv/symmetric.h"
+#include "pcpkv/ranks/symmetric.h"
 
 namespace pcpkv_torch {
 

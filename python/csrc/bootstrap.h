@@ -1,4 +1,4 @@
-// python/csrc/bootstrap.h: pcpkv's Bootstrap (pcpkv/bootstrap.h) as a torch custom class,
+// python/csrc/bootstrap.h: pcpkv's Bootstrap (pcpkv/ranks/bootstrap.h) as a torch custom class,
 // torch.classes.pcpkv.Bootstrap, so that Python processes of a torch.distributed group share memory through
 // pcpkv's own rendezvous (same-user and job-token checks, bounded waits naming the missing rank).
 #pragma once
@@ -8,8 +8,8 @@
 #include <memory>
 #include <string>
 
-#include "pcpkv/bootstrap.h"
-#include "pcpkv/error.h"
+#include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/core/error.h"
 
 namespace pcpkv_torch {
 

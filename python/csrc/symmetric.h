@@ -1,4 +1,4 @@
-// python/csrc/symmetric.h: pcpkv symmetric memory (pcpkv/symmetric.h) as a torch custom class,
+// python/csrc/symmetric.h: pcpkv symmetric memory (pcpkv/ranks/symmetric.h) as a torch custom class,
 // torch.classes.pcpkv.SymmetricBuffer: every rank's buffer of a Bootstrap group mapped here, handed out as
 // uint8 tensors. Host memory: POSIX shared memory (make_host_symmetric); CUDA: VMM handles passed as file
 // descriptors (cuda::make_device_symmetric, symmetric_cuda.cpp).
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "bootstrap.h"
-#include "pcpkv/symmetric.h"
+#include "pcpkv/ranks/symmetric.h"
 
 namespace pcpkv_torch {
 

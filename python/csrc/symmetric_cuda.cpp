@@ -1,6 +1,6 @@
 // python/csrc/symmetric_cuda.cpp: the CUDA half of torch.classes.pcpkv.SymmetricBuffer (CUDA builds only):
-// pcpkv's VMM symmetric memory (src/cuda/symmetric_vmm.cpp) on the current device.
-#include "pcpkv/cuda_multiproc.h"
+// pcpkv's VMM symmetric memory (src/ranks/cuda/symmetric_vmm.cpp) on the current device.
+#include "pcpkv/ranks/cuda.h"
 #include "symmetric.h"
 
 namespace pcpkv_torch {

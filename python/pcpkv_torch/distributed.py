@@ -9,7 +9,7 @@
         fence(c.fence_state)                                       # cross-process fence over symmetric pads
 
 The torch group only carries rank 0's bootstrap address and a fresh job token (broadcast_object_list); every
-rank then meets the others through pcpkv's own bootstrap (pcpkv/bootstrap.h: a Unix-domain socket in a 0700
+rank then meets the others through pcpkv's own bootstrap (pcpkv/ranks/bootstrap.h: a Unix-domain socket in a 0700
 directory, same-user check by SO_PEERCRED both ways, the job token) and shares memory through it:
   CPU   POSIX shared memory (shm_open 0600, unlinked at once), the descriptors passed over the socket, mmap'd
   CUDA  cuMemCreate buffers exported as POSIX file descriptors, imported and cuMemMap'd by every rank
