@@ -5,7 +5,9 @@ or nothing naming the failing rank, and close() leaves no descriptor, mapping or
 import glob
 import os
 
-from helpers import torch  # noqa: F401  (skips without torch / the extension)
+import pytest
+
+from helpers import DEVICES, torch  # noqa: F401  (skips without torch / the extension)
 from dist_ranks import run_ranks
 
 W = 2
@@ -24,12 +26,15 @@ def _caches(**kw):
     return SymmetricCaches(**args)
 
 
-def _exchange(rank, world):
+def _exchange(rank, world, device):
     import torch
     from pcpkv_torch.distributed import resource_counts
 
+    if device == "cuda":  # rank i on cuda:(i % GPUs): several ranks may share one GPU
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.zeros(1, device="cuda")  # the CUDA context's own descriptors belong to the baseline
     before = resource_counts()
-    with _caches() as c:
+    with _caches(device=device) as c:
         assert c.rank == rank and c.world == world
         during = resource_counts()
         # guard bytes everywhere at first; then rank r writes slot r of layer 0 in every replica (peer stores)
@@ -39,6 +44,8 @@ def _exchange(rank, world):
         for peer in range(world):
             c.mla[0][peer][0, rank].fill_(rank + 1)
             c.index[0][peer][1, rank].fill_(0x10 + rank)
+        if device == "cuda":
+            torch.cuda.synchronize()  # the stores are done before the (host) barrier tells the peers
         c.bootstrap.barrier()
         mine = c.mla[0][rank]
         got = [int(mine[0, r].min()) == int(mine[0, r].max()) == r + 1 for r in range(world)]
@@ -53,14 +60,16 @@ def _exchange(rank, world):
     return dict(got=got, untouched=untouched, before=before, during=during, after=after, segments=segments)
 
 
-def test_peer_stores_land_in_every_replica_and_close_frees_everything():
-    out = run_ranks(_exchange, W, timeout=60)
+@pytest.mark.parametrize("device", DEVICES)
+def test_peer_stores_land_in_every_replica_and_close_frees_everything(device):
+    out = run_ranks(_exchange, W, device, timeout=60)
     for r in range(W):
         kind, val = out[r]
         assert kind == "ok", val
         assert all(val["got"]) and val["untouched"], val
         assert val["segments"] == []  # unlinked at once: a killed job leaves nothing in /dev/shm
-        assert val["during"]["shm_mappings"] >= val["before"]["shm_mappings"] + 2 * W  # caches + pads per rank
+        if device == "cpu":
+            assert val["during"]["shm_mappings"] >= val["before"]["shm_mappings"] + 2 * W  # caches + pads per rank
         for k in ("open_fds", "shm_mappings"):
             assert val["after"][k] == val["before"][k], (k, val)
 
