@@ -107,6 +107,8 @@ class PcpModel:
         pos_of_slot = self.blocks.position_of_slot()
         out = torch.full((batch.num_tokens, sel[0].shape[1]), -1, dtype=torch.int64)
         for r, k in enumerate(sel):
+            if k is None:  # a rank of another process (DistPcpModel): its tokens stay -1 here
+                continue
             k = k.cpu().long()
             p = torch.where(k >= 0, pos_of_slot[k.clamp(min=0)], torch.full_like(k, -1))
             own = batch.owner[r].cpu()
