@@ -30,7 +30,10 @@ def _sources():
     cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
     cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
-    return core + cpu + [s for s in own if not s.endswith("_cuda.cpp")]
+    # pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp)
+    ranks = [os.path.join(src, f) for f in ("core/input_limits.cpp", "ranks/bootstrap.cpp", "ranks/bootstrap_wire.cpp",
+                                            "ranks/symmetric_shm.cpp")]
+    return core + cpu + ranks + [s for s in own if not s.endswith("_cuda.cpp")]
 
 
 # pcpkv's CUDA sources behind the launchers of pcpkv/publish/kernels.h that the ops call (launch_dispatch,
@@ -42,6 +45,8 @@ def _sources():
 CUDA_SOURCES = ("publish/cuda/combine.cu", "publish/cuda/insert.cu", "publish/cuda/fence.cu", "core/cuda/device.cpp",
                 "consumers/cuda/indexer_kernels.cu", "consumers/cuda/sparse_mla_kernels.cu",
                 "consumers/cuda/sparse_mla_mma.cu", "consumers/cuda/lse_merge_kernels.cu")
+# Device symmetric memory of pcpkv_torch.distributed (csrc/symmetric_cuda.cpp): ranks/cuda/symmetric_vmm.cpp.
+CUDA_SOURCES += ("ranks/cuda/symmetric_vmm.cpp",)
 CUDA_SOURCES_IF_PRESENT = ("core/cuda/pdl_switch.cpp",)
 
 

@@ -122,6 +122,23 @@ Timed time_transport(Publisher& pub, Transport t, const BenchOptions& o) {
   return out;
 }
 
+/// warmup + iters runs of rank `rank`'s dispatch alone (Publisher::enqueue_rank_dispatch); median ms.
+double time_rank_dispatch(Publisher& pub, int32_t rank, Transport t, const BenchOptions& o) {
+  Stream stream;
+  for (int i = 0; i < o.warmup; ++i) pub.enqueue_rank_dispatch(rank, t, stream.get());
+  stream.sync();
+  Event a, b;
+  std::vector<double> ms;
+  for (int i = 0; i < o.iters; ++i) {
+    PCPKV_CUDA_CHECK(cudaEventRecord(a.get(), stream.get()));
+    pub.enqueue_rank_dispatch(rank, t, stream.get());
+    PCPKV_CUDA_CHECK(cudaEventRecord(b.get(), stream.get()));
+    stream.sync();
+    ms.push_back(cuda_detail::elapsed_ms(a, b));
+  }
+  return median(ms);
+}
+
 /// Median replay time of `layers` publications captured back to back into one graph, divided by layers.
 double time_graph(Publisher& pub, Transport t, const BenchOptions& o, int layers = 1) {
   Stream stream;
@@ -228,6 +245,46 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
                                     s.ms * 1e-3 / (static_cast<double>(s.bytes) / (rep.copy_gbps * 1e9))));
           rep.singles.push_back(s);
         }
+    }
+  }
+
+  // ---- the per-GPU case: rank 0's dispatch alone in a PCP group ----
+  if (o.per_gpu_pcp > 0) {
+    const int32_t P = o.per_gpu_pcp;
+    PCPKV_CHECK(P <= 8, "--per-gpu-pcp {}: the one-GPU bench serves 1..8 ranks", P);
+    // Even DualChunkSwap split (2P equal chunks), so every rank has the same rows and rank 0's bytes are
+    // the stage model's over P.
+    PCPKV_CHECK(o.per_gpu_tokens >= 2 * P && o.per_gpu_tokens % (2 * P) == 0,
+                "--per-gpu-tokens {} must be a positive multiple of 2 x --per-gpu-pcp = {}", o.per_gpu_tokens, 2 * P);
+    const PcpPlan plan = one_prefill_plan(P, o.per_gpu_tokens, o.block_size, o.seed);
+    for (const std::string& name : o.models) {
+      const ModelConfig model = preset(name);
+      const GlobalInputs in = generate_inputs(model, plan, true, o.seed);
+      const PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      auto pub = make_publisher(setup, in, PublisherOptions{}, rep.l2_bytes);
+      std::vector<std::string> seen;
+      for (PublishVariant v : layer_variants) {
+        v.combine_rows_per_warp = 0;  // dispatch kernel and fill only
+        v.pdl = false;
+        if (std::find(seen.begin(), seen.end(), v.name()) != seen.end()) continue;
+        seen.push_back(v.name());
+        pub->set_variant(v);
+        for (Transport t : {Transport::kStaging, Transport::kDirect}) {
+          BenchPerGpu row;
+          row.model = name;
+          row.pcp = P;
+          row.local_tokens = o.per_gpu_tokens / P;
+          row.transport = t;
+          row.variant = v.name();
+          row.ms = time_rank_dispatch(*pub, 0, t, o);
+          for (const Stage& st : pub->stage_model(t))
+            if (st.name == "dispatch" || st.name == "topk-fill") row.bytes += st.bytes / P;
+          say(progress, fmt::format("per GPU {} PCP {} rank 0 ({} rows) {} [{}]: {:.1f} us ({:.2f}x the copy floor)",
+                                    name, P, row.local_tokens, to_string(t), row.variant, row.ms * 1e3,
+                                    row.ms * 1e-3 / (static_cast<double>(row.bytes) / (rep.copy_gbps * 1e9))));
+          rep.per_gpu.push_back(row);
+        }
+      }
     }
   }
 

@@ -27,8 +27,7 @@ def bench_doc():
     for model in ("glm-5", "deepseek-v3.2"):
         for transport, variant, stages, floor in (
                 ("collect", "prefetch:separate:1", [("topk-fill", 0.068, 268), ("dispatch", 0.147, 361),
-                                                    ("all-gather", 0.151, 738), ("insert-mla", 0.155, 474),
-                                                    ("insert-indexer", 0.042, 102)], 0.455),
+                                                    ("all-gather", 0.151, 738), ("insert", 0.197, 576)], 0.455),
                 ("staging", "warp:fused:4", [("dispatch", 0.268, 793), ("fence", 0.005, 0), ("combine", 0.125, 416)],
                  0.283),
                 ("direct", "warp:fused:4", [("dispatch", 0.268, 790), ("fence", 0.005, 0)], 0.185)):

@@ -111,47 +111,6 @@ DispatchParams base_dispatch_params(const PublishSetup& s, const PublishLayout& 
   return d;
 }
 
-std::vector<std::string> stage_names(Transport t) {
-  switch (t) {
-    case Transport::kCollect: return {"dispatch", "all-gather", "insert"};
-    case Transport::kStaging: return {"dispatch", "fence", "combine"};
-    case Transport::kDirect: return {"dispatch", "fence"};
-  }
-  return {};
-}
-
-int64_t stage_bytes_for_rank(const PublishSetup& s, const PublishLayout& l, Transport t, const std::string& stage,
-                             int32_t rank) {
-  const PcpPlan& plan = *s.plan;
-  const int64_t W = plan.pcp_world;
-  const int64_t M = plan.max_local_tokens;
-  const int64_t idx = s.fmt.has_indexer ? 1 : 0;
-  const int64_t bf16_row_bytes = 1024 + 128 + idx * 256;
-  const int64_t cache_row_bytes = l.row.mla_bytes + idx * kIndexerSlotBytes;
-  auto written = [](const RankPlan& rp) {
-    return static_cast<int64_t>(
-        std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t x) { return x >= 0; }));
-  };
-  int64_t written_all = 0;
-  for (const RankPlan& rp : plan.ranks) written_all += written(rp);
-  const int64_t written_mine = written(plan.ranks[static_cast<size_t>(rank)]);
-  const int64_t q_bytes = s.materialize_q ? 2 * s.model->q_lora_rank : 0;
-  const int64_t topk_bytes = l.fill_topk ? 4 * s.topk_width : 0;
-  const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (t == Transport::kDirect ? 8 : 0);
-  if (stage == "dispatch") {
-    int64_t b = M * (read_per_row + q_bytes + topk_bytes);
-    if (t == Transport::kCollect) b += M * bf16_row_bytes;
-    if (t == Transport::kStaging) b += M * W * l.row.row_bytes;
-    if (t == Transport::kDirect) b += written_mine * W * cache_row_bytes;
-    return b;
-  }
-  if (stage == "all-gather") return W * M * bf16_row_bytes * 2;
-  if (stage == "insert") return written_all * (bf16_row_bytes + cache_row_bytes);
-  if (stage == "combine") return written_all * (l.row.row_bytes + cache_row_bytes);
-  if (stage == "fence") return W * 16;
-  return 0;
-}
-
 std::string describe_rank(int32_t pcp_rank, const std::vector<int32_t>& global_ranks, const std::vector<int64_t>& pids) {
   std::string s = fmt::format("rank {}", pcp_rank);
   const bool has_global = pcp_rank >= 0 && pcp_rank < static_cast<int32_t>(global_ranks.size()) &&

@@ -55,12 +55,6 @@ struct DispatchInputs {
 /// DispatchParams for M = max_local_tokens rows with the model's eps and rope styles, no transport set.
 DispatchParams base_dispatch_params(const PublishSetup& s, const PublishLayout& l, const DispatchInputs& in);
 
-/// Stage names of a transport, in order.
-std::vector<std::string> stage_names(Transport t);
-/// Bytes one rank moves in a stage (the single-process backend's byte model, this rank's share).
-int64_t stage_bytes_for_rank(const PublishSetup& s, const PublishLayout& l, Transport t, const std::string& stage,
-                             int32_t rank);
-
 /// "rank 2 (global rank 6, pid 4711)" for messages.
 std::string describe_rank(int32_t pcp_rank, const std::vector<int32_t>& global_ranks, const std::vector<int64_t>& pids);
 

@@ -6,6 +6,10 @@
 // Every test skips, saying why, when the CLI cannot use a GPU here.
 #include <gtest/gtest.h>
 
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
 #include "support/cli_runner.h"
 
 namespace pcpkv {
@@ -75,6 +79,49 @@ TEST(LaunchCuda, KilledRankIsReportedWithinTheTimeout) {
   EXPECT_GE(count_occurrences(r.output, "is gone (exited or killed)"), 3) << r.output;
   EXPECT_EQ(count_occurrences(r.output, "exited with code 4"), 3) << r.output;
   EXPECT_LT(r.seconds, 30.0) << r.output;
+}
+
+// The JSON object `mp-publish --json` printed (rank 0's stdout; the tables on stderr are dropped by the shell).
+nlohmann::json mp_publish_json(const std::string& output) {
+  const auto at = output.find("{\n  \"backend\"");
+  if (at == std::string::npos) return {};
+  std::istringstream in(output.substr(at));
+  nlohmann::json j;
+  in >> j;  // one value; anything after it is not JSON
+  return j;
+}
+
+// The CUDA per-process publisher reports the transport tables' stages: the same names, in the same order, as
+// the CPU per-process publisher, and bytes (each rank's share, summed) equal to them.
+TEST(LaunchCuda, StageNamesAndBytesEqualTheCpuPublishers) {
+  SKIP_WITHOUT_GPU();
+  nlohmann::json runs[2];
+  const char* backends[2] = {"cpu", "cuda"};
+  for (int b = 0; b < 2; ++b) {
+    // stdout only, through a shell: rank 0's JSON must not interleave with the tables on stderr.
+    std::vector<std::string> args{"-c", "exec \"$0\" \"$@\" 2>/dev/null", PCPKV_CLI_PATH, "launch", "--nproc", "2",
+                                  "--output", "rank0", "--gpus", "0", "--", "mp-publish", "--backend", backends[b],
+                                  "--tokens", "40", "--decodes", "1", "--topk-width", "16", "--json"};
+    if (b == 0) args.erase(args.begin() + 8, args.begin() + 10);  // the CPU run needs no GPU
+    const auto r = run_program(args, 600, clean_env(), "/bin/sh");
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    runs[b] = mp_publish_json(r.output);
+    ASSERT_TRUE(runs[b].contains("transports")) << r.output;
+  }
+  ASSERT_EQ(runs[1]["transports"].size(), 3u);
+  ASSERT_EQ(runs[0]["transports"].size(), runs[1]["transports"].size());
+  for (size_t t = 0; t < runs[0]["transports"].size(); ++t) {
+    const auto& cpu = runs[0]["transports"][t];
+    const auto& gpu = runs[1]["transports"][t];
+    ASSERT_EQ(cpu["transport"], gpu["transport"]);
+    ASSERT_EQ(cpu["stages"].size(), gpu["stages"].size()) << cpu.dump() << "\n" << gpu.dump();
+    EXPECT_EQ(gpu["stages"][0]["name"], "topk-fill") << gpu.dump();
+    for (size_t k = 0; k < cpu["stages"].size(); ++k) {
+      EXPECT_EQ(gpu["stages"][k]["name"], cpu["stages"][k]["name"]) << gpu["transport"];
+      EXPECT_EQ(gpu["stages"][k]["bytes"], cpu["stages"][k]["bytes"]) << gpu["transport"] << " "
+                                                                      << gpu["stages"][k]["name"];
+    }
+  }
 }
 
 TEST(LaunchCuda, LeakCheck) {

@@ -101,8 +101,25 @@ int publish_and_check(Bootstrap& group, const Job& job, Transport transport, con
       RANK_CHECK(g.num_bad == 0, "replica {}: {} guard bytes touched; first: {}", r, g.num_bad, g.first);
     }
   }
-  // Stage profile: the transport's stages, with bytes.
-  RANK_CHECK(!mine.profile.stages.empty() && mine.profile.stages[0].name == "dispatch", "profile");
+  // Stage profile: the transport table's stages, named as the single-process backend names them, with bytes.
+  RANK_CHECK(mine.profile.stages.size() == ref.profile.stages.size(), "rank {}: {} stages, the reference {}", me,
+             mine.profile.stages.size(), ref.profile.stages.size());
+  for (size_t k = 0; k < ref.profile.stages.size(); ++k) {
+    RANK_CHECK(mine.profile.stages[k].name == ref.profile.stages[k].name, "rank {} stage {}: '{}', the reference '{}'",
+               me, k, mine.profile.stages[k].name, ref.profile.stages[k].name);
+    RANK_CHECK(mine.profile.stages[k].bytes > 0, "rank {} stage {}: no bytes", me, mine.profile.stages[k].name);
+  }
+  // Each rank reports its share of the byte model: the shares sum to the single-process backend's bytes.
+  const size_t S = ref.profile.stages.size();
+  std::vector<int64_t> my_bytes(S), all_bytes(S * static_cast<size_t>(group.world_size()));
+  for (size_t k = 0; k < S; ++k) my_bytes[k] = mine.profile.stages[k].bytes;
+  group.all_gather(my_bytes.data(), S * sizeof(int64_t), all_bytes.data());
+  for (size_t k = 0; k < S; ++k) {
+    int64_t sum = 0;
+    for (int32_t r = 0; r < group.world_size(); ++r) sum += all_bytes[static_cast<size_t>(r) * S + k];
+    RANK_CHECK(sum == ref.profile.stages[k].bytes, "stage {}: ranks' bytes sum to {}, the reference counts {}",
+               ref.profile.stages[k].name, sum, ref.profile.stages[k].bytes);
+  }
   group.barrier();  // peers keep their mappings until rank 0 has read them
   return 0;
 }

@@ -50,6 +50,9 @@ TEST(CliFlagsBench, NumbersAreChecked) {
   expect_refused("--warmup=-1", {"--warmup", "-1"});
   expect_refused("--pdl-pcp 9", {"--pdl-pcp", "9"});
   expect_refused("--pdl-layers 0", {"--pdl-layers", "0"});
+  expect_refused("--per-gpu-pcp 9", {"--per-gpu-pcp", "9"});
+  expect_refused("--per-gpu-pcp=-1", {"--per-gpu-pcp", "-1"});
+  expect_refused("--per-gpu-tokens 100", {"--per-gpu-tokens", "100", "multiple of 2 x --per-gpu-pcp = 16"});
   expect_refused("--copy-gib 0", {"--copy-gib", "0"});
   expect_refused("--device=-1", {"--device", "-1"});
   expect_refused("--layer dense", {"--layer", "dense"});

@@ -98,7 +98,8 @@ TEST_P(CpuBackendPcp, ReplicasIdenticalGuardsIntactAndEqualToSingleRank) {
             << "q_c_out rank " << rank << " row " << i;
       }
     }
-    ASSERT_EQ(r.profile.stages.size(), t == Transport::kDirect ? 2u : 3u);
+    // topk-fill (topk_width 16 on an indexer layer), dispatch, then 2 (collect, staging) or 1 (direct) stages.
+    ASSERT_EQ(r.profile.stages.size(), t == Transport::kDirect ? 3u : 4u);
     for (const Stage& s : r.profile.stages) {
       EXPECT_GE(s.ms, 0.0) << s.name;
       EXPECT_GT(s.bytes, 0) << s.name;
@@ -278,20 +279,30 @@ TEST(CpuBackend, ProfileCountsBytesOfThePerfModel) {
   ASSERT_EQ(c->plan.max_local_tokens, 16);
   auto backend = make_cpu_backend(2);
   const int64_t n = 128;
-  // Per token (docs/perf.md): read 4096 + 1024 + 128 + 256 + 8 (+ 8 slot: direct), write 4096 + 8192 + rows.
+  auto stage = [](const PublishResult& r, const std::string& name) {
+    for (const Stage& s : r.profile.stages)
+      if (s.name == name) return s;
+    ADD_FAILURE() << "no stage '" << name << "'";
+    return Stage{};
+  };
+  // Per token (docs/perf.md): read 4096 + 1024 + 128 + 256 + 8 (+ 8 slot: direct), write 4096 + rows; the
+  // top-k fill (8192 per token) is its own stage, as on the CUDA backend.
   const PublishResult direct = backend->publish(c->setup, c->inputs, Transport::kDirect);
-  EXPECT_EQ(direct.profile.stages[0].name, "dispatch");
-  EXPECT_EQ(direct.profile.stages[0].bytes, n * (5520 + 4096 + 8192 + 8 * (656 + 132)));
+  ASSERT_EQ(direct.profile.stages.size(), 3u);
+  EXPECT_EQ(direct.profile.stages[0].name, "topk-fill");
+  EXPECT_EQ(direct.profile.stages[0].bytes, n * 8192);
+  EXPECT_EQ(direct.profile.stages[1].name, "dispatch");
+  EXPECT_EQ(direct.profile.stages[1].bytes, n * (5520 + 4096 + 8 * (656 + 132)));
   const PublishResult staging = backend->publish(c->setup, c->inputs, Transport::kStaging);
-  EXPECT_EQ(staging.profile.stages[0].bytes, n * (5512 + 4096 + 8192 + 8 * 800));
-  EXPECT_EQ(staging.profile.stages[2].name, "combine");
-  EXPECT_EQ(staging.profile.stages[2].bytes, 8 * n * (800 + 788));
+  EXPECT_EQ(stage(staging, "dispatch").bytes, n * (5512 + 4096 + 8 * 800));
+  EXPECT_EQ(staging.profile.stages[3].name, "combine");
+  EXPECT_EQ(staging.profile.stages[3].bytes, 8 * n * (800 + 788));
   const PublishResult collect = backend->publish(c->setup, c->inputs, Transport::kCollect);
-  EXPECT_EQ(collect.profile.stages[1].name, "all-gather");
-  EXPECT_EQ(collect.profile.stages[1].bytes, 8 * n * 1408 * 2);
-  EXPECT_EQ(collect.profile.stages[2].bytes, 8 * n * (1408 + 788));
-  EXPECT_EQ(collect.profile.total_bytes(), collect.profile.stages[0].bytes + collect.profile.stages[1].bytes +
-                                               collect.profile.stages[2].bytes);
+  EXPECT_EQ(collect.profile.stages[2].name, "all-gather");
+  EXPECT_EQ(collect.profile.stages[2].bytes, 8 * n * 1408 * 2);
+  EXPECT_EQ(stage(collect, "insert").bytes, 8 * n * (1408 + 788));
+  EXPECT_EQ(collect.profile.total_bytes(), n * 8192 + n * (5512 + 4096 + 1408) + 8 * n * 1408 * 2 +
+                                               8 * n * (1408 + 788));
   EXPECT_GE(collect.profile.total_ms(), 0.0);
 }
 

@@ -16,6 +16,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "batch_flags.h"
+#include "footprint.h"
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
@@ -39,19 +41,20 @@
 namespace pcpkv::cli {
 namespace {
 
-struct AttentionOptions {
-  std::string model = "glm-5";
+struct AttentionOptions : BatchFlags {
+  AttentionOptions() {
+    decodes = 5;
+    decode_context = 3000;  // > top-k: decodes select 2048 of their keys
+    k_scale = 1.0 / 64.0;
+    transport = "direct";
+    backend = "cpu";  // publication backend
+    seed = 1;
+    tokens = 32768;  // --bench: the causal prefill
+    repeats = 3;     // --bench: timed runs
+  }
   std::string pcp = "1,2,4,8";        // PCP worlds to check, each against one rank
   std::string prefill = "301,77";     // prefill lengths
   int64_t prefill_context = 0;        // context of every prefill request (chunked prefill)
-  int32_t decodes = 5;
-  int64_t decode_context = 3000;      // > top-k: decodes select 2048 of their keys
-  int32_t block_size = 64;
-  std::string kv_format = "fp8_ds_mla";
-  std::string ds_mla_scale = "pow2";
-  double k_scale = 1.0 / 64.0;
-  std::string transport = "direct";
-  std::string backend = "cpu";        // publication backend
   std::string consumers = "cpu";      // cpu | cuda
   std::string attention_kernel = "mma";  // cuda consumers: mma | simt
   std::string bench_indexers = "exact,fp32_tree";
@@ -59,11 +62,8 @@ struct AttentionOptions {
   int32_t topk = 2048;
   int32_t dcp = 4;
   int32_t dcp_interleave = 1;
-  uint64_t seed = 1;
   bool no_reference = false;
   bool bench = false;
-  int64_t bench_tokens = 32768;
-  int32_t repeats = 3;
   std::vector<std::string> flags_given;  // long flags on the command line ("--k-scale"), for the notes
   bool given(const char* flag) const {
     for (const std::string& f : flags_given)
@@ -141,50 +141,8 @@ IndexerLogit parse_indexer_logit(const std::string& name, const char* flag) {
 //                                                                              2.30 / 1.80 GB (+28%)
 // so the estimate is 7% to 28% above the measured peak (least when the cache replicas dominate).
 
-// The batch the flags describe. No request is stored yet: --decodes 2000000000 is sized, not built.
-struct BatchShape {
-  std::vector<int64_t> prefills;  // lengths
-  long double prefill_context = 0;
-  long double decodes = 0;
-  long double decode_context = 0;  // decode i: this + 13 i cached positions, then its token
-  long double block_size = 64;
-
-  long double prefill_tokens() const {
-    long double n = 0;
-    for (int64_t l : prefills) n += static_cast<long double>(l);
-    return n;
-  }
-  long double tokens() const { return prefill_tokens() + decodes; }
-  long double requests() const { return static_cast<long double>(prefills.size()) + decodes; }
-  // Null block + each request's blocks (decodes: the closed form of sum_i ceil((c + 13 i + 1) / B), bounded
-  // above by one extra block per decode).
-  long double blocks() const {
-    long double b = 1;
-    for (int64_t l : prefills) b += std::ceil((prefill_context + static_cast<long double>(l)) / block_size);
-    b += decodes * ((decode_context + 1) / block_size + 1) + 13.0L * decodes * (decodes - 1) / (2 * block_size);
-    return b;
-  }
-  // Cached positions over all requests (context + new tokens).
-  long double positions() const {
-    return prefill_tokens() + static_cast<long double>(prefills.size()) * prefill_context +
-           decodes * (decode_context + 1) + 13.0L * decodes * (decodes - 1) / 2;
-  }
-  // Largest position + 1: the indexer's keys per token (its score rows are this wide).
-  long double max_keys() const {
-    long double m = 1;
-    for (int64_t l : prefills) m = std::max(m, prefill_context + static_cast<long double>(l));
-    if (decodes > 0) m = std::max(m, decode_context + 13.0L * (decodes - 1) + 1);
-    return m;
-  }
-  // Local tokens per rank: DualChunkSwap gives a rank two chunks of ceil(L / 2P) of each prefill; every
-  // rank holds every decode.
-  long double max_local_tokens(int64_t pcp) const {
-    long double m = decodes;
-    for (int64_t l : prefills)
-      m += std::min<long double>(static_cast<long double>(l), 2 * std::ceil(static_cast<long double>(l) / (2.0L * pcp)));
-    return m;
-  }
-};
+// The batch the flags describe: footprint.h's BatchShape (no request is stored yet: --decodes 2000000000 is
+// sized, not built); decode i has context --decode-context + 13 i.
 
 // What the estimate needs besides the batch.
 struct EstimateInputs {
@@ -200,18 +158,18 @@ constexpr long double kBaseBytes = 64e6L;  // binary, libraries, thread stacks, 
 // Plan vectors: global positions/slots/request (20 B per token), per rank positions/slots/global_index and
 // the gathered slot mapping (32 B per local row), block tables (4 B per block), requests (~80 B each).
 long double plan_bytes(const BatchShape& b, int64_t pcp) {
-  return 20 * b.tokens() + 32.0L * pcp * b.max_local_tokens(pcp) + 4 * b.blocks() + 80 * b.requests();
+  return 20 * b.tokens + 32.0L * pcp * b.max_local_tokens(pcp) + 4 * b.blocks + 80 * b.requests;
 }
 
 // One replica: the MLA and indexer-K caches of every block (+ guard bytes).
 long double replica_bytes(const BatchShape& b, const EstimateInputs& e) {
-  return b.blocks() * b.block_size * (e.mla_row + kIndexerSlotBytes) + 4096;
+  return b.slots() * (e.mla_row + kIndexerSlotBytes) + 4096;
 }
 
 // Host memory of one PCP world's check. `first`: the first world also runs the CPU reference and DCP.
 MemoryEstimate host_estimate(const BatchShape& b, int64_t pcp, bool first, const EstimateInputs& e) {
-  const long double N = b.tokens(), M = b.max_local_tokens(pcp), P = static_cast<long double>(pcp);
-  const long double mk = b.max_keys(), Hq = e.heads, Hi = e.index_heads, topk = e.topk;
+  const long double N = b.tokens, M = b.max_local_tokens(pcp), P = static_cast<long double>(pcp);
+  const long double mk = b.max_keys, Hq = e.heads, Hi = e.index_heads, topk = e.topk;
   const long double in_row = (e.q_rank + kKvLoraRank + kRopeDims + kIndexHeadDim) * 2;  // bf16 activations
   const long double out_row = Hq * (512 * 4 + 4);                                     // fp32 out + lse
   const long double query_row = Hi * (128 + 8) + Hq * 576 * 2;                        // fp8 + scale + weight, bf16 q
@@ -243,7 +201,7 @@ MemoryEstimate host_estimate(const BatchShape& b, int64_t pcp, bool first, const
   if (reference) scores += N * mk * 4;                   // the reference's
   m.add("indexer scores", scores);
   if (dcp) {
-    m.add("DCP shards", e.dcp * N * out_row + N * topk * 4 + b.blocks() * b.block_size * 8 + b.positions() * 16 +
+    m.add("DCP shards", e.dcp * N * out_row + N * topk * 4 + b.slots() * 8 + b.positions * 16 +
                             replica_bytes(b, e) / e.dcp + b.block_size * e.mla_row);
   }
   return m;
@@ -253,10 +211,10 @@ MemoryEstimate host_estimate(const BatchShape& b, int64_t pcp, bool first, const
 // publication) or the CUDA consumers (each call uploads what it reads), whichever is larger.
 MemoryEstimate device_estimate(const BatchShape& b, int64_t pcp, bool first, const EstimateInputs& e, bool publisher,
                                bool consumers) {
-  const long double N = b.tokens(), M = b.max_local_tokens(pcp), P = static_cast<long double>(pcp);
-  const long double mk = b.max_keys(), Hq = e.heads, Hi = e.index_heads, topk = e.topk;
+  const long double N = b.tokens, M = b.max_local_tokens(pcp), P = static_cast<long double>(pcp);
+  const long double mk = b.max_keys, Hq = e.heads, Hi = e.index_heads, topk = e.topk;
   const long double out_row = Hq * (512 * 4 + 4);
-  const long double slots = b.blocks() * b.block_size;
+  const long double slots = b.slots();
   MemoryEstimate pub, idx, att, merge;
   if (publisher) {
     const long double in_row = (e.q_rank + kKvLoraRank + kRopeDims + kIndexHeadDim) * 2 + 16;
@@ -362,9 +320,9 @@ void check_memory(const AttentionOptions& o, const std::vector<int64_t>& worlds,
 
 void check_bench_memory(const AttentionOptions& o, const EstimateInputs& e) {
   const std::string flags =
-      fmt::format("--bench --tokens {} --topk {} --model {} --kv-format {}", o.bench_tokens, o.topk, o.model, o.kv_format);
+      fmt::format("--bench --tokens {} --topk {} --model {} --kv-format {}", o.tokens, o.topk, o.model, o.kv_format);
   MemoryEstimate host, device;
-  bench_estimates(static_cast<long double>(o.bench_tokens), e, &host, &device);
+  bench_estimates(static_cast<long double>(o.tokens), e, &host, &device);
   const HostMemory avail = available_host_memory();
   check_memory_fits(flags, "the bench", "host", host, avail.bytes, avail.source, "; give fewer --tokens");
   const long double free = device_free_memory();
@@ -434,20 +392,20 @@ CheckedOptions check_flags(const AttentionOptions& o) {
     c.bench.indexers.push_back(parse_indexer_logit(n, "--bench-indexers"));
   for (const std::string& n : split_list(o.bench_attentions, "--bench-attentions"))
     c.bench.attentions.push_back(parse_attention_kernel(n, "--bench-attentions"));
-  PCPKV_CHECK(o.bench_tokens >= 1 && o.bench_tokens < (int64_t{1} << 31), "--tokens: must be in [1, 2^31), got {}",
-              o.bench_tokens);
+  PCPKV_CHECK(o.tokens >= 1 && o.tokens < (int64_t{1} << 31), "--tokens: must be in [1, 2^31), got {}",
+              o.tokens);
   PCPKV_CHECK(o.repeats >= 1, "--repeats: must be >= 1, got {}", o.repeats);
 
   c.worlds = parse_int_list(o.pcp, "--pcp", 1, 64);
-  BatchShape shape;
-  shape.prefills = parse_int_list(o.prefill, "--prefill", 1, std::numeric_limits<int64_t>::max(), true);
+  const std::vector<int64_t> prefills =
+      parse_int_list(o.prefill, "--prefill", 1, std::numeric_limits<int64_t>::max(), true);
   PCPKV_CHECK(o.prefill_context >= 0, "--prefill-context: must be >= 0, got {}", o.prefill_context);
   PCPKV_CHECK(o.decodes >= 0, "--decodes: must be >= 0, got {}", o.decodes);
   PCPKV_CHECK(o.decodes == 0 || o.decode_context >= 1, "--decode-context: must be >= 1, got {}", o.decode_context);
-  shape.prefill_context = static_cast<long double>(o.prefill_context);
-  shape.decodes = o.decodes;
-  shape.decode_context = static_cast<long double>(o.decode_context);
-  shape.block_size = o.block_size;
+  BatchShape shape(o.block_size);
+  shape.max_keys = 1;  // the indexer's score rows are at least one key wide
+  for (int64_t len : prefills) shape.add({RequestKind::kPrefill, len, o.prefill_context});
+  shape.add_decodes(o.decodes, static_cast<long double>(o.decode_context), 13);
   c.cfg.plan.block_size = o.block_size;
   c.cfg.plan.seed = o.seed;
   c.cfg.topk = o.topk;
@@ -456,7 +414,7 @@ CheckedOptions check_flags(const AttentionOptions& o) {
   c.cfg.seed = o.seed;
   c.cfg.check_reference = !o.no_reference;
 
-  c.bench.num_tokens = o.bench_tokens;
+  c.bench.num_tokens = o.tokens;
   c.bench.kv_format = c.cfg.fmt.kv_format;
   c.bench.topk = o.topk;
   c.bench.repeats = o.repeats;
@@ -478,10 +436,10 @@ CheckedOptions check_flags(const AttentionOptions& o) {
     check_bench_memory(o, e);
     return c;
   }
-  PCPKV_CHECK(!shape.prefills.empty() || o.decodes > 0, "the batch is empty: give --prefill lengths or --decodes");
+  PCPKV_CHECK(!prefills.empty() || o.decodes > 0, "the batch is empty: give --prefill lengths or --decodes");
   // Sized from the flags before any request is stored or planned (a plan allocates per token and block).
   check_memory(o, c.worlds, shape, e);
-  for (int64_t len : shape.prefills) c.cfg.plan.requests.push_back({RequestKind::kPrefill, len, o.prefill_context});
+  for (int64_t len : prefills) c.cfg.plan.requests.push_back({RequestKind::kPrefill, len, o.prefill_context});
   for (int32_t i = 0; i < o.decodes; ++i)
     c.cfg.plan.requests.push_back({RequestKind::kDecode, 1, o.decode_context + 13 * int64_t{i}});
   // Plans are cheap: build each now, so a batch that cannot be planned is refused before the header.
@@ -560,24 +518,20 @@ void add_attention_command(CLI::App& app) {
       "attention", "Serve the published replicas with the indexer + sparse MLA attention; check PCP == one rank, "
                    "the CPU reference and DCP + LSE merge (--bench: time the CUDA consumers)");
   sub->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a repeated flag: the last wins
-  sub->add_option("--model", o->model, "Model preset: glm-5 | deepseek-v3.2")->capture_default_str();
+  using F = BatchFlag;
+  add_batch_flags(sub, *o, {F::kModel});
   sub->add_option("--pcp", o->pcp, "Comma list of PCP world sizes, each checked against one rank")
       ->capture_default_str();
   sub->add_option("--prefill", o->prefill, "Comma list of prefill lengths (empty: none)")->capture_default_str();
   sub->add_option("--prefill-context", o->prefill_context, "Context already cached for every prefill (chunked prefill)")
       ->capture_default_str()
       ->check(decimal_fits_int64());
-  sub->add_option("--decodes", o->decodes, "Decode requests (1 token each)")->capture_default_str();
-  sub->add_option("--decode-context", o->decode_context, "Context of decode i: this + 13*i")
-      ->capture_default_str()
-      ->check(decimal_fits_int64());
-  sub->add_option("--block-size", o->block_size, "Tokens per cache block (power of two)")->capture_default_str();
-  sub->add_option("--kv-format", o->kv_format, "MLA cache format: fp8_ds_mla | fp8 | bf16")->capture_default_str();
-  sub->add_option("--ds-mla-scale", o->ds_mla_scale, "fp8_ds_mla tile scales: pow2 | raw")->capture_default_str();
-  sub->add_option("--k-scale", o->k_scale, "Per-tensor scale of the static fp8 format")->capture_default_str();
-  sub->add_option("--transport", o->transport, "Publication transport: collect | staging | direct")
-      ->capture_default_str();
-  sub->add_option("--backend", o->backend, "Publication backend: auto | cpu | cuda")->capture_default_str();
+  add_batch_flags(sub, *o,
+                  {F::kDecodes, F::kDecodeContext, F::kBlockSize, F::kKvFormat, F::kDsMlaScale, F::kKScale,
+                   F::kTransport, F::kBackend},
+                  {{F::kDecodeContext, "Context of decode i: this + 13*i"},
+                   {F::kTransport, "Publication transport: collect | staging | direct"},
+                   {F::kBackend, "Publication backend: auto | cpu | cuda"}});
   sub->add_option("--consumers", o->consumers, "Consumer kernels: cpu | cuda")->capture_default_str();
   sub->add_option("--attention-kernel", o->attention_kernel,
                   "CUDA consumers' attention kernel: mma (bf16 tensor cores) | simt (fp32 CUDA cores)")
@@ -590,15 +544,11 @@ void add_attention_command(CLI::App& app) {
   sub->add_option("--dcp", o->dcp, "DCP shards of the one-rank cache for the LSE-merge check (1: off)")
       ->capture_default_str();
   sub->add_option("--dcp-interleave", o->dcp_interleave, "DCP: positions per shard group")->capture_default_str();
-  sub->add_option("--seed", o->seed, "Seed of inputs, queries, context rows and block tables")
-      ->capture_default_str()
-      ->check(decimal_fits_uint64());
+  add_batch_flags(sub, *o, {F::kSeed}, {{F::kSeed, "Seed of inputs, queries, context rows and block tables"}});
   sub->add_flag("--no-reference", o->no_reference, "Skip the CPU reference comparison (large batches)");
   sub->add_flag("--bench", o->bench, "Time the CUDA indexer and attention for one layer instead of checking");
-  sub->add_option("--tokens", o->bench_tokens, "--bench: tokens of the causal prefill")
-      ->capture_default_str()
-      ->check(decimal_fits_int64());
-  sub->add_option("--repeats", o->repeats, "--bench: timed runs (median)")->capture_default_str();
+  add_batch_flags(sub, *o, {F::kTokens, F::kRepeats},
+                  {{F::kTokens, "--bench: tokens of the causal prefill"}, {F::kRepeats, "--bench: timed runs (median)"}});
   sub->callback([o, sub] {
     o->flags_given.clear();
     for (const CLI::Option* opt : sub->get_options()) {

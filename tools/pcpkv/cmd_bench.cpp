@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "batch_flags.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/flag_checks.h"
@@ -33,28 +34,30 @@
 namespace pcpkv::cli {
 namespace {
 
-struct BenchArgs {
+struct BenchArgs : BatchFlags {
+  BenchArgs() {
+    tokens = 32768;
+    topk_width = 2048;
+    seed = 1;
+  }
   std::string models = "glm-5,deepseek-v3.2";
   std::string pcp = "2,4,8";
   std::string kv_formats = "fp8,fp8_ds_mla";
   std::string transports = "collect,staging,direct";
-  std::string layer = "indexer";
   std::string single = "4096,32768";
   std::string variants = "simple,prefetch,warp,warp_pf";
   std::string layer_variants = "prefetch:separate:1,warp:separate:1,warp:fused:1,warp:fused:2,warp_pf:fused:4,warp:fused:4";
   std::string pdl_tokens = "1,8,64";
   int32_t pdl_pcp = 8;
   int32_t pdl_layers = 20;
-  int64_t tokens = 32768;
-  int64_t topk_width = 2048;
-  int32_t block_size = 64;
+  int32_t per_gpu_pcp = 8;
+  int64_t per_gpu_tokens = 32768;
   int iters = 20;
   int warmup = 5;
   bool no_graph = false;
   bool quick = false;
   double copy_gib = 2.0;
   int device = 0;
-  uint64_t seed = 1;
   std::string json_path;
   std::string markdown_path;
 };
@@ -152,6 +155,11 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
   PCPKV_CHECK(a.pdl_pcp >= 1 && a.pdl_pcp <= kMaxBenchPcp, "--pdl-pcp: must be in [1, {}], got {}", kMaxBenchPcp,
               a.pdl_pcp);
   PCPKV_CHECK(a.pdl_layers >= 1, "--pdl-layers: must be >= 1, got {}", a.pdl_layers);
+  PCPKV_CHECK(a.per_gpu_pcp >= 0 && a.per_gpu_pcp <= kMaxBenchPcp, "--per-gpu-pcp: must be in [0, {}], got {}",
+              kMaxBenchPcp, a.per_gpu_pcp);
+  PCPKV_CHECK(a.per_gpu_pcp == 0 || (a.per_gpu_tokens >= 2 * a.per_gpu_pcp && a.per_gpu_tokens % (2 * a.per_gpu_pcp) == 0),
+              "--per-gpu-tokens: must be a positive multiple of 2 x --per-gpu-pcp = {}, got {}", 2 * a.per_gpu_pcp,
+              a.per_gpu_tokens);
   PCPKV_CHECK(std::isfinite(a.copy_gib) && a.copy_gib > 0.0 && a.copy_gib <= 64.0,
               "--copy-gib: must be in (0, 64], got {}", a.copy_gib);
   PCPKV_CHECK(a.device >= 0, "--device: must be >= 0, got {}", a.device);
@@ -236,6 +244,32 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
                     {"vllm_time_over_floor", v == kVllm.end() ? json(nullptr) : json(v->second.ratio)}});
     }
     j["single_rank"] = js;
+  }
+
+  // ---- per GPU: rank 0's dispatch alone in a PCP group
+  if (!rep.per_gpu.empty()) {
+    md += fmt::format("\n## per GPU: rank 0's dispatch alone, PCP {} ({} local rows of one prefill, fp8_ds_mla, indexer "
+                      "layer, top-k fill), writing {} staging slots / replicas\n\n",
+                      rep.per_gpu.front().pcp, rep.per_gpu.front().local_tokens, rep.per_gpu.front().pcp);
+    md += "| model | transport | variant | time us | bytes MB | floor us | time / floor |\n|---|---|---|---|---|---|---|\n";
+    json jg = json::array();
+    for (const cuda::BenchPerGpu& g : rep.per_gpu) {
+      const Derived d = derive(g.ms, g.bytes, rep.copy_gbps);
+      md += fmt::format("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} |\n", g.model, to_string(g.transport),
+                        g.variant, g.ms * 1e3, g.bytes / 1e6, d.floor_ms * 1e3, d.ratio);
+      jg.push_back({{"model", g.model},
+                    {"pcp", g.pcp},
+                    {"local_tokens", g.local_tokens},
+                    {"transport", to_string(g.transport)},
+                    {"variant", g.variant},
+                    {"ms", g.ms},
+                    {"bytes", g.bytes},
+                    {"gbps", d.gbps},
+                    {"fraction_of_copy", d.frac},
+                    {"floor_ms", d.floor_ms},
+                    {"time_over_floor", d.ratio}});
+    }
+    j["per_gpu"] = jg;
   }
 
   // ---- stages
@@ -398,6 +432,8 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
   o.pdl_tokens = c.pdl_tokens;
   o.pdl_pcp = a.pdl_pcp;
   o.pdl_layers = a.pdl_layers;
+  o.per_gpu_pcp = a.per_gpu_pcp;
+  o.per_gpu_tokens = a.per_gpu_tokens;
   if (a.quick) {  // a smoke run for tests: small and fast, every code path once
     o.models = {"glm-5"};
     o.pcp = {2};
@@ -411,6 +447,8 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
     o.pdl_tokens = {8};
     o.pdl_pcp = 2;
     o.pdl_layers = 4;
+    o.per_gpu_pcp = o.per_gpu_pcp == 0 ? 0 : 2;
+    o.per_gpu_tokens = 2048;
   }
   const cuda::BenchReport rep =
       cuda::run_bench(o, [](const std::string& line) { std::fprintf(stderr, "pcpkv bench: %s\n", line.c_str()); });
@@ -439,11 +477,10 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--pcp", a->pcp, "comma-separated PCP world sizes (logical ranks on one GPU, 1..8)")->capture_default_str();
   sub->add_option("--kv-formats", a->kv_formats, "comma-separated: fp8, fp8_ds_mla, bf16")->capture_default_str();
   sub->add_option("--transports", a->transports, "comma-separated: collect, staging, direct")->capture_default_str();
-  sub->add_option("--tokens", a->tokens, "tokens of the one prefill request")->capture_default_str();
-  sub->add_option("--layer", a->layer, "indexer | shared")->capture_default_str();
-  sub->add_option("--topk-width", a->topk_width, "top-k buffer width filled with -1 on indexer layers (0: none)")
-      ->capture_default_str();
-  sub->add_option("--block-size", a->block_size, "cache block size")->capture_default_str();
+  using F = BatchFlag;
+  add_batch_flags(sub, *a, {F::kTokens, F::kLayer, F::kTopkWidth, F::kBlockSize},
+                  {{F::kTokens, "tokens of the one prefill request"}, {F::kLayer, "indexer | shared"},
+                   {F::kTopkWidth, "top-k buffer width filled with -1 on indexer layers (0: none)"}});
   sub->add_option("--iters", a->iters, "timed runs per case (median)")->capture_default_str();
   sub->add_option("--warmup", a->warmup, "untimed runs first")->capture_default_str();
   sub->add_flag("--no-graph", a->no_graph, "skip the CUDA-graph capture and replay");
@@ -462,9 +499,14 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--pdl-pcp", a->pdl_pcp, "PCP world of the PDL rows")->capture_default_str();
   sub->add_option("--pdl-layers", a->pdl_layers, "publications per captured graph in the PDL rows")->capture_default_str();
+  sub->add_option("--per-gpu-pcp", a->per_gpu_pcp,
+                  "PCP world of the per-GPU case (rank 0's dispatch alone, writing every peer; 0: skip)")
+      ->capture_default_str();
+  sub->add_option("--per-gpu-tokens", a->per_gpu_tokens, "tokens of the per-GPU case's prefill (local rows: / P)")
+      ->capture_default_str();
   sub->add_option("--copy-gib", a->copy_gib, "size of the copy that measures the copy bandwidth")->capture_default_str();
   sub->add_option("--device", a->device, "CUDA device index")->capture_default_str();
-  sub->add_option("--seed", a->seed, "input seed")->capture_default_str();
+  add_batch_flags(sub, *a, {F::kSeed}, {{F::kSeed, "input seed"}});
   CLI::Option* json_opt = sub->add_option("--json", a->json_path, "write the results as JSON");
   CLI::Option* markdown_opt = sub->add_option("--markdown", a->markdown_path, "write the tables as markdown");
   sub->add_flag("--quick", a->quick,
@@ -479,10 +521,11 @@ void add_bench_command(CLI::App& app) {
                  : fmt::format("pcpkv bench --models {} --pcp {} --kv-formats {} --transports {} --tokens {} --layer {} "
                                "--topk-width {} --block-size {} --iters {} --warmup {} --single-rank-tokens {} "
                                "--variants {} --layer-variants {} --pdl-tokens {} --pdl-pcp {} --pdl-layers {} "
-                               "--copy-gib {}{}",
+                               "--per-gpu-pcp {} --per-gpu-tokens {} --copy-gib {}{}",
                                a->models, a->pcp, a->kv_formats, a->transports, a->tokens, a->layer, a->topk_width,
                                a->block_size, a->iters, a->warmup, a->single, a->variants, a->layer_variants,
-                               a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->copy_gib, a->no_graph ? " --no-graph" : "");
+                               a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->per_gpu_pcp, a->per_gpu_tokens,
+                               a->copy_gib, a->no_graph ? " --no-graph" : "");
     run(*a, checked, command);
   });
 }

@@ -103,33 +103,15 @@ void add_run_command(CLI::App& app) {
       "run", "Publish one layer's KV rows for a PCP batch with each transport and verify every replica");
   // A flag given twice takes its last value (scripts append overrides).
   sub->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  sub->add_option("--model", o->model, "Model preset: glm-5 | deepseek-v3.2")->capture_default_str();
-  sub->add_option("--config", o->config,
-                  "HF config.json overriding the preset (chosen by its model_type unless --model is given)");
+  using F = BatchFlag;
+  add_batch_flags(sub, *o, {F::kModel, F::kConfig},
+                  {{F::kConfig, "HF config.json overriding the preset (chosen by its model_type unless --model is given)"}});
   sub->add_option("--pcp", o->pcp, "PCP world size P (ranks, each with its own cache replica)")->capture_default_str();
-  sub->add_option("--tokens", o->tokens, "Tokens of the prefill request (0: no prefill)")->capture_default_str()
-      ->check(decimal_fits_int64());
-  sub->add_option("--decodes", o->decodes, "Decode requests (1 token each), replicated on every rank")
-      ->capture_default_str();
-  sub->add_option("--decode-context", o->decode_context,
-                  "Context length of every decode request (-1: 1000*(i+1)+7*i for decode i)")
-      ->capture_default_str()
-      ->check(decimal_fits_int64());
-  sub->add_option("--block-size", o->block_size, "Tokens per cache block (power of two)")->capture_default_str();
-  sub->add_option("--kv-format", o->kv_format, "MLA cache format: fp8_ds_mla | fp8 | bf16")->capture_default_str();
-  sub->add_option("--ds-mla-scale", o->ds_mla_scale, "fp8_ds_mla tile scales: pow2 | raw")->capture_default_str();
-  sub->add_option("--k-scale", o->k_scale, "Per-tensor scale of the static fp8 format")
-      ->capture_default_str()
-      ->each([o](const std::string& typed) { o->k_scale_text = typed; });
-  sub->add_option("--layer", o->layer, "indexer (writes indexer K) | shared (IndexShare layer, no indexer)")
-      ->capture_default_str();
-  sub->add_option("--transport", o->transport, "all | comma list of collect, staging, direct")->capture_default_str();
-  sub->add_option("--backend", o->backend, "auto (CUDA when built and a GPU is visible, else CPU) | cpu | cuda")
-      ->capture_default_str();
-  sub->add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();
-  sub->add_option("--seed", o->seed, "Seed of the input generator and the block-table shuffle")
-      ->capture_default_str()
-      ->check(decimal_fits_uint64());
+  add_batch_flags(sub, *o,
+                  {F::kTokens, F::kDecodes, F::kDecodeContext, F::kBlockSize, F::kKvFormat, F::kDsMlaScale, F::kKScale,
+                   F::kLayer, F::kTransport, F::kBackend, F::kThreads, F::kSeed},
+                  {{F::kDecodes, "Decode requests (1 token each), replicated on every rank"},
+                   {F::kDecodeContext, "Context length of every decode request (-1: 1000*(i+1)+7*i for decode i)"}});
   sub->add_option("--inputs", o->inputs,
                   "Load activations from a safetensors file (q_c, kv, k_pe, index_k, positions, norm weights; "
                   "optional requests and slot_mapping)");
@@ -142,8 +124,7 @@ void add_run_command(CLI::App& app) {
                   "Refuse runs whose estimated peak host memory exceeds this many GB (0: the memory this machine "
                   "has available)")
       ->capture_default_str();
-  sub->add_option("--repeats", o->repeats, "Run each publication this many times (timing; results from the last)")
-      ->capture_default_str();
+  add_batch_flags(sub, *o, {F::kRepeats});
   // Hidden (empty group): lets tests prove that a corrupted replica fails the verdict with exit code 1.
   sub->add_option("--inject-fault", o->inject_fault,
                   "Testing aid: flip a byte of the last rank's replica (row | guard)")

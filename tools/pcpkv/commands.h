@@ -12,6 +12,6 @@ void add_bench_command(CLI::App& app);  // cmd_bench.cpp: GPU benchmarks (CUDA b
 void add_info_command(CLI::App& app);   // cmd_info.cpp:  presets, layouts, backends
 void add_launch_command(CLI::App& app); // cmd_launch.cpp: spawn N rank processes
 void add_attention_command(CLI::App& app);  // cmd_attention.cpp: indexer + sparse MLA on the replicas
-void add_serving_command(CLI::App& app);    // cmd_serve_bench.cpp: `pcpkv bench-serving` (router, all-reduce, PDL)
+void add_serving_command(CLI::App& app);    // cmd_bench_serving.cpp: `pcpkv bench-serving` (router, all-reduce, PDL)
 
 }  // namespace pcpkv::cli

@@ -1,6 +1,6 @@
 // tools/pcpkv/launch_cmds.h: the multi-process subcommands registered by add_launch_command
-// (cmd_launch.cpp): `launch` (spawn N ranks), `mp-publish` (one rank of a publication) and `bench-fence`
-// (fence latency per layer), and what they share.
+// (cmd_launch.cpp): `launch` (spawn N ranks), `mp-publish` (one rank of a publication), `bench-fence`
+// (fence latency per layer), `bench-allreduce`, `bench-link`, and what they share (rank_command.cpp).
 #pragma once
 
 #include <memory>
@@ -23,10 +23,10 @@ constexpr const char* kRankPrograms[] = {"mp-publish", "bench-fence", "bench-all
 /// Exit code of a rank whose peer failed (a fence timeout, a rank gone, a rendezvous that failed).
 constexpr int kExitPeerFailed = 4;
 
-void add_mp_publish_command(CLI::App& app);   // launch_publish.cpp
-void add_bench_fence_command(CLI::App& app);  // launch_bench_fence.cpp
-void add_bench_allreduce_command(CLI::App& app);  // launch_bench_allreduce.cpp (launched, one GPU per rank)
-void add_bench_link_command(CLI::App& app);   // launch_bench_link.cpp (one process, every GPU)
+void add_mp_publish_command(CLI::App& app);   // cmd_mp_publish.cpp (mp_publish.h: setup, loop, report)
+void add_bench_fence_command(CLI::App& app);  // cmd_bench_fence.cpp
+void add_bench_allreduce_command(CLI::App& app);  // cmd_bench_allreduce.cpp (launched, one GPU per rank)
+void add_bench_link_command(CLI::App& app);   // cmd_bench_link.cpp (one process, every GPU)
 
 /// "0,1,3" -> {0, 1, 3}; "" -> {}. Throws pcpkv::Error naming `flag` and the bad item.
 std::vector<int32_t> parse_device_list(const std::string& s, const char* flag);

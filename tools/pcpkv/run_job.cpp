@@ -1,5 +1,5 @@
 // The main job of `pcpkv run`: prepare (validate everything, write nothing), publish
-// with each transport, run the single-rank references, and check the results through verify.h.
+// with each transport, run the single-rank references, and check the results (pcpkv/publish/checks.h).
 #include "run_job.h"
 
 #include <fcntl.h>
@@ -23,6 +23,7 @@
 #include "pcpkv/core/inputs_io.h"
 #include "pcpkv/core/safetensors.h"
 #include "pcpkv/publish/checks.h"
+#include "footprint.h"
 #include "progress.h"
 
 namespace pcpkv::cli {
@@ -32,206 +33,8 @@ void step(Progress* p, std::string what) {
   if (p) p->step(std::move(what));
 }
 
-Check make_check(std::string name, std::string transport) {
-  Check c;
-  c.name = std::move(name);
-  c.transport = std::move(transport);
-  return c;
-}
-
 // "1 key", "3 keys".
 std::string count_of(int64_t n, const char* noun) { return fmt::format("{} {}{}", n, noun, n == 1 ? "" : "s"); }
-
-std::string mb(int64_t bytes) { return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6); }
-
-// Where byte `off` of an MLA allocation lies, for a first-difference message.
-std::string where_mla(const PublishResult& r, int64_t off) {
-  const MlaCacheGeometry& g = r.mla_geometry;
-  const int64_t rel = off - r.mla_cache_offset;
-  if (rel < 0) return fmt::format("byte {} (before the cache)", off);
-  if (rel >= g.bytes()) return fmt::format("byte {} (after the cache)", off);
-  const int64_t block = rel / g.block_stride, in_block = rel % g.block_stride;
-  const int64_t row = in_block / g.row_stride;
-  if (row >= g.block_size) return fmt::format("byte {} (block {} padding)", off, block);
-  return fmt::format("byte {} (slot {}, byte {} of its row)", off, block * g.block_size + row, in_block % g.row_stride);
-}
-
-std::string where_index(const PublishResult& r, int64_t off) {
-  const IndexerCacheGeometry& g = r.index_geometry;
-  const int64_t rel = off - r.index_cache_offset;
-  if (rel < 0) return fmt::format("byte {} (before the cache)", off);
-  if (rel >= g.bytes()) return fmt::format("byte {} (after the cache)", off);
-  const int64_t block = rel / g.block_stride, in_block = rel % g.block_stride;
-  const int64_t data_bytes = int64_t{g.block_size} * kIndexHeadDim;
-  if (in_block < data_bytes) {
-    return fmt::format("byte {} (slot {} data, byte {})", off, block * g.block_size + in_block / kIndexHeadDim,
-                       in_block % kIndexHeadDim);
-  }
-  if (in_block < data_bytes + int64_t{g.block_size} * 4) {
-    return fmt::format("byte {} (slot {} scale)", off, block * g.block_size + (in_block - data_bytes) / 4);
-  }
-  return fmt::format("byte {} (block {} padding)", off, block);
-}
-
-// Accumulates byte comparisons into one check; the first difference names its place.
-struct ByteTally {
-  int64_t bytes = 0, diff = 0;
-  std::string first;
-  void add(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, const std::string& label,
-           const std::function<std::string(int64_t)>& where) {
-    bytes += static_cast<int64_t>(std::max(a.size(), b.size()));
-    if (a.size() != b.size()) {
-      diff += static_cast<int64_t>(std::max(a.size(), b.size()));
-      if (first.empty()) first = fmt::format("{}: sizes differ ({} vs {} bytes)", label, a.size(), b.size());
-      return;
-    }
-    const ByteDiff d = compare_bytes(a, b);
-    diff += d.num_diff;
-    if (!d.equal() && first.empty()) {
-      first = fmt::format("{}: {} bytes differ, first at {}", label, d.num_diff, where(d.first_diff));
-    }
-  }
-  void fill(Check& c, const std::string& ok_detail) const {
-    c.num_bytes = bytes;
-    c.num_diff = diff;
-    c.pass = diff == 0;
-    c.detail = c.pass ? ok_detail : first;
-  }
-};
-
-std::vector<uint8_t> as_bytes(const uint16_t* p, int64_t n) {
-  const auto* b = reinterpret_cast<const uint8_t*>(p);
-  return std::vector<uint8_t>(b, b + n * 2);
-}
-
-Check check_replicas(const PublishResult& r, const CacheFormat& fmt, int32_t world) {
-  Check c = make_check("replicas identical", to_string(r.transport));
-  ByteTally t;
-  for (int32_t rank = 1; rank < world; ++rank) {
-    t.add(r.mla_alloc[rank], r.mla_alloc[0], fmt::format("rank {} MLA vs rank 0", rank),
-          [&](int64_t o) { return where_mla(r, o); });
-    if (fmt.has_indexer) {
-      t.add(r.index_alloc[rank], r.index_alloc[0], fmt::format("rank {} indexer vs rank 0", rank),
-            [&](int64_t o) { return where_index(r, o); });
-    }
-  }
-  std::string ok = fmt::format("{} replicas x (MLA {}{}) byte-identical", world, mb(r.mla_alloc[0].size()),
-                               fmt.has_indexer ? " + indexer " + mb(r.index_alloc[0].size()) : "");
-  if (world == 1) ok = "1 replica (PCP 1): nothing to compare";
-  t.fill(c, ok);
-  return c;
-}
-
-Check check_same_cache(const PublishResult& a, const PublishResult& b, const CacheFormat& fmt, std::string name,
-                       std::string transport) {
-  Check c = make_check(std::move(name), std::move(transport));
-  ByteTally t;
-  t.add(a.mla_alloc[0], b.mla_alloc[0], "MLA cache", [&](int64_t o) { return where_mla(a, o); });
-  if (fmt.has_indexer) {
-    t.add(a.index_alloc[0], b.index_alloc[0], "indexer cache", [&](int64_t o) { return where_index(a, o); });
-  }
-  t.fill(c, fmt::format("MLA {}{} byte-identical", mb(a.mla_alloc[0].size()),
-                        fmt.has_indexer ? " + indexer " + mb(a.index_alloc[0].size()) : ""));
-  return c;
-}
-
-// Rank 0's caches and every rank's q_c_out rows against the PCP-1 reference.
-Check check_reference(const TransportRun& run, const PreparedRun& prep) {
-  const PublishResult& r = run.result;
-  const PublishResult& ref = run.reference;
-  Check c = make_check("== single-rank reference", to_string(r.transport));
-  ByteTally t;
-  t.add(r.mla_alloc[0], ref.mla_alloc[0], "rank 0 MLA vs PCP-1", [&](int64_t o) { return where_mla(r, o); });
-  if (prep.fmt.has_indexer) {
-    t.add(r.index_alloc[0], ref.index_alloc[0], "rank 0 indexer vs PCP-1",
-          [&](int64_t o) { return where_index(r, o); });
-  }
-  std::string q_note;
-  const int64_t q = prep.model.q_lora_rank;
-  if (!r.q_c_out.empty() && !ref.q_c_out.empty()) {
-    for (int32_t rank = 0; rank < prep.plan.pcp_world; ++rank) {
-      const RankPlan& rp = prep.plan.ranks[rank];
-      std::vector<uint8_t> got, want;
-      got.reserve(static_cast<size_t>(rp.num_local_tokens * q * 2));
-      want.reserve(got.capacity());
-      for (size_t i = 0; i < rp.global_index.size(); ++i) {
-        const int64_t g = rp.global_index[i];
-        if (g < 0) continue;
-        const auto a = as_bytes(r.q_c_out[rank].data() + static_cast<int64_t>(i) * q, q);
-        const auto b = as_bytes(ref.q_c_out[0].data() + g * q, q);
-        got.insert(got.end(), a.begin(), a.end());
-        want.insert(want.end(), b.begin(), b.end());
-      }
-      t.add(got, want, fmt::format("rank {} q_c_out vs PCP-1", rank),
-            [&](int64_t o) { return fmt::format("local row {}, element {}", o / (2 * q), (o % (2 * q)) / 2); });
-    }
-    q_note = ", every rank's q_c_out rows";
-  } else {
-    q_note = " (q_c_out not materialized by this backend)";
-  }
-  t.fill(c, fmt::format("rank 0 caches{} equal the CPU PCP-1 run", q_note));
-  return c;
-}
-
-Check check_guards(const PublishResult& r, const PreparedRun& prep) {
-  Check c = make_check("guard/untouched bytes intact", to_string(r.transport));
-  int64_t bad = 0, total = 0;
-  std::string first;
-  for (int32_t rank = 0; rank < prep.plan.pcp_world; ++rank) {
-    const GuardReport g = check_untouched(r, rank, prep.plan, prep.fmt);
-    bad += g.num_bad;
-    total += static_cast<int64_t>(r.mla_alloc[rank].size() + r.index_alloc[rank].size());
-    if (g.num_bad && first.empty())
-      first = fmt::format("rank {}: {} bytes changed; first: {}", rank, g.num_bad, g.first);
-  }
-  c.num_bytes = total;
-  c.num_diff = bad;
-  c.pass = bad == 0;
-  c.detail = c.pass ? fmt::format("every byte outside written rows is 0x{:02X} on all {} ranks", kGuardByte,
-                                  prep.plan.pcp_world)
-                    : first;
-  return c;
-}
-
-Check check_bound(const PublishResult& r, const PreparedRun& prep) {
-  const bool collect = r.transport == Transport::kCollect;
-  const char* what = prep.fmt.kv_format != KvFormat::kBf16 ? "FP8" : (prep.fmt.has_indexer ? "bf16 / FP8" : "bf16");
-  Check c = make_check(fmt::format("dequantized vs fp64 within the {} bound", what), to_string(r.transport));
-  const Fp8Report f = check_fp8_bound(r, 0, prep.inputs, prep.plan, prep.model, prep.fmt, collect);
-  c.num_values = f.num_values;
-  c.num_over_bound = f.num_over_bound;
-  c.num_saturated = f.num_saturated;
-  c.num_flushed = f.num_flushed;
-  c.max_abs_err = f.max_abs_err;
-  c.max_err_over_bound = f.max_err_over_bound;
-  c.pass = f.num_over_bound == 0 && f.num_values > 0;
-  c.detail =
-      fmt::format("max error / bound {:.3f}, {} of {} values over the bound{}, max |err| {:.3g}", f.max_err_over_bound,
-                  f.num_over_bound, f.num_values,
-                  f.num_saturated ? fmt::format(", {} saturated (not counted)", f.num_saturated) : "", f.max_abs_err);
-  c.worst = f.worst;
-  if (f.num_values == 0) c.detail = "no values checked";
-  return c;
-}
-
-Check check_topk(const PublishResult& r, const PreparedRun& prep, int64_t width) {
-  Check c = make_check("top-k buffer filled with -1", to_string(r.transport));
-  ByteTally t;
-  for (int32_t rank = 0; rank < prep.plan.pcp_world && rank < static_cast<int32_t>(r.topk.size()); ++rank) {
-    const int64_t n = prep.plan.ranks[rank].num_local_tokens * width;
-    const auto* p = reinterpret_cast<const uint8_t*>(r.topk[rank].data());
-    std::vector<uint8_t> got(p, p + std::min<int64_t>(n, static_cast<int64_t>(r.topk[rank].size())) * 4);
-    std::vector<uint8_t> want(static_cast<size_t>(n * 4), 0xFF);
-    t.add(got, want, fmt::format("rank {} top-k", rank),
-          [&](int64_t o) { return fmt::format("token {}, entry {}", o / (4 * width), (o % (4 * width)) / 4); });
-  }
-  if (r.topk.empty()) {
-    c.detail = "the backend returned no top-k buffer";
-    return c;
-  }
-  t.fill(c, fmt::format("{} int32 per local token on all ranks", width));
-  return c;
-}
 
 // Flips one byte of the last rank's MLA allocation: a byte of the first token's row ("row") or the first
 // guard byte ("guard"). Proves the checks catch a corrupted replica.
@@ -282,57 +85,36 @@ long double resident_bytes() {
 // single-rank CPU reference, so the same model bounds its host memory too (not measured: no GPU here).
 struct Footprint {
   int32_t pcp = 1;
-  int64_t block_size = 64;
   int64_t q_lora_rank = 0;
   int64_t index_topk = 0;  // > 0 with --topk-fill on an indexer layer
   CacheFormat fmt;
   bool collect = false, staging = false;
   int64_t num_transports = 1;
-
-  long double blocks = 1;  // the null block
-  long double tokens = 0, max_local = 0, max_position = 0;
+  BatchShape shape;  // footprint.h
 
   std::string partial;  // when the count stopped early: which requests it covers
 
+  explicit Footprint(int64_t block_size) : shape(static_cast<long double>(block_size)) {}
   /// Adds `count` requests like `r`.
-  void add(const RequestSpec& r, long double count = 1) {
-    const long double len = static_cast<long double>(r.context_len) + r.num_new_tokens;
-    blocks += count * std::ceil(len / block_size);
-    tokens += count * r.num_new_tokens;
-    max_position = std::max(max_position, len);
-    if (r.kind == RequestKind::kPrefill) {
-      // DualChunkSwap: a rank holds at most two chunks of ceil(L / 2W) tokens.
-      const long double chunk = std::ceil(static_cast<long double>(r.num_new_tokens) / (2.0L * pcp));
-      max_local += count * std::min<long double>(r.num_new_tokens, 2 * chunk);
-    } else {
-      max_local += count;  // a decode sits on every rank
-    }
-  }
-  long double slots() const { return blocks * block_size; }
-  long double input_row_bytes() const {
-    return 2.0L * (q_lora_rank + kKvLoraRank + kRopeDims + (fmt.has_indexer ? kIndexHeadDim : 0)) + 8;
-  }
-  // The backends lay out an indexer-K cache for every layer kind.
-  long double replica_bytes() const {
-    return slots() * static_cast<long double>(mla_row_bytes(fmt.kv_format) + kIndexerSlotBytes);
-  }
-  long double local_rows() const { return pcp * max_local; }  // W * M
+  void add(const RequestSpec& r, long double count = 1) { shape.add(r, count); }
+  long double local_rows() const { return pcp * shape.max_local_tokens(pcp); }  // W * M
 
   // Calls add(name, bytes) for each part of the estimate but the process baseline, margin included.
   template <class Add>
   void parts(Add&& add) const {
     constexpr long double kMargin = 1.10L;
-    const long double W = pcp, M = max_local, N = tokens, q = q_lora_rank;
-    const long double bf16_row = 2.0L * (kKvLoraRank + kRopeDims + (fmt.has_indexer ? kIndexHeadDim : 0));
-    add("inputs", kMargin * N * input_row_bytes());
-    add("per-rank input copies", kMargin * (local_rows() + N) * (input_row_bytes() + 8));
-    add("cache replicas", kMargin * (W + static_cast<long double>(num_transports)) * replica_bytes());
+    const long double W = pcp, M = shape.max_local_tokens(pcp), N = shape.tokens, q = q_lora_rank;
+    const RowBytes row = RowBytes::of(fmt, q);
+    const long double input_row = row.input + 8;  // + position and slot
+    add("inputs", kMargin * N * input_row);
+    add("per-rank input copies", kMargin * (local_rows() + N) * (input_row + 8));
+    add("cache replicas", kMargin * (W + static_cast<long double>(num_transports)) * row.replica(shape.slots()));
     add("q_c outputs", kMargin * (local_rows() + N) * q * 2);
     add("top-k buffers", kMargin * local_rows() * index_topk * 4);
-    if (collect) add("collect buffers", kMargin * (W * (W + 1) * M + 2 * N) * bf16_row);
-    if (staging) add("staging buffers", kMargin * W * W * M * transport_row_layout(fmt).row_bytes);
-    add("checks/plan/RoPE table",
-        kMargin * (4 * M * q + slots() + 2 * (20 * N + 32 * W * M) + 8 * blocks + 256 * max_position));
+    if (collect) add("collect buffers", kMargin * (W * (W + 1) * M + 2 * N) * row.bf16);
+    if (staging) add("staging buffers", kMargin * W * W * M * row.transport);
+    add("checks/plan/RoPE table", kMargin * (4 * M * q + shape.slots() + 2 * (20 * N + 32 * W * M) +
+                                             8 * shape.blocks + 256 * shape.max_keys));
   }
   long double model_bytes() const {
     long double total = 0;
@@ -353,10 +135,10 @@ struct Footprint {
 std::pair<long double, long double> check_footprint(const Footprint& f, const std::string& batch,
                                                     double memory_limit_gb, bool from_file) {
   constexpr auto kMaxBlocks = static_cast<long double>(std::numeric_limits<int32_t>::max());
-  PCPKV_CHECK(f.blocks <= kMaxBlocks,
+  PCPKV_CHECK(f.shape.blocks <= kMaxBlocks,
               "{}: the cache needs at least {:.0f} blocks of {} slots{}, more than the {} block ids an int32 block "
               "table holds",
-              batch, static_cast<double>(f.blocks), f.block_size, f.partial, std::numeric_limits<int32_t>::max());
+              batch, static_cast<double>(f.shape.blocks), static_cast<double>(f.shape.block_size), f.partial, std::numeric_limits<int32_t>::max());
   HostMemory have = available_host_memory();
   if (memory_limit_gb > 0 && memory_limit_gb * 1e9L < have.bytes) {
     have.bytes = memory_limit_gb * 1e9L;
@@ -409,53 +191,7 @@ void check_save_target(const std::string& path) {
 
 }  // namespace
 
-bool RunOutcome::ok() const {
-  return !checks.empty() && std::all_of(checks.begin(), checks.end(), [](const Check& c) { return c.pass; });
-}
-
-std::vector<Transport> parse_transport_list(const std::string& s) {
-  if (s == "all") return {Transport::kCollect, Transport::kStaging, Transport::kDirect};
-  std::vector<Transport> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    const size_t comma = s.find(',', start);
-    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    PCPKV_CHECK(item == "collect" || item == "staging" || item == "direct",
-                "--transport: unknown transport '{}' in '{}'; use all or a comma list of collect, staging, direct",
-                item, s);
-    const Transport t = parse_transport(item);
-    PCPKV_CHECK(std::find(out.begin(), out.end(), t) == out.end(), "--transport: '{}' is listed twice in '{}'", item,
-                s);
-    out.push_back(t);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return out;
-}
-
-PcpPlan single_rank_plan(const PcpPlan& plan) {
-  PcpPlan s = plan;
-  const int64_t n = plan.num_global_tokens();
-  s.pcp_world = 1;
-  s.max_local_tokens = n;
-  RankPlan r;
-  r.num_local_tokens = n;
-  for (int64_t g = 0; g < n; ++g) {
-    if (plan.requests[plan.global_request[g]].kind == RequestKind::kPrefill) {
-      ++r.num_prefill_tokens;
-    } else {
-      ++r.num_decode_tokens;
-    }
-  }
-  r.positions = plan.global_positions;
-  r.slot_mapping = plan.global_slots;
-  r.global_index.resize(static_cast<size_t>(n));
-  std::iota(r.global_index.begin(), r.global_index.end(), int64_t{0});
-  s.ranks = {std::move(r)};
-  s.gathered_slot_mapping = plan.global_slots;
-  validate_plan(s);
-  return s;
-}
+bool RunOutcome::ok() const { return all_pass(checks); }
 
 PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   PreparedRun p;
@@ -478,21 +214,9 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   PCPKV_CHECK(o.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", o.threads);
   PCPKV_CHECK(o.inject_fault.empty() || o.inject_fault == "row" || o.inject_fault == "guard",
               "--inject-fault: must be row or guard, got '{}'", o.inject_fault);
-  const std::string k_scale_typed = o.k_scale_text.empty() ? fmt::format("{}", o.k_scale) : o.k_scale_text;
-  PCPKV_CHECK(std::isfinite(o.k_scale) && o.k_scale > 0, "--k-scale: must be positive and finite, got {}",
-              k_scale_typed);
-  // The cache stores k_scale as fp32: 1e-300 would round to 0 and 1e39 to inf, and later checks would
-  // name the rounded value, not the one typed.
-  PCPKV_CHECK(static_cast<float>(o.k_scale) > 0 && std::isfinite(static_cast<float>(o.k_scale)),
-              "--k-scale: {} does not fit a float32 (the cache stores it as fp32: about 1.4e-45 to 3.4e38)",
-              k_scale_typed);
-  PCPKV_CHECK(o.layer == "indexer" || o.layer == "shared", "--layer: must be indexer or shared, got '{}'", o.layer);
   PCPKV_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
               "--backend: unknown backend '{}'; known: auto, cpu, cuda", o.backend);
-  p.fmt.kv_format = parse_kv_format(o.kv_format, "kv-format");
-  p.fmt.ds_mla_scale = parse_ds_mla_scale(o.ds_mla_scale, "ds-mla-scale");
-  p.fmt.k_scale = static_cast<float>(o.k_scale);
-  p.fmt.has_indexer = o.layer == "indexer";
+  p.fmt = parse_format_flags(o);
   p.transports = parse_transport_list(o.transport);
   // Flags that do not apply to this format or layer: say so rather than ignore them silently.
   auto given = [&](const char* flag) {
@@ -557,9 +281,8 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
           o.inputs, batch.saved_kv_format, to_string(p.fmt.kv_format)));
     }
   }
-  Footprint fp;
+  Footprint fp(o.block_size);
   fp.pcp = o.pcp;
-  fp.block_size = o.block_size;
   fp.q_lora_rank = p.model.q_lora_rank;
   fp.index_topk = o.topk_fill && p.fmt.has_indexer ? p.model.index_topk : 0;
   fp.fmt = p.fmt;
@@ -613,7 +336,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
       for (int32_t i = 0; i < o.decodes; ++i) {
         fp.add(decode(i));
         if (i >= 1023 && i + 1 < o.decodes &&
-            (fp.blocks > std::numeric_limits<int32_t>::max() || fp.model_bytes() > memory)) {
+            (fp.shape.blocks > std::numeric_limits<int32_t>::max() || fp.model_bytes() > memory)) {
           fp.partial = fmt::format(" (counting only the first {} of the {} decodes)", i + 1, o.decodes);
           break;
         }
@@ -725,15 +448,16 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     step(progress, fmt::format("single-rank reference for {} ({}/{})", name, i + 1, num));
     run.reference = ref_backend->publish(ref_setup, prep.inputs, t);
 
-    step(progress, fmt::format("verifying {}: replicas", name));
-    out.checks.push_back(check_replicas(run.result, prep.fmt, prep.plan.pcp_world));
-    step(progress, fmt::format("verifying {}: single-rank reference", name));
-    out.checks.push_back(check_reference(run, prep));
-    step(progress, fmt::format("verifying {}: guard bytes", name));
-    out.checks.push_back(check_guards(run.result, prep));
-    step(progress, fmt::format("verifying {}: dequantized cache vs fp64", name));
-    out.checks.push_back(check_bound(run.result, prep));
-    if (topk_width > 0) out.checks.push_back(check_topk(run.result, prep, topk_width));
+    PublicationCase pc;
+    pc.model = &prep.model;
+    pc.plan = &prep.plan;
+    pc.inputs = &prep.inputs;
+    pc.fmt = prep.fmt;
+    pc.topk_width = topk_width;
+    for (Check& c : check_publication(run.result, run.reference, pc, [&](const std::string& what) {
+           step(progress, fmt::format("verifying {}: {}", name, what));
+         }))
+      out.checks.push_back(std::move(c));
 
     run.result.mla_alloc.resize(1);
     run.result.index_alloc.resize(std::min<size_t>(run.result.index_alloc.size(), 1));
@@ -750,41 +474,9 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     if (run.transport == Transport::kDirect) direct = &run;
   }
   if (staging && direct) {
-    out.checks.push_back(check_same_cache(staging->result, direct->result, prep.fmt, "staging == direct", ""));
+    out.checks.push_back(check_same_caches(staging->result, direct->result, prep.fmt, "staging == direct", ""));
   }
-  // Saturated values are not held to the bound: when many saturate, a PASS says little about them.
-  std::string saturated;
-  double worst_fraction = 0;
-  for (const Check& c : out.checks) {
-    if (c.num_values <= 0 || c.num_saturated * 100 <= c.num_values) continue;  // <= 1%
-    const double fraction = static_cast<double>(c.num_saturated) / static_cast<double>(c.num_values);
-    worst_fraction = std::max(worst_fraction, fraction);
-    saturated +=
-        fmt::format("{}{} {} of {}", saturated.empty() ? "" : ", ", c.transport, c.num_saturated, c.num_values);
-  }
-  if (!saturated.empty()) {
-    out.notes.push_back(fmt::format(
-        "fp8 bound: up to {:.1f}% of the checked values saturate at 448 * k_scale ({}); saturated values are "
-        "not held to the bound, so the bound check is weak here (--k-scale {} is small for these inputs)",
-        100.0 * worst_fraction, saturated, prep.fmt.k_scale));
-  }
-  // The other end: values below the smallest E4M3 step encode as 0 and meet the bound through its absolute
-  // term (2^-10 * k_scale), which a huge scale makes large.
-  std::string flushed;
-  double worst_flushed = 0;
-  for (const Check& c : out.checks) {
-    if (c.num_values <= 0 || c.num_flushed * 100 <= c.num_values) continue;  // <= 1%
-    const double fraction = static_cast<double>(c.num_flushed) / static_cast<double>(c.num_values);
-    worst_flushed = std::max(worst_flushed, fraction);
-    flushed += fmt::format("{}{} {} of {}", flushed.empty() ? "" : ", ", c.transport, c.num_flushed, c.num_values);
-  }
-  if (!flushed.empty()) {
-    out.notes.push_back(fmt::format(
-        "fp8 bound: up to {:.1f}% of the checked values lie below 2^-10 * k_scale and encode as 0 ({}); the "
-        "bound's absolute term lets them pass, so the bound check is weak here (--k-scale {} is large for these "
-        "inputs)",
-        100.0 * worst_flushed, flushed, prep.fmt.k_scale));
-  }
+  out.notes = check_notes(out.checks, prep.fmt.k_scale);
   return out;
 }
 

@@ -213,24 +213,7 @@ nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, 
                           {"total_bytes", run.result.profile.total_bytes()}});
   }
   j["transports"] = transports;
-  json checks = json::array();
-  for (const Check& c : out.checks) {
-    json cj = {{"check", c.name}, {"transport", c.transport}, {"pass", c.pass}, {"detail", c.detail}};
-    if (c.num_values) {
-      cj["num_values"] = c.num_values;
-      cj["num_over_bound"] = c.num_over_bound;
-      cj["num_saturated"] = c.num_saturated;
-      cj["num_flushed"] = c.num_flushed;
-      cj["max_abs_err"] = c.max_abs_err;
-      cj["max_err_over_bound"] = c.max_err_over_bound;
-      cj["worst"] = c.worst;
-    } else {
-      cj["num_bytes"] = c.num_bytes;
-      cj["num_diff"] = c.num_diff;
-    }
-    checks.push_back(cj);
-  }
-  j["checks"] = checks;
+  j["checks"] = json::parse(checks_json(out.checks));
   j["saved"] = saved.empty() ? json(nullptr) : json(saved);
   j["save_error"] = save_error.empty() ? json(nullptr) : json(save_error);
   return j;

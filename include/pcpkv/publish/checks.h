@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -61,5 +62,111 @@ struct DecodedRow {
 };
 DecodedRow decode_slot(const uint8_t* mla_cache, const MlaCacheGeometry& mg, const uint8_t* index_cache,
                        const IndexerCacheGeometry& ig, const CacheFormat& fmt, int64_t slot);
+
+
+// ---- the publication checks: one result type, one function per check, one JSON shape ----------------
+//
+// Used by `pcpkv run` (check_publication), `pcpkv mp-publish` (check_replicas_vs_reference, check_guards,
+// check_outputs_vs_reference) and the tests alike. Each check returns pass = false with a detail naming the
+// first difference; none throws on a mismatch (only on results of the wrong shape: pcpkv::Error).
+
+/// One verification result. The counts say what was compared: byte checks fill num_bytes / num_diff,
+/// the bound check fills the num_values ... worst fields (num_values > 0 tells them apart in JSON).
+struct Check {
+  std::string name;       // "replicas identical", "staging == direct", ...
+  std::string transport;  // "collect" | "staging" | "direct"; "" when it spans transports
+  bool pass = false;
+  std::string detail;  // one line: sizes when it passes, the first difference or the max error when not
+  std::string worst;   // bound check: where the worst value lies (printed when the check fails)
+  // bound check
+  double max_abs_err = 0, max_err_over_bound = 0;
+  int64_t num_values = 0, num_over_bound = 0, num_saturated = 0, num_flushed = 0;
+  // byte comparisons: bytes compared and bytes that differ (guards: bytes changed)
+  int64_t num_bytes = 0, num_diff = 0;
+};
+
+/// The PCP-1 plan over the same requests, block tables and slots as `plan` (global token g on rank 0's
+/// row g): the single-rank reference check_vs_single_rank compares against. Validated (validate_plan).
+PcpPlan single_rank_plan(const PcpPlan& plan);
+
+/// true when `checks` is not empty and every check passed.
+bool all_pass(const std::vector<Check>& checks);
+
+/// Every rank's MLA (and indexer) allocation equals rank 0's, byte for byte. Check "replicas identical".
+Check check_replicas_identical(const PublishResult& r, const CacheFormat& fmt);
+
+/// Rank 0's caches of a and b are byte-identical (e.g. staging == direct). `name` and `transport` label it.
+Check check_same_caches(const PublishResult& a, const PublishResult& b, const CacheFormat& fmt, std::string name,
+                        std::string transport);
+
+/// Rank 0's caches equal those of `single` (the same requests, blocks and slots published with PCP 1,
+/// global order on rank 0), and every rank's q_c_out rows (when both results hold them) equal the PCP-1 rows of
+/// the same global tokens. q_lora_rank: elements per q_c_out row. Check "== single-rank reference".
+Check check_vs_single_rank(const PublishResult& r, const PublishResult& single, const PcpPlan& plan,
+                           const CacheFormat& fmt, int64_t q_lora_rank);
+
+/// Every replica of `got` equals the same rank's replica of `ref` (the same plan published by another
+/// backend or process layout). rank_names[q] names rank q in messages ("global rank 5"); empty: "rank q".
+/// Check "replicas == single-process CPU reference".
+Check check_replicas_vs_reference(const PublishResult& got, const PublishResult& ref,
+                                  const std::vector<int32_t>& rank_names = {});
+
+/// Every rank's bytes outside written rows are kGuardByte (check_untouched on each rank). rank_names as above.
+/// Check "guard/untouched bytes intact".
+Check check_guards(const PublishResult& r, const PcpPlan& plan, const CacheFormat& fmt,
+                   const std::vector<int32_t>& rank_names = {});
+
+/// One rank's q_c_out and top-k rows (from a one-process-per-rank publisher) equal rank `rank` of `ref`'s:
+/// q_c_out only when `q_c_out` is not empty, top-k only when `topk` is not empty. Check "rank 0 q_c_out /
+/// top-k == reference" (the rank in the name is `rank`); passes with nothing to compare.
+Check check_outputs_vs_reference(const std::vector<uint16_t>& q_c_out, const std::vector<int32_t>& topk,
+                                 const PublishResult& ref, int32_t rank);
+
+/// CUDA graph replays of a one-process-per-rank publication: the fence epochs (start fence, then the
+/// publication fence, see RankPublishResult::fence_epochs) after `replays` replays, `before` those before the
+/// eager run that preceded the capture. Per run the start fence advances once, the publication fence once
+/// or not at all (collect over NCCL has none). Check "fence epochs advanced every replay".
+Check check_fence_epochs(const std::vector<uint64_t>& before, const std::vector<uint64_t>& after, int32_t replays);
+
+/// FNV-1a over every replica's MLA then indexer bytes, rank by rank: compares whole publications of two
+/// transports without keeping both (one-process-per-rank publishers read the replicas back one at a time).
+uint64_t replicas_fingerprint(const PublishResult& r);
+
+/// Two fingerprints (replicas_fingerprint) agree. `name` labels it ("staging == direct").
+Check check_same_fingerprint(std::string name, uint64_t a, uint64_t b);
+
+/// Rank 0's dequantized cache against fp64 math (check_fp8_bound; the collect transport rounds to bf16
+/// first). Check "dequantized vs fp64 within the FP8 bound" (bf16 formats name their bound).
+Check check_bound(const PublishResult& r, const GlobalInputs& in, const PcpPlan& plan, const ModelConfig& model,
+                  const CacheFormat& fmt);
+
+/// Every rank's top-k buffer holds width int32 -1 per local token. Check "top-k buffer filled with -1".
+Check check_topk_filled(const PublishResult& r, const PcpPlan& plan, int64_t width);
+
+/// What a publication is checked against in `pcpkv run`.
+struct PublicationCase {
+  const ModelConfig* model = nullptr;
+  const PcpPlan* plan = nullptr;  // the plan `result` was published with
+  const GlobalInputs* inputs = nullptr;
+  CacheFormat fmt;
+  int64_t topk_width = 0;  // > 0: the top-k buffer must be filled
+};
+
+/// The checks of one transport's publication, in this order: replicas identical, == single-rank reference,
+/// guard bytes, the bound, and (topk_width > 0) the top-k buffer. step, when set, is called before each
+/// with what is checked ("replicas", "single-rank reference", "guard bytes", "dequantized cache vs fp64").
+std::vector<Check> check_publication(const PublishResult& result, const PublishResult& single_rank,
+                                     const PublicationCase& c,
+                                     const std::function<void(const std::string&)>& step = {});
+
+/// Remarks on a set of checks: when more than 1% of a bound check's values saturate (not held to the
+/// bound) or flush to 0 (held only to its absolute term), the check says little; k_scale names the flag.
+std::vector<std::string> check_notes(const std::vector<Check>& checks, float k_scale);
+
+/// The checks as one JSON array (text, indent as nlohmann's dump: -1 compact): per check
+///   {"check", "transport", "pass", "detail"} then either
+///   {"num_values", "num_over_bound", "num_saturated", "num_flushed", "max_abs_err", "max_err_over_bound",
+///    "worst"} (bound checks, num_values > 0) or {"num_bytes", "num_diff"}.
+std::string checks_json(const std::vector<Check>& checks, int indent = -1);
 
 }  // namespace pcpkv

@@ -37,6 +37,12 @@ struct BenchOptions {
   /// Dispatch kernels of the single-rank section ("simple", "prefetch", "warp", "warp_pf"), each with the
   /// top-k fill fused and separate, measured side by side in one run.
   std::vector<std::string> single_rank_variants = {"simple", "prefetch", "warp", "warp_pf"};
+  /// The per-GPU case: rank 0's dispatch alone in a PCP per_gpu_pcp group of per_gpu_tokens tokens (one
+  /// prefill request; GLM-5 and DeepSeek-V3.2 of `models`, fp8_ds_mla, indexer layer): tokens / P local rows
+  /// writing P staging slots (staging) or P replicas (direct), what one GPU of the group runs before its
+  /// fence. Each layer variant's dispatch kernel and fill. per_gpu_pcp 0: skipped.
+  int32_t per_gpu_pcp = 8;
+  int64_t per_gpu_tokens = 32768;
   /// Publication variants of the staging / direct runs, "<dispatch>:<fused|separate>:<combine rows per
   /// warp>[:pdl]" (e.g. "warp:fused:4"); each case runs every one. collect always runs its pinned baseline
   /// (the CTA "prefetch" kernel, separate top-k fill: what engines do).
@@ -86,6 +92,17 @@ struct BenchSingle {
   int64_t bytes = 0;
 };
 
+/// Rank 0's dispatch alone in a PCP group (BenchOptions::per_gpu_pcp): one GPU's share before the fence.
+struct BenchPerGpu {
+  std::string model;
+  int32_t pcp = 0;
+  int64_t local_tokens = 0;  // rows of rank 0 (per_gpu_tokens / pcp)
+  Transport transport = Transport::kDirect;
+  std::string variant;       // PublishVariant name (dispatch kernel and fill; combine / pdl do not apply)
+  double ms = 0.0;           // median of (top-k fill unless fused) + dispatch
+  int64_t bytes = 0;         // read + written by rank 0's fill and dispatch (docs/perf.md byte model)
+};
+
 /// One PDL off / on comparison (BenchOptions::pdl_tokens).
 struct BenchPdl {
   std::string model;
@@ -106,6 +123,7 @@ struct BenchReport {
   int64_t copy_bytes = 0;        // bytes of the copied buffer
   std::vector<std::string> kernels;  // register / shared memory / spill report of the dispatch kernels
   std::vector<BenchSingle> singles;
+  std::vector<BenchPerGpu> per_gpu;
   std::vector<BenchRun> runs;
   std::vector<BenchPdl> pdl;
 };

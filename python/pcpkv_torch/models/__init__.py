@@ -11,8 +11,9 @@ from .attention import PcpAttention, PcpRuntime, apply_rope, chunked
 from .batch import BlockTables, StepBatch, StepRequest
 from .hf import MODEL_TYPES, build_hf_model, hf_modules, hf_reference_forward, randomize_weights, small_config
 from .runner import PcpModel
+from .dist_world import DistPcpModel, DistPcpWorld
 from .world import TRANSPORTS, LocalInputs, PcpWorld
 
 __all__ = ["PcpAttention", "PcpRuntime", "apply_rope", "chunked", "BlockTables", "StepBatch", "StepRequest",
-           "MODEL_TYPES", "build_hf_model", "hf_modules", "hf_reference_forward", "randomize_weights", "small_config", "PcpModel",
+           "MODEL_TYPES", "build_hf_model", "hf_modules", "hf_reference_forward", "randomize_weights", "small_config", "PcpModel", "DistPcpModel", "DistPcpWorld",
            "TRANSPORTS", "LocalInputs", "PcpWorld"]

@@ -120,10 +120,11 @@ class PcpAttention(torch.nn.Module):
         x = hidden_states[0]
         fmt = world.fmts[layer]
         H = self.num_heads
+        ranks = world.local_ranks  # every rank (PcpWorld) or this process's one (DistPcpWorld); others stay None
         t = rt.tick()
         # 1. projections of every rank's own rows
-        local, weights_idx = [], []
-        for r in range(W):
+        local, weights_idx = [None] * W, [None] * W
+        for r in ranks:
             xl = step.local_rows(x, r)
 
             def proj(xc):
@@ -134,22 +135,23 @@ class PcpAttention(torch.nn.Module):
                 return q_c, kv, k_pe
 
             out = chunked(proj, chunk, xl)
-            local.append(LocalInputs(out[0].contiguous(), out[1].contiguous(), out[2].contiguous(),
-                                     out[3].contiguous() if fmt.has_indexer else None))
-            weights_idx.append(out[4].float().contiguous() if fmt.has_indexer else None)
+            local[r] = LocalInputs(out[0].contiguous(), out[1].contiguous(), out[2].contiguous(),
+                                   out[3].contiguous() if fmt.has_indexer else None)
+            weights_idx[r] = out[4].float().contiguous() if fmt.has_indexer else None
         t = rt.add_time(layer, "projections", t)
         # 2. publication into every replica
         M = step.max_local_tokens
         # poisoned with NaN in tests: a row the dispatch failed to write would reach the logits
         make = torch.full if rt.poison else (lambda shape, _, **kw: torch.empty(shape, **kw))
         q_c_out = [make((M, self.hf.q_lora_rank), float("nan"), dtype=torch.bfloat16, device=x.device)
-                   for _ in range(W)]
+                   if r in ranks else None for r in range(W)]
         world.publish(layer, rt.transport, local, step, self._weights(), q_c_out)
+        world.check_published(layer, step)  # the replica check (check_replicas; a no-op when off)
         t = rt.add_time(layer, "publication", t)
         # 3a. the indexer on each rank's own replica (or the shared layer's reuse)
         if fmt.has_indexer:
-            topk = []
-            for r in range(W):
+            topk = [None] * W
+            for r in ranks:
                 pos = step.positions[r]
 
                 def index_q(qc, p):
@@ -158,21 +160,20 @@ class PcpAttention(torch.nn.Module):
                     return quantize_index_q(torch.cat([q_pe, q[..., 64:]], dim=-1).contiguous())
 
                 q_fp8, q_scale = chunked(index_q, chunk, q_c_out[r], pos)
-                topk.append(indexer_topk(q_fp8.contiguous(), q_scale.contiguous(), weights_idx[r], pos,
-                                         step.request_idx[r], step.block_tables, world.index[layer][r],
-                                         topk=self.indexer.index_topk, max_keys=step.max_position + 1))
+                topk[r] = indexer_topk(q_fp8.contiguous(), q_scale.contiguous(), weights_idx[r], pos,
+                                       step.request_idx[r], step.block_tables, world.index[layer][r],
+                                       topk=self.indexer.index_topk, max_keys=step.max_position + 1)
         else:
             if prev_topk_indices is None:
                 raise ValueError(f"layer {layer}: a shared (IndexShare) layer needs the previous indexer layer's top-k")
             topk = prev_topk_indices
         if rt.record_topk:
-            rt.topk[layer] = [k.clone() for k in topk]
+            rt.topk[layer] = [k.clone() if k is not None else None for k in topk]
         t = rt.add_time(layer, "indexer", t)
         # 3b. sparse MLA on each rank's own replica, W_UV, o_proj; 4. owned rows back to global order
         w_uk, w_uv = self._absorbed_weights()
-        out = torch.zeros_like(x)
-        decode_rows = []
-        for r in range(W):
+        ys = {}
+        for r in ranks:
             pos = step.positions[r]
 
             def query(qc, p):
@@ -188,8 +189,10 @@ class PcpAttention(torch.nn.Module):
                 v = torch.einsum("thc,hvc->thv", oc.to(x.dtype), w_uv)
                 return self.hf.o_proj(v.reshape(oc.shape[0], H * self.v_dim))
 
-            y = chunked(up, chunk, o)
-            step.scatter_owned(out, y, r)
+            ys[r] = chunked(up, chunk, o)
+        out = world.owned_to_global(ys, step, x)  # across processes: an all-gather of every rank's rows
+        decode_rows = []
+        for r, y in ys.items():
             copies = (step.global_index[r] >= 0) & ~step.owner[r]  # replicated decodes another rank owns
             if rt.check_replicated and bool(copies.any()):
                 decode_rows.append((r, step.global_index[r][copies], y[copies]))

@@ -39,14 +39,18 @@ class PcpModel:
     row_chunk: see attention.py (None: projections on whole local batches, faster, not batch-invariant).
     timing: per (layer, stage) seconds in runtime.times (synchronizing); record_topk: keep every layer's top-k
     (topk_positions); scale_read: how sparse MLA reads fp8_ds_mla tile scales ("fp32" | "bf16", FlashMLA SM90);
-    poison: fill outputs with NaN before the dispatch writes them (tests).
+    poison: fill outputs with NaN before the dispatch writes them (tests). check_replicas: the run-time replica
+    check after every layer's publication (models/replica_check.py; None: PCPKV_CHECK_REPLICAS=1 turns it on).
+    make_world: the world's class (default PcpWorld: pcp_world logical ranks here; DistPcpModel passes
+    DistPcpWorld, one rank per process).
     Raises ValueError for a config pcpkv cannot serve (kv_lora_rank != 512, ...), a bad transport, or a step
     that needs more blocks than are free."""
 
     def __init__(self, hf_model, pcp_world: int, *, num_blocks: int, block_size: int = 64,
                  kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", transport: str = "direct",
                  max_positions: Optional[int] = None, row_chunk: Optional[int] = 64, seed: int = 0,
-                 timing: bool = False, record_topk: bool = False, scale_read: str = "fp32", poison: bool = False):
+                 timing: bool = False, record_topk: bool = False, scale_read: str = "fp32", poison: bool = False,
+                 check_replicas: Optional[bool] = None, make_world=None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS}")
         if not isinstance(pcp_world, int) or pcp_world < 1:
@@ -67,8 +71,9 @@ class PcpModel:
         device = next(hf_model.parameters()).device
         if max_positions is None:
             max_positions = min(int(cfg.max_position_embeddings), num_blocks * block_size)
-        self.world = PcpWorld(self.spec, pcp_world, len(layers), num_blocks, block_size, kv_format=kv_format,
-                              ds_mla_scale=ds_mla_scale, max_positions=max_positions, device=device)
+        self.world = (make_world or PcpWorld)(self.spec, pcp_world, len(layers), num_blocks, block_size,
+                                              kv_format=kv_format, ds_mla_scale=ds_mla_scale,
+                                              max_positions=max_positions, device=device, check_replicas=check_replicas)
         self.runtime = PcpRuntime(self.world, transport=transport, row_chunk=row_chunk, timing=timing,
                                   record_topk=record_topk, scale_read=scale_read, poison=poison)
         self.transport = transport
@@ -102,6 +107,8 @@ class PcpModel:
         pos_of_slot = self.blocks.position_of_slot()
         out = torch.full((batch.num_tokens, sel[0].shape[1]), -1, dtype=torch.int64)
         for r, k in enumerate(sel):
+            if k is None:  # a rank of another process (DistPcpModel): its tokens stay -1 here
+                continue
             k = k.cpu().long()
             p = torch.where(k >= 0, pos_of_slot[k.clamp(min=0)], torch.full_like(k, -1))
             own = batch.owner[r].cpu()

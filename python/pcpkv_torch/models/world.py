@@ -21,6 +21,7 @@ from ..layout import allocate_indexer_cache, allocate_mla_cache, allocate_stagin
 from ..model import CacheFormat, ModelSpec
 from ..ops import combine, dispatch, fence, insert, rope_table
 from ..tables import CacheTargets, FenceState, RowDests, allocate_fence_pads
+from .replica_check import ReplicaCheck
 
 __all__ = ["TRANSPORTS", "LocalInputs", "PcpWorld"]
 
@@ -42,11 +43,14 @@ class LocalInputs:
 class PcpWorld:
     """Caches of W logical ranks for num_layers layers: mla[layer][rank] uint8 [num_blocks, block_size, row_bytes],
     index[layer][rank] uint8 [num_blocks, block_size, 132] (None on layers without an indexer), allocated once
-    and filled with `fill` (guard pattern) so untouched bytes are recognizable. Norm weights come per call."""
+    and filled with `fill` (guard pattern) so untouched bytes are recognizable. Norm weights come per call.
+    check_replicas: see replica_check.py (None: the PCPKV_CHECK_REPLICAS environment variable decides)."""
+
+    fence_timeout_us = 10_000_000  # bound of a fence wait (a missing rank is named past it)
 
     def __init__(self, spec: ModelSpec, pcp_world: int, num_layers: int, num_blocks: int, block_size: int, *,
                  kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", max_positions: int, device=None,
-                 fill: int = 0xA5):
+                 fill: int = 0xA5, check_replicas: Optional[bool] = None):
         if pcp_world < 1:
             raise ValueError(f"pcp_world = {pcp_world} must be >= 1")
         self.spec, self.W, self.num_layers = spec, pcp_world, num_layers
@@ -64,6 +68,8 @@ class PcpWorld:
         self.pads = allocate_fence_pads(pcp_world, num_barriers=1, device=self.device)
         self.fence_state = FenceState.local(self.pads, num_barriers=1)
         self._staging: dict = {}   # row_bytes -> (capacity M, [W] workspaces, [W] RowDests per buffer)
+        self.local_ranks = range(pcp_world)  # the ranks this process computes: all of them
+        self.replica_check = ReplicaCheck(check_replicas)
 
     def _staging_for(self, fmt: CacheFormat, rows: int):
         have = self._staging.get(fmt.row_bytes)
@@ -76,8 +82,8 @@ class PcpWorld:
 
     def publish(self, layer_idx: int, transport: str, local: Sequence[LocalInputs], step, weights: dict,
                 q_c_out: Sequence[torch.Tensor]):
-        """Publishes layer layer_idx's rows of every rank into every replica with `transport` and writes each
-        rank's normalized q_c (RMSNorm, SPEC section 2.1) into q_c_out[r] bf16 [M, q_lora_rank].
+        """Publishes layer layer_idx's rows of every rank of local_ranks into every replica with `transport` and
+        writes each such rank's normalized q_c (RMSNorm, SPEC section 2.1) into q_c_out[r] bf16 [M, q_lora_rank].
         step: the StepBatch (positions, slot mappings); weights: q_norm_w, kv_norm_w, index_ln_w, index_ln_b.
         Raises ValueError for an unknown transport or positions past the RoPE table."""
         if transport not in TRANSPORTS:
@@ -99,35 +105,52 @@ class PcpWorld:
 
         M = step.max_local_tokens
         if transport == "direct":
-            for r in range(self.W):
+            for r in self.local_ranks:
                 run(r, slot_mapping=step.slot_mapping[r], targets=self.targets[layer_idx])
-            fence(self.fence_state, 0, written=mla + (index or []))
+            fence(self.fence_state, 0, timeout_us=self.fence_timeout_us, written=mla + (index or []))
         elif transport == "staging":
             _, ws, dests = self._staging_for(fmt, M)
             buf = layer_idx % 2  # alternate buffers: a rank may run one layer ahead of a peer's combine
-            for r in range(self.W):
+            for r in self.local_ranks:
                 run(r, slot_mapping=step.slot_mapping[r], row_dests=dests[buf][r])
-            fence(self.fence_state, 0, written=ws)
+            fence(self.fence_state, 0, timeout_us=self.fence_timeout_us, written=ws)
             cap = ws[0].shape[3]
             gathered = step.gathered_slot_mapping
             if cap != M:  # a workspace sized for a longer step: rows past M of every slot are skipped
                 gathered = torch.full((self.W, cap), -1, dtype=torch.int64, device=self.device)
                 gathered[:, :M] = step.slot_mapping
                 gathered = gathered.view(-1)
-            for r in range(self.W):
+            for r in self.local_ranks:
                 combine(ws[r][buf, 0], gathered, mla[r], index[r] if fmt.has_indexer else None, fmt=fmt)
         else:
             kv_c = torch.empty((self.W, M, 512), dtype=torch.bfloat16, device=self.device)
             k_pe = torch.empty((self.W, M, 64), dtype=torch.bfloat16, device=self.device)
             idx_k = torch.empty((self.W, M, 128), dtype=torch.bfloat16, device=self.device) if fmt.has_indexer else None
-            for r in range(self.W):
+            for r in self.local_ranks:
                 run(r, kv_c_out=kv_c[r], k_pe_out=k_pe[r], index_k_out=idx_k[r] if idx_k is not None else None)
+            self._gather_rows([kv_c, k_pe] + ([idx_k] if idx_k is not None else []))
             # the all-gather: rank-major rows, the order of gathered_slot_mapping
             kv_c, k_pe = kv_c.view(-1, 512), k_pe.view(-1, 64)
             idx_k = idx_k.view(-1, 128) if idx_k is not None else None
-            for r in range(self.W):
+            for r in self.local_ranks:
                 insert(kv_c, k_pe, idx_k, step.gathered_slot_mapping, mla[r], index[r] if fmt.has_indexer else None,
                        fmt=fmt)
+
+    def _gather_rows(self, rows: Sequence[torch.Tensor]):
+        """collect's all-gather of rows [W, M, ...] (rank r's rows at [r]): here every rank wrote its own already."""
+
+    def check_published(self, layer_idx: int, step):
+        """The run-time replica check of a published layer (check_replicas=True or PCPKV_CHECK_REPLICAS=1):
+        RuntimeError naming the layer, the ranks and the first differing slot when the replicas disagree."""
+        if self.replica_check.enabled:
+            self.replica_check.check_local(self, layer_idx, step)
+
+    def owned_to_global(self, ys: dict, step, like: torch.Tensor) -> torch.Tensor:
+        """[N, ...] in global order from every rank's rows ys[r] [M, ...] (each token from its owner)."""
+        out = torch.zeros_like(like)
+        for r, y in ys.items():
+            step.scatter_owned(out, y, r)
+        return out
 
     def replica_bytes(self, layer_idx: int, rank: int):
         """(MLA, indexer or None) cache bytes of one replica, on the CPU (for byte comparisons)."""

@@ -1,19 +1,11 @@
 // The CPU reference backend (pcpkv/publish/backend.h): PCP ranks are threads, each with its own cache replica and
 // staging workspace, running the three transports of SPEC section 5 with the host fence (pcpkv/ranks/fence.h).
+// The steps, their stage names and bytes come from the transport tables (publish/transport_table.h); this file
+// maps each Op to the CPU oracle's kernels.
 //
 // Stage profile. Rank threads run each stage concurrently; stages are separated by a host barrier, and a
 // stage's ms is the wall clock from the barrier that opens it to the one that closes it (mean over
-// setup.repeats). Bytes follow docs/perf.md's byte model (bytes read + bytes written, summed over ranks), counted
-// as this implementation touches them:
-//   dispatch   per local row (padding rows included, they are processed): reads q_c (when Q is
-//              materialized) 2*q_lora_rank, kv 1024, k_pe 128, index_k 256 (indexer layers), position 8, and
-//              slot 8 (direct only); writes q_c_out 2*q_lora_rank, top-k 4*topk_width (indexer layers), and
-//                collect: bf16 kv_c/k_pe/index_k 1024+128+256;  staging: W transport rows;
-//                direct: W * (MLA row + 132 indexer bytes) for rows with slot >= 0.
-//   all-gather W * max_local_tokens bf16 rows per rank (padding moves too), each read and written.
-//   insert     rows with slot >= 0, per rank: bf16 row read + MLA row and indexer slot written.
-//   combine    rows with slot >= 0, per rank: transport row read + MLA row and indexer slot written.
-//   fence      W signal stores + W polled slots of 8 B per rank.
+// setup.repeats). Bytes: the tables' byte model (docs/perf.md), summed over ranks.
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -22,7 +14,6 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
-#include <string_view>
 #include <thread>
 
 #include "pcpkv/publish/backend.h"
@@ -31,6 +22,7 @@
 #include "pcpkv/ranks/fence.h"
 #include "pcpkv/core/rope.h"
 #include "publish/publish_layout.h"
+#include "publish/transport_table.h"
 
 namespace pcpkv {
 namespace {
@@ -39,6 +31,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kFenceTimeoutMs = 60000;  // a bug, not load, would ever reach it
 constexpr int32_t kPublishBarrier = 0;      // fence barrier index of the publication
+constexpr bool kFuseTopk = false;           // the top-k fill is its own step, as in the CUDA drivers
 
 // What one publication hands back for a rank (fresh every call: it moves into the PublishResult).
 struct RankState {
@@ -138,14 +131,8 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
   sg.row_bytes = row_layout.row_bytes;
   const int buffer_idx = setup.layer_idx & 1;
 
-  // ---- stages per transport ----
-  std::vector<const char*> stage_names;
-  switch (transport) {
-    case Transport::kCollect: stage_names = {"dispatch", "all-gather", "insert"}; break;
-    case Transport::kStaging: stage_names = {"dispatch", "fence", "combine"}; break;
-    case Transport::kDirect: stage_names = {"dispatch", "fence"}; break;
-  }
-  const size_t num_stages = stage_names.size();
+  const std::vector<mp::Step> steps = mp::steps(transport, layout, kFuseTopk);
+  const size_t num_stages = steps.size();
 
   std::vector<RankState> ranks(static_cast<size_t>(W));
   if (scratch_.size() < static_cast<size_t>(W)) scratch_.resize(static_cast<size_t>(W));
@@ -167,7 +154,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     targets[static_cast<size_t>(r)] = st.target;
     if (setup.materialize_q) st.q_out.assign(static_cast<size_t>(M * q_rank), 0xA5A5);
     if (fill_topk) st.topk.assign(static_cast<size_t>(M * setup.topk_width), static_cast<int32_t>(0xA5A5A5A5u));
-    if (transport == Transport::kCollect) {
+    if (mp::uses(steps, mp::Op::kDispatchMaterialize)) {
       sc.kv_c_out.assign(static_cast<size_t>(M * 512), 0xA5A5);
       sc.k_pe_out.assign(static_cast<size_t>(M * 64), 0xA5A5);
       sc.kv_c_all.resize(static_cast<size_t>(W * M * 512));
@@ -175,7 +162,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
       sc.index_k_out.assign(fmt.has_indexer ? static_cast<size_t>(M * 128) : 0, 0xA5A5);
       sc.index_k_all.resize(fmt.has_indexer ? static_cast<size_t>(W * M * 128) : 0);
     }
-    if (transport == Transport::kStaging && sc.staging_bytes < sg.bytes()) {
+    if (mp::uses(steps, mp::Op::kDispatchStage) && sc.staging_bytes < sg.bytes()) {
       sc.staging.reset(new uint8_t[static_cast<size_t>(sg.bytes())]);  // contents unspecified until written
       sc.staging_bytes = sg.bytes();
     }
@@ -198,97 +185,99 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
   std::vector<std::exception_ptr> errors(static_cast<size_t>(W));
 
   auto base_dispatch = [&](RankState& st, const RankScratch& sc) {
-    DispatchParams d;
-    d.num_tokens = M;
-    d.q_lora_rank = q_rank;
-    if (setup.materialize_q) {
-      d.q_c = sc.in.q_c.data();
-      d.q_c_stride = q_rank;
-    }
-    d.kv = sc.in.kv.data();
-    d.k_pe = sc.in.k_pe.data();
-    d.index_k = fmt.has_indexer ? sc.in.index_k.data() : nullptr;
-    d.positions = sc.in.positions.data();
-    d.q_norm_w = inputs.weights.q_norm_w.data();
-    d.kv_norm_w = inputs.weights.kv_norm_w.data();
-    if (fmt.has_indexer) {
-      d.index_ln_w = inputs.weights.index_ln_w.data();
-      d.index_ln_b = inputs.weights.index_ln_b.data();
-    }
-    d.rope_cos_sin = rope->cos_sin.data();
-    d.rope_num_positions = rope->num_positions;
-    d.q_eps = static_cast<float>(model.rms_norm_eps);
-    d.kv_eps = static_cast<float>(model.rms_norm_eps);
-    d.index_eps = static_cast<float>(model.index_norm_eps);
-    d.mla_rope = model.mla_rope_interleave ? RopeStyle::kInterleaved : RopeStyle::kNeox;
-    d.index_rope = model.indexer_rope_interleave ? RopeStyle::kInterleaved : RopeStyle::kNeox;
-    d.index_hadamard = model.indexer_hadamard;
-    d.fmt = fmt;
-    d.q_c_out = setup.materialize_q ? st.q_out.data() : nullptr;
-    if (fill_topk) {
-      d.topk_fill = st.topk.data();
-      d.topk_width = setup.topk_width;
+    mp::DispatchInputs di;
+    di.q_c = sc.in.q_c.data();
+    di.kv = sc.in.kv.data();
+    di.k_pe = sc.in.k_pe.data();
+    di.index_k = sc.in.index_k.data();
+    di.positions = sc.in.positions.data();
+    di.q_norm_w = inputs.weights.q_norm_w.data();
+    di.kv_norm_w = inputs.weights.kv_norm_w.data();
+    di.index_ln_w = inputs.weights.index_ln_w.data();
+    di.index_ln_b = inputs.weights.index_ln_b.data();
+    di.rope_cos_sin = rope->cos_sin.data();
+    di.rope_num_positions = rope->num_positions;
+    di.q_c_out = st.q_out.data();
+    di.topk = kFuseTopk ? st.topk.data() : nullptr;
+    DispatchParams d = mp::base_dispatch_params(setup, layout, di);
+    if (!kFuseTopk) {
+      d.topk_fill = nullptr;  // the topk-fill step
+      d.topk_width = 0;
     }
     return d;
   };
 
-  if (transport == Transport::kStaging) row_dests_storage.resize(static_cast<size_t>(W) * W);
+  if (mp::uses(steps, mp::Op::kDispatchStage)) row_dests_storage.resize(static_cast<size_t>(W) * W);
 
-  auto run_stage = [&](int32_t r, size_t stage) {
+  // One small function per Op of the transport table.
+  auto run_step = [&](int32_t r, const mp::Step& step) {
     RankState& st = ranks[static_cast<size_t>(r)];
     RankScratch& sc = scratch_[static_cast<size_t>(r)];
-    const std::string_view name = stage_names[stage];
-    if (name == "dispatch") {
-      DispatchParams d = base_dispatch(st, sc);
-      if (transport == Transport::kCollect) {
+    switch (step.op) {
+      case mp::Op::kTopkFill: std::fill(st.topk.begin(), st.topk.end(), -1); break;
+      case mp::Op::kDispatchMaterialize: {
+        DispatchParams d = base_dispatch(st, sc);
         d.kv_c_out = sc.kv_c_out.data();
         d.k_pe_out = sc.k_pe_out.data();
         d.index_k_out = fmt.has_indexer ? sc.index_k_out.data() : nullptr;
-      } else if (transport == Transport::kStaging) {
+        dispatch_reference(d, threads_per_rank);
+        break;
+      }
+      case mp::Op::kDispatchStage: {
         // Rank r's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank r][0].
+        DispatchParams d = base_dispatch(st, sc);
         uint8_t** dests = row_dests_storage.data() + static_cast<size_t>(r) * W;
         for (int32_t peer = 0; peer < W; ++peer)
           dests[peer] = scratch_[static_cast<size_t>(peer)].staging.get() + sg.row_offset(buffer_idx, 0, r, 0);
         d.row_dests = dests;
         d.num_row_dests = W;
         d.row_bytes = row_layout.row_bytes;
-      } else {
+        dispatch_reference(d, threads_per_rank);
+        break;
+      }
+      case mp::Op::kDispatchDirect: {
+        DispatchParams d = base_dispatch(st, sc);
         d.slot_mapping = sc.in.slot_mapping.data();
         d.targets = targets.data();
         d.num_targets = W;
+        dispatch_reference(d, threads_per_rank);
+        break;
       }
-      dispatch_reference(d, threads_per_rank);
-    } else if (name == "all-gather") {
-      // Three all-gathers: every rank copies every rank's padded rows, rank-major.
-      for (int32_t src = 0; src < W; ++src) {
-        const RankScratch& s = scratch_[static_cast<size_t>(src)];
-        std::copy(s.kv_c_out.begin(), s.kv_c_out.end(), sc.kv_c_all.begin() + src * M * 512);
-        std::copy(s.k_pe_out.begin(), s.k_pe_out.end(), sc.k_pe_all.begin() + src * M * 64);
-        if (fmt.has_indexer)
-          std::copy(s.index_k_out.begin(), s.index_k_out.end(), sc.index_k_all.begin() + src * M * 128);
+      case mp::Op::kGather:
+        // Three all-gathers: every rank copies every rank's padded rows, rank-major.
+        for (int32_t src = 0; src < W; ++src) {
+          const RankScratch& s = scratch_[static_cast<size_t>(src)];
+          std::copy(s.kv_c_out.begin(), s.kv_c_out.end(), sc.kv_c_all.begin() + src * M * 512);
+          std::copy(s.k_pe_out.begin(), s.k_pe_out.end(), sc.k_pe_all.begin() + src * M * 64);
+          if (fmt.has_indexer)
+            std::copy(s.index_k_out.begin(), s.index_k_out.end(), sc.index_k_all.begin() + src * M * 128);
+        }
+        break;
+      case mp::Op::kInsert: {
+        InsertParams p;
+        p.num_tokens = W * M;
+        p.kv_c = sc.kv_c_all.data();
+        p.k_pe = sc.k_pe_all.data();
+        p.index_k = fmt.has_indexer ? sc.index_k_all.data() : nullptr;
+        p.slot_mapping = plan.gathered_slot_mapping.data();
+        p.fmt = fmt;
+        p.target = st.target;
+        insert_reference(p, threads_per_rank);
+        break;
       }
-    } else if (name == "insert") {
-      InsertParams p;
-      p.num_tokens = W * M;
-      p.kv_c = sc.kv_c_all.data();
-      p.k_pe = sc.k_pe_all.data();
-      p.index_k = fmt.has_indexer ? sc.index_k_all.data() : nullptr;
-      p.slot_mapping = plan.gathered_slot_mapping.data();
-      p.fmt = fmt;
-      p.target = st.target;
-      insert_reference(p, threads_per_rank);
-    } else if (name == "fence") {
-      st.fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs);
-    } else if (name == "combine") {
-      CombineParams p;
-      p.rows = sc.staging.get() + sg.row_offset(buffer_idx, 0, 0, 0);
-      p.num_src_ranks = W;
-      p.max_local_tokens = M;
-      p.row_bytes = row_layout.row_bytes;
-      p.slot_mapping = plan.gathered_slot_mapping.data();
-      p.fmt = fmt;
-      p.target = st.target;
-      combine_reference(p, threads_per_rank);
+      case mp::Op::kFence: st.fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs); break;
+      case mp::Op::kCombine: {
+        CombineParams p;
+        p.rows = sc.staging.get() + sg.row_offset(buffer_idx, 0, 0, 0);
+        p.num_src_ranks = W;
+        p.max_local_tokens = M;
+        p.row_bytes = row_layout.row_bytes;
+        p.slot_mapping = plan.gathered_slot_mapping.data();
+        p.fmt = fmt;
+        p.target = st.target;
+        combine_reference(p, threads_per_rank);
+        break;
+      }
     }
   };
 
@@ -299,7 +288,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
       if (failed.load()) return;
       for (int32_t rep = 0; rep < setup.repeats; ++rep) {
         for (size_t stage = 0; stage < num_stages; ++stage) {
-          run_stage(r, stage);
+          run_step(r, steps[stage]);
           phase_barrier.arrive_and_wait();
           if (failed.load()) return;
         }
@@ -327,35 +316,10 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     for (size_t k = 0; k < num_stages; ++k)
       stage_ms[k] += std::chrono::duration<double, std::milli>(stamps[base + k] - stamps[base + k - 1]).count();
   }
-  const int64_t idx = fmt.has_indexer ? 1 : 0;
-  const int64_t bf16_row_bytes = 1024 + 128 + idx * 256;
-  const int64_t cache_row_bytes = row_layout.mla_bytes + idx * kIndexerSlotBytes;
-  int64_t written_local = 0;  // rows with slot >= 0 over all ranks (= slots the batch writes)
-  for (const RankPlan& rp : plan.ranks)
-    written_local += std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t s) { return s >= 0; });
-  const int64_t rows = W * M;  // local rows processed over all ranks
-  const int64_t q_bytes = setup.materialize_q ? 2 * q_rank : 0;
-  const int64_t topk_bytes = fill_topk ? 4 * setup.topk_width : 0;
-  const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (transport == Transport::kDirect ? 8 : 0);
-  for (size_t k = 0; k < num_stages; ++k) {
-    const std::string_view name = stage_names[k];
-    int64_t bytes = 0;
-    if (name == "dispatch") {
-      bytes = rows * (read_per_row + q_bytes + topk_bytes);
-      if (transport == Transport::kCollect) bytes += rows * bf16_row_bytes;
-      if (transport == Transport::kStaging) bytes += rows * W * row_layout.row_bytes;
-      if (transport == Transport::kDirect) bytes += written_local * W * cache_row_bytes;
-    } else if (name == "all-gather") {
-      bytes = int64_t{W} * rows * bf16_row_bytes * 2;
-    } else if (name == "insert") {
-      bytes = int64_t{W} * written_local * (bf16_row_bytes + cache_row_bytes);
-    } else if (name == "combine") {
-      bytes = int64_t{W} * written_local * (row_layout.row_bytes + cache_row_bytes);
-    } else if (name == "fence") {
-      bytes = int64_t{W} * W * 16;
-    }
-    result.profile.stages.push_back(Stage{std::string(name), stage_ms[k] / setup.repeats, bytes});
-  }
+  const mp::ByteModel bytes = mp::make_byte_model(setup, layout, kFuseTopk);
+  for (size_t k = 0; k < num_stages; ++k)
+    result.profile.stages.push_back(
+        Stage{steps[k].name, stage_ms[k] / setup.repeats, mp::step_bytes_all_ranks(steps[k], bytes)});
 
   // ---- hand the allocations over (they are host memory already) ----
   for (RankState& st : ranks) {

@@ -19,6 +19,7 @@
 #include "pcpkv/core/rope.h"
 #include "pcpkv/ranks/symmetric.h"
 #include "publish/publish_layout.h"
+#include "publish/transport_table.h"
 
 namespace pcpkv {
 
@@ -107,6 +108,7 @@ using Clock = std::chrono::steady_clock;
 constexpr int32_t kStartBarrier = 0;    // every replica poisoned before any peer writes into it
 constexpr int32_t kPublishBarrier = 1;  // the publication fence of SPEC section 5
 constexpr int32_t kNumBarriers = 2;
+constexpr bool kFuseTopk = false;       // the top-k fill is its own step, as in every driver
 
 class CpuRankPublisher final : public RankPublisher {
  public:
@@ -179,10 +181,11 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   const CacheFormat fmt = setup_.fmt;
   const int threads = std::max(1, options_.num_threads);
   const int buffer_idx = setup_.layer_idx & 1;
+  const std::vector<mp::Step> steps = mp::steps(transport, layout_, kFuseTopk);
   // Collective allocations on first use of a transport (every rank runs the same transport sequence).
-  if (transport == Transport::kStaging && !staging_)
+  if (mp::uses(steps, mp::Op::kDispatchStage) && !staging_)
     staging_ = make_host_symmetric(group_, layout_.staging.bytes(), "staging", 0);
-  if (transport == Transport::kCollect && !collect_)
+  if (mp::uses(steps, mp::Op::kDispatchMaterialize) && !collect_)
     collect_ = make_host_symmetric(group_, layout_.collect_bytes, "collect rows", 0);
 
   const RankInputs in = rank_inputs(inputs, plan, me);
@@ -193,7 +196,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   for (int32_t r = 0; r < W; ++r) targets[static_cast<size_t>(r)] = target_of(r);
   std::vector<uint8_t*> row_dests(static_cast<size_t>(W));
   std::vector<uint16_t> kv_all, kpe_all, idx_all;
-  if (transport == Transport::kCollect) {
+  if (mp::uses(steps, mp::Op::kGather)) {
     kv_all.resize(static_cast<size_t>(W * M * 512));
     kpe_all.resize(static_cast<size_t>(W * M * 64));
     if (fmt.has_indexer) idx_all.resize(static_cast<size_t>(W * M * 128));
@@ -212,41 +215,52 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   di.rope_cos_sin = rope_.cos_sin.data();
   di.rope_num_positions = rope_.num_positions;
   di.q_c_out = q_out.data();
-  di.topk = topk.data();
+  di.topk = nullptr;  // the topk-fill step
+  auto dispatch_params = [&] {
+    DispatchParams d = mp::base_dispatch_params(setup_, layout_, di);
+    d.topk_fill = nullptr;
+    d.topk_width = 0;
+    return d;
+  };
+  auto run_dispatch = [&](const DispatchParams& d) {
+    dispatch_reference(d, threads);
+    if (options_.kill_pcp_rank == me) ::raise(SIGKILL);  // test hook: die between dispatch and fence
+  };
 
-  const std::vector<std::string> names = mp::stage_names(transport);
-  std::vector<double> stage_ms(names.size(), 0.0);
-  for (int32_t rep = 0; rep < setup_.repeats; ++rep) {
-    // Poison this replica, then meet: no peer writes into it before this point.
-    std::memset(caches_->local(), kGuardByte, static_cast<size_t>(layout_.caches_bytes));
-    fence(kStartBarrier, "start");
-    for (size_t k = 0; k < names.size(); ++k) {
-      const std::string& stage = names[k];
-      const auto t0 = Clock::now();
-      if (stage == "dispatch") {
-        DispatchParams d = mp::base_dispatch_params(setup_, layout_, di);
-        if (transport == Transport::kCollect) {
-          uint8_t* mine = collect_->local();
-          d.kv_c_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kv_offset);
-          d.k_pe_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kpe_offset);
-          d.index_k_out = fmt.has_indexer ? reinterpret_cast<uint16_t*>(mine + layout_.collect_index_offset) : nullptr;
-        } else if (transport == Transport::kStaging) {
-          // This rank's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank me][0].
-          for (int32_t peer = 0; peer < W; ++peer)
-            row_dests[static_cast<size_t>(peer)] =
-                staging_->ptr(peer) + layout_.staging.row_offset(buffer_idx, 0, me, 0);
-          d.row_dests = row_dests.data();
-          d.num_row_dests = W;
-          d.row_bytes = layout_.row.row_bytes;
-        } else {
-          d.slot_mapping = in.slot_mapping.data();
-          d.targets = targets.data();
-          d.num_targets = W;
-        }
-        dispatch_reference(d, threads);
-        if (options_.kill_pcp_rank == me) ::raise(SIGKILL);  // test hook: die between dispatch and fence
-      } else if (stage == "all-gather") {
-        fence(kPublishBarrier, "all-gather");
+  // One small function per Op of the transport table.
+  auto run_step = [&](const mp::Step& step) {
+    switch (step.op) {
+      case mp::Op::kTopkFill: std::fill(topk.begin(), topk.end(), -1); break;
+      case mp::Op::kDispatchMaterialize: {
+        DispatchParams d = dispatch_params();
+        uint8_t* mine = collect_->local();
+        d.kv_c_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kv_offset);
+        d.k_pe_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kpe_offset);
+        d.index_k_out = fmt.has_indexer ? reinterpret_cast<uint16_t*>(mine + layout_.collect_index_offset) : nullptr;
+        run_dispatch(d);
+        break;
+      }
+      case mp::Op::kDispatchStage: {
+        // This rank's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank me][0].
+        DispatchParams d = dispatch_params();
+        for (int32_t peer = 0; peer < W; ++peer)
+          row_dests[static_cast<size_t>(peer)] = staging_->ptr(peer) + layout_.staging.row_offset(buffer_idx, 0, me, 0);
+        d.row_dests = row_dests.data();
+        d.num_row_dests = W;
+        d.row_bytes = layout_.row.row_bytes;
+        run_dispatch(d);
+        break;
+      }
+      case mp::Op::kDispatchDirect: {
+        DispatchParams d = dispatch_params();
+        d.slot_mapping = in.slot_mapping.data();
+        d.targets = targets.data();
+        d.num_targets = W;
+        run_dispatch(d);
+        break;
+      }
+      case mp::Op::kGather:
+        fence(kPublishBarrier, "all-gather");  // every peer's rows are final
         for (int32_t src = 0; src < W; ++src) {
           const uint8_t* p = collect_->ptr(src);
           std::memcpy(kv_all.data() + src * M * 512, p + layout_.collect_kv_offset, static_cast<size_t>(M * 512 * 2));
@@ -255,7 +269,8 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
             std::memcpy(idx_all.data() + src * M * 128, p + layout_.collect_index_offset,
                         static_cast<size_t>(M * 128 * 2));
         }
-      } else if (stage == "insert") {
+        break;
+      case mp::Op::kInsert: {
         InsertParams p;
         p.num_tokens = W * M;
         p.kv_c = kv_all.data();
@@ -265,9 +280,10 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         p.fmt = fmt;
         p.target = targets[static_cast<size_t>(me)];
         insert_reference(p, threads);
-      } else if (stage == "fence") {
-        fence(kPublishBarrier, "publication");
-      } else if (stage == "combine") {
+        break;
+      }
+      case mp::Op::kFence: fence(kPublishBarrier, "publication"); break;
+      case mp::Op::kCombine: {
         CombineParams p;
         p.rows = staging_->local() + layout_.staging.row_offset(buffer_idx, 0, 0, 0);
         p.num_src_ranks = W;
@@ -277,7 +293,19 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         p.fmt = fmt;
         p.target = targets[static_cast<size_t>(me)];
         combine_reference(p, threads);
+        break;
       }
+    }
+  };
+
+  std::vector<double> stage_ms(steps.size(), 0.0);
+  for (int32_t rep = 0; rep < setup_.repeats; ++rep) {
+    // Poison this replica, then meet: no peer writes into it before this point.
+    std::memset(caches_->local(), kGuardByte, static_cast<size_t>(layout_.caches_bytes));
+    fence(kStartBarrier, "start");
+    for (size_t k = 0; k < steps.size(); ++k) {
+      const auto t0 = Clock::now();
+      run_step(steps[k]);
       stage_ms[k] += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     }
   }
@@ -295,9 +323,9 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   res.q_c_out = std::move(q_out);
   res.topk = std::move(topk);
   for (int32_t b = 0; b < kNumBarriers; ++b) res.fence_epochs.push_back(fence_->epoch(b));
-  for (size_t k = 0; k < names.size(); ++k)
-    res.profile.stages.push_back(Stage{names[k], stage_ms[k] / setup_.repeats,
-                                       mp::stage_bytes_for_rank(setup_, layout_, transport, names[k], me)});
+  const mp::ByteModel bytes = mp::make_byte_model(setup_, layout_, kFuseTopk);
+  for (size_t k = 0; k < steps.size(); ++k)
+    res.profile.stages.push_back(Stage{steps[k].name, stage_ms[k] / setup_.repeats, steps[k].bytes(bytes, me)});
   return res;
 }
 

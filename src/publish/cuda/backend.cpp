@@ -3,9 +3,9 @@
 // make_cpu_backend() for the same setup and inputs (tests/cuda/test_publish_backend.cpp).
 //
 // Stage profile: one CUDA event between consecutive stages of one stream, so a stage's ms covers all W
-// ranks' launches of that stage; the mean over setup.repeats. Stages: topk-fill (indexer layers with
-// topk_width > 0; a byte fill of -1), dispatch, then all-gather / insert-mla / insert-indexer (collect),
-// fence / combine (staging) or fence (direct). Bytes follow the CPU backend's model (docs/perf.md).
+// ranks' launches of that stage; the mean over setup.repeats. Stages and bytes: the transport tables
+// (publish/transport_table.h), the same as the CPU backend's: topk-fill (indexer layers with topk_width > 0;
+// a byte fill of -1), dispatch, then all-gather / insert (collect), fence / combine (staging) or fence (direct).
 #include <cuda_runtime_api.h>
 
 #include <map>

@@ -21,6 +21,7 @@
 #include "pcpkv/ranks/launch.h"
 #include "pcpkv/core/rope.h"
 #include "publish/publish_layout.h"
+#include "publish/transport_table.h"
 
 namespace pcpkv::cuda {
 
@@ -30,6 +31,7 @@ using namespace cuda_detail;
 constexpr int32_t kStartBarrier = 0;
 constexpr int32_t kPublishBarrier = 1;
 constexpr int32_t kNumBarriers = 2;
+constexpr bool kFuseTopk = false;  // the top-k fill is its own step (a byte fill), as in the CUDA backend
 
 template <class T>
 DeviceBuffer upload_or_empty(const std::vector<T>& v) {
@@ -110,8 +112,11 @@ class CudaRankPublisher final : public RankPublisher {
       }
     }
     RankPublishResult res = download(transport);
+    // Bytes: this rank's share of the tables' byte model, step k timed as names[k].
+    const std::vector<mp::Step> steps = mp::steps(transport, layout_, kFuseTopk);
+    const mp::ByteModel bytes = mp::make_byte_model(setup_, layout_, kFuseTopk);
     for (size_t k = 0; k < names.size(); ++k)
-      res.profile.stages.push_back(Stage{names[k], ms[k] / setup_.repeats, stage_bytes(transport, names[k])});
+      res.profile.stages.push_back(Stage{names[k], ms[k] / setup_.repeats, steps.at(k).bytes(bytes, group_.rank())});
     res.stage_samples_ms = std::move(samples);
     return res;
   }
@@ -181,7 +186,8 @@ class CudaRankPublisher final : public RankPublisher {
     const int32_t W = plan.pcp_world;
     const int32_t me = group_.rank();
     const int64_t M = plan.max_local_tokens;
-    if (transport == Transport::kStaging && !staging_) {
+    const std::vector<mp::Step> steps = mp::steps(transport, layout_, kFuseTopk);
+    if (mp::uses(steps, mp::Op::kDispatchStage) && !staging_) {
       staging_ = make_device_symmetric(group_, std::max<int64_t>(16, layout_.staging.bytes()), "staging", 0);
       const int buffer_idx = setup_.layer_idx & 1;
       host_row_dests_.clear();
@@ -189,7 +195,7 @@ class CudaRankPublisher final : public RankPublisher {
         host_row_dests_.push_back(staging_->ptr(peer) + layout_.staging.row_offset(buffer_idx, 0, me, 0));
       row_dests_ = DeviceBuffer::from(host_row_dests_);
     }
-    if (transport == Transport::kCollect && !collect_) {
+    if (mp::uses(steps, mp::Op::kDispatchMaterialize) && !collect_) {
       collect_ = make_device_symmetric(group_, layout_.collect_bytes, "collect rows", 0);
       kv_all_.reset(W * M * 512 * 2);
       kpe_all_.reset(W * M * 64 * 2);
@@ -234,26 +240,39 @@ class CudaRankPublisher final : public RankPublisher {
     ++fences_enqueued_[static_cast<size_t>(barrier_idx)];
   }
 
-  // One publication on stream s: poison this replica, start fence, then the transport (SPEC section 5).
+  // One publication on stream s: poison this replica, start fence, then the transport table's steps (SPEC
+  // section 5).
   void enqueue_run(Transport transport, cudaStream_t s, StageTimer* timer, bool flush_l2 = false) {
-    const PcpPlan& plan = *setup_.plan;
-    const int32_t W = plan.pcp_world;
-    const int32_t me = group_.rank();
-    const int64_t M = plan.max_local_tokens;
-    const bool idx = setup_.fmt.has_indexer;
-    auto mark = [&](const char* name) {
-      if (timer) timer->mark(name, s);
-    };
     PCPKV_CUDA_CHECK(cudaMemsetAsync(caches_->local(), kGuardByte, static_cast<size_t>(layout_.caches_bytes), s));
     if (flush_l2 && l2_scratch_.bytes() > 0)  // evicts the poisoned caches and the inputs from L2
       PCPKV_CUDA_CHECK(cudaMemsetAsync(l2_scratch_.data(), flush_value_++ & 0xff,
                                        static_cast<size_t>(l2_scratch_.bytes()), s));
     fence(kStartBarrier, s);
     if (timer) timer->start(s);
-    if (layout_.fill_topk) {
-      launch_fill_minus_one(topk_.as<int32_t>(), M * setup_.topk_width, s);
-      mark("topk-fill");
+    for (const mp::Step& step : mp::steps(transport, layout_, kFuseTopk)) {
+      run_step(step.op, s);
+      if (timer) timer->mark(step.name, s);
     }
+  }
+
+  // One small function per Op of the transport table.
+  void run_step(mp::Op op, cudaStream_t s) {
+    switch (op) {
+      case mp::Op::kTopkFill:
+        launch_fill_minus_one(topk_.as<int32_t>(), setup_.plan->max_local_tokens * setup_.topk_width, s);
+        return;
+      case mp::Op::kDispatchMaterialize:
+      case mp::Op::kDispatchStage:
+      case mp::Op::kDispatchDirect: return enqueue_dispatch(op, s);
+      case mp::Op::kGather: return enqueue_gather(s);
+      case mp::Op::kInsert: return enqueue_insert(s);
+      case mp::Op::kFence: return fence(kPublishBarrier, s);
+      case mp::Op::kCombine: return enqueue_combine(s);
+    }
+  }
+
+  void enqueue_dispatch(mp::Op op, cudaStream_t s) {
+    const int32_t W = setup_.plan->pcp_world;
     mp::DispatchInputs in;
     in.q_c = q_c_.as<const uint16_t>();
     in.kv = kv_.as<const uint16_t>();
@@ -271,14 +290,14 @@ class CudaRankPublisher final : public RankPublisher {
     DispatchJob job;
     job.params = mp::base_dispatch_params(setup_, layout_, in);
     DispatchParams& d = job.params;
-    d.topk_fill = nullptr;  // its own stage (a byte fill), as in the single-process CUDA backend
+    d.topk_fill = nullptr;  // the topk-fill step
     d.topk_width = 0;
-    if (transport == Transport::kCollect) {
+    if (op == mp::Op::kDispatchMaterialize) {
       uint8_t* mine = collect_->local();
       d.kv_c_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kv_offset);
       d.k_pe_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kpe_offset);
-      d.index_k_out = idx ? reinterpret_cast<uint16_t*>(mine + layout_.collect_index_offset) : nullptr;
-    } else if (transport == Transport::kStaging) {
+      d.index_k_out = setup_.fmt.has_indexer ? reinterpret_cast<uint16_t*>(mine + layout_.collect_index_offset) : nullptr;
+    } else if (op == mp::Op::kDispatchStage) {
       d.row_dests = row_dests_.as<uint8_t* const>();
       d.num_row_dests = W;
       d.row_bytes = layout_.row.row_bytes;
@@ -290,74 +309,62 @@ class CudaRankPublisher final : public RankPublisher {
       job.host_targets = host_targets_;
     }
     launch_dispatch(&job, 1, s);
-    mark("dispatch");
-    if (options_.kill_pcp_rank == me) {  // test hook: die between the dispatch and the fence
+    if (options_.kill_pcp_rank == group_.rank()) {  // test hook: die between the dispatch and the fence
       cudaStreamSynchronize(s);
       ::raise(SIGKILL);
     }
-    if (transport == Transport::kCollect) {
-      const int64_t kv_bytes = M * 512 * 2, kpe_bytes = M * 64 * 2, idx_bytes = M * 128 * 2;
-      if (use_nccl_) {
-        const uint8_t* mine = collect_->local();
-        nccl_->all_gather(mine + layout_.collect_kv_offset, kv_all_.data(), kv_bytes, s);
-        nccl_->all_gather(mine + layout_.collect_kpe_offset, kpe_all_.data(), kpe_bytes, s);
-        if (idx) nccl_->all_gather(mine + layout_.collect_index_offset, idx_all_.data(), idx_bytes, s);
-      } else {
-        // p2p: after the fence every peer's rows are final; read them through the mappings.
-        fence(kPublishBarrier, s);
-        for (int32_t src = 0; src < W; ++src) {
-          const uint8_t* p = collect_->ptr(src);
-          PCPKV_CUDA_CHECK(cudaMemcpyAsync(kv_all_.data() + src * kv_bytes, p + layout_.collect_kv_offset,
-                                           static_cast<size_t>(kv_bytes), cudaMemcpyDeviceToDevice, s));
-          PCPKV_CUDA_CHECK(cudaMemcpyAsync(kpe_all_.data() + src * kpe_bytes, p + layout_.collect_kpe_offset,
-                                           static_cast<size_t>(kpe_bytes), cudaMemcpyDeviceToDevice, s));
-          if (idx)
-            PCPKV_CUDA_CHECK(cudaMemcpyAsync(idx_all_.data() + src * idx_bytes, p + layout_.collect_index_offset,
-                                             static_cast<size_t>(idx_bytes), cudaMemcpyDeviceToDevice, s));
-        }
-      }
-      mark("all-gather");
-      InsertParams p;
-      p.num_tokens = W * M;
-      p.kv_c = kv_all_.as<const uint16_t>();
-      p.k_pe = kpe_all_.as<const uint16_t>();
-      p.index_k = idx ? idx_all_.as<const uint16_t>() : nullptr;
-      p.slot_mapping = gathered_slots_.as<const int64_t>();
-      p.fmt = setup_.fmt;
-      p.target = host_targets_[static_cast<size_t>(me)];
-      launch_insert_mla(&p, 1, s);
-      mark("insert-mla");
-      if (idx) {
-        launch_insert_indexer(&p, 1, s);
-        mark("insert-indexer");
-      }
+  }
+
+  void enqueue_gather(cudaStream_t s) {
+    const int32_t W = setup_.plan->pcp_world;
+    const int64_t M = setup_.plan->max_local_tokens;
+    const bool idx = setup_.fmt.has_indexer;
+    const int64_t kv_bytes = M * 512 * 2, kpe_bytes = M * 64 * 2, idx_bytes = M * 128 * 2;
+    if (use_nccl_) {
+      const uint8_t* mine = collect_->local();
+      nccl_->all_gather(mine + layout_.collect_kv_offset, kv_all_.data(), kv_bytes, s);
+      nccl_->all_gather(mine + layout_.collect_kpe_offset, kpe_all_.data(), kpe_bytes, s);
+      if (idx) nccl_->all_gather(mine + layout_.collect_index_offset, idx_all_.data(), idx_bytes, s);
       return;
     }
+    // p2p: after the fence every peer's rows are final; read them through the mappings.
     fence(kPublishBarrier, s);
-    mark("fence");
-    if (transport == Transport::kStaging) {
-      CombineParams p;
-      p.rows = staging_->local() + layout_.staging.row_offset(setup_.layer_idx & 1, 0, 0, 0);
-      p.num_src_ranks = W;
-      p.max_local_tokens = M;
-      p.row_bytes = layout_.row.row_bytes;
-      p.slot_mapping = gathered_slots_.as<const int64_t>();
-      p.fmt = setup_.fmt;
-      p.target = host_targets_[static_cast<size_t>(me)];
-      launch_combine(&p, 1, s);
-      mark("combine");
+    for (int32_t src = 0; src < W; ++src) {
+      const uint8_t* p = collect_->ptr(src);
+      PCPKV_CUDA_CHECK(cudaMemcpyAsync(kv_all_.data() + src * kv_bytes, p + layout_.collect_kv_offset,
+                                       static_cast<size_t>(kv_bytes), cudaMemcpyDeviceToDevice, s));
+      PCPKV_CUDA_CHECK(cudaMemcpyAsync(kpe_all_.data() + src * kpe_bytes, p + layout_.collect_kpe_offset,
+                                       static_cast<size_t>(kpe_bytes), cudaMemcpyDeviceToDevice, s));
+      if (idx)
+        PCPKV_CUDA_CHECK(cudaMemcpyAsync(idx_all_.data() + src * idx_bytes, p + layout_.collect_index_offset,
+                                         static_cast<size_t>(idx_bytes), cudaMemcpyDeviceToDevice, s));
     }
   }
 
-  int64_t stage_bytes(Transport t, const std::string& stage) const {
-    const PcpPlan& plan = *setup_.plan;
-    int64_t written_all = 0;
-    for (const RankPlan& rp : plan.ranks)
-      written_all += std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t x) { return x >= 0; });
-    if (stage == "topk-fill") return plan.max_local_tokens * setup_.topk_width * 4;
-    if (stage == "insert-mla") return written_all * (1024 + 128 + layout_.row.mla_bytes);
-    if (stage == "insert-indexer") return written_all * (256 + kIndexerSlotBytes);
-    return mp::stage_bytes_for_rank(setup_, layout_, t, stage, group_.rank());
+  void enqueue_insert(cudaStream_t s) {
+    const bool idx = setup_.fmt.has_indexer;
+    InsertParams p;
+    p.num_tokens = setup_.plan->pcp_world * setup_.plan->max_local_tokens;
+    p.kv_c = kv_all_.as<const uint16_t>();
+    p.k_pe = kpe_all_.as<const uint16_t>();
+    p.index_k = idx ? idx_all_.as<const uint16_t>() : nullptr;
+    p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.fmt = setup_.fmt;
+    p.target = host_targets_[static_cast<size_t>(group_.rank())];
+    launch_insert_mla(&p, 1, s);
+    if (idx) launch_insert_indexer(&p, 1, s);
+  }
+
+  void enqueue_combine(cudaStream_t s) {
+    CombineParams p;
+    p.rows = staging_->local() + layout_.staging.row_offset(setup_.layer_idx & 1, 0, 0, 0);
+    p.num_src_ranks = setup_.plan->pcp_world;
+    p.max_local_tokens = setup_.plan->max_local_tokens;
+    p.row_bytes = layout_.row.row_bytes;
+    p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.fmt = setup_.fmt;
+    p.target = host_targets_[static_cast<size_t>(group_.rank())];
+    launch_combine(&p, 1, s);
   }
 
   RankPublishResult download(Transport transport) {

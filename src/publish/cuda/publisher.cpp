@@ -6,6 +6,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/pdl.h"
 #include "pcpkv/core/rope.h"
+#include "publish/transport_table.h"
 
 namespace pcpkv::cuda_detail {
 
@@ -142,8 +143,6 @@ Publisher::Publisher(const PublishSetup& setup, const GlobalInputs& inputs, cons
   q_lora_rank_ = model.q_lora_rank;
   const int64_t M = max_local_tokens_;
   const int32_t W = world_;
-  for (const RankPlan& rp : plan.ranks)
-    written_rows_ += std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t s) { return s >= 0; });
 
   // Shared: weights, rope table, gathered slot mapping.
   q_norm_w_ = upload_or_empty(inputs.weights.q_norm_w);
@@ -221,7 +220,7 @@ void Publisher::poison() {
   PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-DispatchJob Publisher::dispatch_job(int32_t rank, Transport transport, const InputSet& set) const {
+DispatchJob Publisher::dispatch_job(int32_t rank, mp::Op op, const InputSet& set) const {
   const RankState& st = *ranks_[static_cast<size_t>(rank)];
   mp::DispatchInputs in;
   in.q_c = set.q_c.as<const uint16_t>();
@@ -241,27 +240,24 @@ DispatchJob Publisher::dispatch_job(int32_t rank, Transport transport, const Inp
   job.params = mp::base_dispatch_params(setup_, layout_, in);
   DispatchParams& d = job.params;
   if (!options_.variant.fuse_topk) {
-    d.topk_fill = nullptr;  // its own stage (a byte fill)
+    d.topk_fill = nullptr;  // its own step (a byte fill)
     d.topk_width = 0;
   }
-  switch (transport) {
-    case Transport::kCollect:
-      d.kv_c_out = st.kv_c_out.as<uint16_t>();
-      d.k_pe_out = st.k_pe_out.as<uint16_t>();
-      d.index_k_out = setup_.fmt.has_indexer ? st.index_k_out.as<uint16_t>() : nullptr;
-      break;
-    case Transport::kStaging:
-      d.row_dests = st.row_dests.as<uint8_t* const>();
-      d.num_row_dests = world_;
-      d.row_bytes = layout_.row.row_bytes;
-      job.host_row_dests = st.host_row_dests;
-      break;
-    case Transport::kDirect:
-      d.slot_mapping = st.slots.as<const int64_t>();
-      d.targets = targets_.as<const CacheTarget>();
-      d.num_targets = world_;
-      job.host_targets = host_targets_;
-      break;
+  if (op == mp::Op::kDispatchMaterialize) {
+    d.kv_c_out = st.kv_c_out.as<uint16_t>();
+    d.k_pe_out = st.k_pe_out.as<uint16_t>();
+    d.index_k_out = setup_.fmt.has_indexer ? st.index_k_out.as<uint16_t>() : nullptr;
+  } else if (op == mp::Op::kDispatchStage) {
+    d.row_dests = st.row_dests.as<uint8_t* const>();
+    d.num_row_dests = world_;
+    d.row_bytes = layout_.row.row_bytes;
+    job.host_row_dests = st.host_row_dests;
+  } else {
+    PCPKV_CHECK(op == mp::Op::kDispatchDirect, "publisher: op {} is not a dispatch", static_cast<int>(op));
+    d.slot_mapping = st.slots.as<const int64_t>();
+    d.targets = targets_.as<const CacheTarget>();
+    d.num_targets = world_;
+    job.host_targets = host_targets_;
   }
   return job;
 }
@@ -270,113 +266,116 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
   const int s = next_set_;
   next_set_ = (next_set_ + 1) % options_.num_sets;
   last_set_ = s;
-  const int32_t W = world_;
-  const int64_t M = max_local_tokens_;
-  auto mark = [&](const char* name) {
-    if (timer) timer->mark(name, stream);
-  };
+  // PDL for the staging / direct chain dispatch -> fence -> combine; collect stays as engines run it.
+  const bool pdl = options_.variant.pdl && transport != Transport::kCollect;
   if (timer) timer->start(stream);
-
-  const PublishVariant& v = options_.variant;
-  // PDL for the staging / direct chain dispatch -> fence -> combine (chain a); collect stays as
-  // engines run it.
-  const bool pdl = v.pdl && transport != Transport::kCollect;
-  if (layout_.fill_topk && !v.fuse_topk) {
-    launch_fill_minus_one(topk_sets_[static_cast<size_t>(s)].as<int32_t>(), W * M * setup_.topk_width, stream);
-    mark("topk-fill");
-  }
-
-  std::vector<DispatchJob> jobs;
-  jobs.reserve(static_cast<size_t>(W));
-  for (int32_t r = 0; r < W; ++r) jobs.push_back(dispatch_job(r, transport, ranks_[static_cast<size_t>(r)]->sets[static_cast<size_t>(s)]));
-  launch_dispatch(jobs.data(), W, stream, v.dispatch, pdl);
-  mark("dispatch");
-
-  const bool idx = setup_.fmt.has_indexer;
-  if (transport == Transport::kCollect) {
-    // The three all-gathers (kv_c, k_pe, index_k), rank-major like NCCL's.
-    auto gather = [&](DeviceBuffer RankState::*out, DeviceBuffer RankState::*all, int64_t width) {
-      std::vector<const void*> src;
-      std::vector<void*> dst;
-      for (auto& st : ranks_) {
-        src.push_back(((*st).*out).data());
-        dst.push_back(((*st).*all).data());
-      }
-      launch_all_gather(src, dst, M * width * 2, stream);
-    };
-    gather(&RankState::kv_c_out, &RankState::kv_c_all, 512);
-    gather(&RankState::k_pe_out, &RankState::k_pe_all, 64);
-    if (idx) gather(&RankState::index_k_out, &RankState::index_k_all, 128);
-    mark("all-gather");
-    std::vector<InsertParams> ins(static_cast<size_t>(W));
-    for (int32_t r = 0; r < W; ++r) {
-      const RankState& st = *ranks_[static_cast<size_t>(r)];
-      InsertParams& p = ins[static_cast<size_t>(r)];
-      p.num_tokens = W * M;
-      p.kv_c = st.kv_c_all.as<const uint16_t>();
-      p.k_pe = st.k_pe_all.as<const uint16_t>();
-      p.index_k = idx ? st.index_k_all.as<const uint16_t>() : nullptr;
-      p.slot_mapping = gathered_slots_.as<const int64_t>();
-      p.fmt = setup_.fmt;
-      p.target = st.target;
-    }
-    launch_insert_mla(ins.data(), W, stream);
-    mark("insert-mla");
-    if (idx) {
-      launch_insert_indexer(ins.data(), W, stream);
-      mark("insert-indexer");
-    }
-    return;
-  }
-
-  fence_.enqueue(0, stream, pdl);
-  mark("fence");
-  if (transport == Transport::kStaging) {
-    const int buffer_idx = setup_.layer_idx & 1;
-    std::vector<CombineParams> comb(static_cast<size_t>(W));
-    for (int32_t r = 0; r < W; ++r) {
-      const RankState& st = *ranks_[static_cast<size_t>(r)];
-      CombineParams& p = comb[static_cast<size_t>(r)];
-      p.rows = st.staging.data() + layout_.staging.row_offset(buffer_idx, 0, 0, 0);
-      p.num_src_ranks = W;
-      p.max_local_tokens = M;
-      p.row_bytes = layout_.row.row_bytes;
-      p.slot_mapping = gathered_slots_.as<const int64_t>();
-      p.fmt = setup_.fmt;
-      p.target = st.target;
-    }
-    launch_combine(comb.data(), W, stream, v.combine_rows_per_warp, pdl);
-    mark("combine");
+  for (const mp::Step& step : mp::steps(transport, layout_, options_.variant.fuse_topk)) {
+    run_step(step.op, s, stream, pdl);
+    if (timer) timer->mark(step.name, stream);
   }
 }
 
-std::vector<Stage> Publisher::stage_model(Transport transport) const {
-  const int64_t W = world_, M = max_local_tokens_;
-  const int64_t idx = setup_.fmt.has_indexer ? 1 : 0;
-  const int64_t rows = W * M;
-  const int64_t bf16_row_bytes = 1024 + 128 + idx * 256;
-  const int64_t mla_bytes = layout_.row.mla_bytes;
-  const int64_t cache_row_bytes = mla_bytes + idx * kIndexerSlotBytes;
-  const int64_t q_bytes = setup_.materialize_q ? 2 * q_lora_rank_ : 0;
-  const int64_t topk_bytes = layout_.fill_topk ? 4 * setup_.topk_width : 0;
-  const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (transport == Transport::kDirect ? 8 : 0);
-  std::vector<Stage> out;
-  const bool fused = options_.variant.fuse_topk;
-  if (topk_bytes > 0 && !fused) out.push_back({"topk-fill", 0.0, rows * topk_bytes});
-  int64_t dispatch = rows * (read_per_row + q_bytes) + (fused ? rows * topk_bytes : 0);
-  if (transport == Transport::kCollect) dispatch += rows * bf16_row_bytes;
-  if (transport == Transport::kStaging) dispatch += rows * W * layout_.row.row_bytes;
-  if (transport == Transport::kDirect) dispatch += written_rows_ * W * cache_row_bytes;
-  out.push_back({"dispatch", 0.0, dispatch});
-  if (transport == Transport::kCollect) {
-    out.push_back({"all-gather", 0.0, W * rows * bf16_row_bytes * 2});
-    out.push_back({"insert-mla", 0.0, W * written_rows_ * (1024 + 128 + mla_bytes)});
-    if (idx) out.push_back({"insert-indexer", 0.0, W * written_rows_ * (256 + kIndexerSlotBytes)});
-    return out;
+void Publisher::enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStream_t stream) {
+  PCPKV_CHECK(rank >= 0 && rank < world_, "enqueue_rank_dispatch: rank {} is not in [0, {})", rank, world_);
+  const int s = next_set_;
+  next_set_ = (next_set_ + 1) % options_.num_sets;
+  last_set_ = s;
+  const PublishVariant& v = options_.variant;
+  const InputSet& set = ranks_[static_cast<size_t>(rank)]->sets[static_cast<size_t>(s)];
+  for (const mp::Step& step : mp::steps(transport, layout_, v.fuse_topk)) {
+    if (step.op == mp::Op::kTopkFill) {
+      launch_fill_minus_one(set.topk, max_local_tokens_ * setup_.topk_width, stream);
+    } else if (step.op == mp::Op::kDispatchMaterialize || step.op == mp::Op::kDispatchStage ||
+               step.op == mp::Op::kDispatchDirect) {
+      const DispatchJob job = dispatch_job(rank, step.op, set);
+      launch_dispatch(&job, 1, stream, v.dispatch, false);
+      return;  // the steps after the dispatch (fence, combine, ...) are not this case's
+    }
   }
-  out.push_back({"fence", 0.0, W * W * 16});
-  if (transport == Transport::kStaging)
-    out.push_back({"combine", 0.0, W * written_rows_ * (layout_.row.row_bytes + cache_row_bytes)});
+}
+
+// One small function per Op of the transport table; each launches the op for all W ranks.
+void Publisher::run_step(mp::Op op, int set, cudaStream_t stream, bool pdl) {
+  switch (op) {
+    case mp::Op::kTopkFill:
+      launch_fill_minus_one(topk_sets_[static_cast<size_t>(set)].as<int32_t>(),
+                            world_ * max_local_tokens_ * setup_.topk_width, stream);
+      return;
+    case mp::Op::kDispatchMaterialize:
+    case mp::Op::kDispatchStage:
+    case mp::Op::kDispatchDirect: return enqueue_dispatch(op, set, stream, pdl);
+    case mp::Op::kGather: return enqueue_gather(stream);
+    case mp::Op::kInsert: return enqueue_insert(stream);
+    case mp::Op::kFence: return fence_.enqueue(0, stream, pdl);
+    case mp::Op::kCombine: return enqueue_combine(stream, pdl);
+  }
+}
+
+void Publisher::enqueue_dispatch(mp::Op op, int set, cudaStream_t stream, bool pdl) {
+  std::vector<DispatchJob> jobs;
+  jobs.reserve(static_cast<size_t>(world_));
+  for (int32_t r = 0; r < world_; ++r)
+    jobs.push_back(dispatch_job(r, op, ranks_[static_cast<size_t>(r)]->sets[static_cast<size_t>(set)]));
+  launch_dispatch(jobs.data(), world_, stream, options_.variant.dispatch, pdl);
+}
+
+void Publisher::enqueue_gather(cudaStream_t stream) {
+  // The three all-gathers (kv_c, k_pe, index_k), rank-major like NCCL's.
+  auto gather = [&](DeviceBuffer RankState::*out, DeviceBuffer RankState::*all, int64_t width) {
+    std::vector<const void*> src;
+    std::vector<void*> dst;
+    for (auto& st : ranks_) {
+      src.push_back(((*st).*out).data());
+      dst.push_back(((*st).*all).data());
+    }
+    launch_all_gather(src, dst, max_local_tokens_ * width * 2, stream);
+  };
+  gather(&RankState::kv_c_out, &RankState::kv_c_all, 512);
+  gather(&RankState::k_pe_out, &RankState::k_pe_all, 64);
+  if (setup_.fmt.has_indexer) gather(&RankState::index_k_out, &RankState::index_k_all, 128);
+}
+
+void Publisher::enqueue_insert(cudaStream_t stream) {
+  const bool idx = setup_.fmt.has_indexer;
+  std::vector<InsertParams> ins(static_cast<size_t>(world_));
+  for (int32_t r = 0; r < world_; ++r) {
+    const RankState& st = *ranks_[static_cast<size_t>(r)];
+    InsertParams& p = ins[static_cast<size_t>(r)];
+    p.num_tokens = world_ * max_local_tokens_;
+    p.kv_c = st.kv_c_all.as<const uint16_t>();
+    p.k_pe = st.k_pe_all.as<const uint16_t>();
+    p.index_k = idx ? st.index_k_all.as<const uint16_t>() : nullptr;
+    p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.fmt = setup_.fmt;
+    p.target = st.target;
+  }
+  launch_insert_mla(ins.data(), world_, stream);
+  if (idx) launch_insert_indexer(ins.data(), world_, stream);
+}
+
+void Publisher::enqueue_combine(cudaStream_t stream, bool pdl) {
+  const int buffer_idx = setup_.layer_idx & 1;
+  std::vector<CombineParams> comb(static_cast<size_t>(world_));
+  for (int32_t r = 0; r < world_; ++r) {
+    const RankState& st = *ranks_[static_cast<size_t>(r)];
+    CombineParams& p = comb[static_cast<size_t>(r)];
+    p.rows = st.staging.data() + layout_.staging.row_offset(buffer_idx, 0, 0, 0);
+    p.num_src_ranks = world_;
+    p.max_local_tokens = max_local_tokens_;
+    p.row_bytes = layout_.row.row_bytes;
+    p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.fmt = setup_.fmt;
+    p.target = st.target;
+  }
+  launch_combine(comb.data(), world_, stream, options_.variant.combine_rows_per_warp, pdl);
+}
+
+std::vector<Stage> Publisher::stage_model(Transport transport) const {
+  const bool fused = options_.variant.fuse_topk;
+  const mp::ByteModel bytes = mp::make_byte_model(setup_, layout_, fused);
+  std::vector<Stage> out;
+  for (const mp::Step& step : mp::steps(transport, layout_, fused))
+    out.push_back({step.name, 0.0, mp::step_bytes_all_ranks(step, bytes)});
   return out;
 }
 

@@ -19,6 +19,7 @@
 #include "publish/cuda/local_fence.h"
 #include "pcpkv/publish/backend.h"
 #include "publish/publish_layout.h"
+#include "publish/transport_table.h"
 
 namespace pcpkv::cuda_detail {
 
@@ -80,6 +81,10 @@ class Publisher {
   /// timer is null). Rotates to the next input set. With variant().pdl the staging / direct kernels are
   /// PDL launches (a timer's events between them then also separate them).
   void enqueue(Transport transport, cudaStream_t stream, StageTimer* timer = nullptr);
+  /// Enqueues rank `rank`'s share of the dispatch stage alone (its top-k fill unless fused, then its dispatch
+  /// kernel writing every peer's staging slot / replica): what one GPU of a PCP group runs before the fence,
+  /// the bench's per-GPU case. Rotates the input set like enqueue(); no fence, no combine.
+  void enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStream_t stream);
   /// Switches kernels / fill / PDL for the following runs (no reallocation).
   void set_variant(const PublishVariant& v) { options_.variant = v; }
   const PublishVariant& variant() const { return options_.variant; }
@@ -90,8 +95,8 @@ class Publisher {
   /// Host copies of every replica and of the outputs of the last enqueued run (synchronous).
   PublishResult download(Transport transport) const;
 
-  /// The stages enqueue() runs for `transport`, in order, with the bytes each moves (ms = 0). The byte
-  /// model is the CPU backend's (docs/perf.md), with the top-k fill counted in its own stage unless fused.
+  /// The stages enqueue() runs for `transport`, in order, with the bytes each moves (ms = 0): the transport
+  /// table's steps and byte model (publish/transport_table.h), the top-k fill its own step unless fused.
   std::vector<Stage> stage_model(Transport transport) const;
 
   LocalFence& fence() { return fence_; }
@@ -104,7 +109,13 @@ class Publisher {
  private:
   struct InputSet;
   struct RankState;
-  DispatchJob dispatch_job(int32_t rank, Transport transport, const InputSet& set) const;
+  DispatchJob dispatch_job(int32_t rank, mp::Op op, const InputSet& set) const;
+  // The transport table's ops for all W ranks on `stream` (input set `set`).
+  void run_step(mp::Op op, int set, cudaStream_t stream, bool pdl);
+  void enqueue_dispatch(mp::Op op, int set, cudaStream_t stream, bool pdl);
+  void enqueue_gather(cudaStream_t stream);
+  void enqueue_insert(cudaStream_t stream);
+  void enqueue_combine(cudaStream_t stream, bool pdl);
 
   PublishSetup setup_;
   PublisherOptions options_;
@@ -112,7 +123,6 @@ class Publisher {
   int32_t world_ = 1;
   int64_t max_local_tokens_ = 0;
   int64_t q_lora_rank_ = 0;
-  int64_t written_rows_ = 0;  // local rows with slot >= 0, over all ranks
   int next_set_ = 0;
   int last_set_ = 0;
   DeviceBuffer q_norm_w_, kv_norm_w_, index_ln_w_, index_ln_b_, rope_;

@@ -1,4 +1,4 @@
-// tools/pcpkv/cmd_serve_bench.cpp: `pcpkv bench-serving`, the serving kernels of SPEC section 7 on the GPU:
+// tools/pcpkv/cmd_bench_serving.cpp: `pcpkv bench-serving`, the serving kernels of SPEC section 7 on the GPU:
 //   router   router GEMM (both small-T kernels per experts-per-CTA, with and without PDL, cuBLASLt
 //            bf16 -> fp32, the dispatch) for each preset and token count, with the suggested dispatch table
 //            (fastest variant per token count, also printed as table rows);

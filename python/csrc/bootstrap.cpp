@@ -1,0 +1,70 @@
+// python/csrc/bootstrap.cpp: torch.classes.pcpkv.Bootstrap and the host ops around it (make_job_token,
+// resource_counts). Docs: pcpkv_torch/distributed.py.
+#include "bootstrap.h"
+
+#include <torch/library.h>
+
+#include <vector>
+
+#include "pcpkv/ranks/symmetric.h"
+
+namespace pcpkv_torch {
+
+BootstrapHolder::BootstrapHolder(int64_t rank, int64_t world_size, std::string address, std::string token,
+                                 std::string job, double timeout_s) {
+  pcpkv::BootstrapConfig cfg;
+  cfg.rank = static_cast<int32_t>(rank);
+  cfg.world_size = static_cast<int32_t>(world_size);
+  cfg.local_rank = cfg.rank;  // one host: the group is the host's processes
+  cfg.local_world_size = cfg.world_size;
+  cfg.address = std::move(address);
+  cfg.token = std::move(token);
+  cfg.job = std::move(job);
+  cfg.timeout_s = timeout_s;
+  cfg.source = "torch.distributed";
+  boot = runtime_errors([&] { return pcpkv::Bootstrap::connect(cfg); });
+}
+
+pcpkv::Bootstrap& BootstrapHolder::get(const char* what) const {
+  TORCH_CHECK(boot != nullptr, "pcpkv: Bootstrap.", what, ": the bootstrap was closed");
+  return *boot;
+}
+
+namespace {
+
+std::string make_job_token() { return pcpkv::make_job_token(); }
+
+// [open descriptors, /dev/shm mappings, /dev/nvidia* mappings] of this process (leak checks).
+std::vector<int64_t> resource_counts() {
+  const pcpkv::ResourceCounts c = pcpkv::count_process_resources();
+  return {c.open_fds, c.shm_mappings, c.device_mappings};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pcpkv, m) {
+  m.class_<BootstrapHolder>("Bootstrap")
+      .def(torch::init<int64_t, int64_t, std::string, std::string, std::string, double>())
+      .def("rank", [](const c10::intrusive_ptr<BootstrapHolder>& self) -> int64_t { return self->get("rank").rank(); })
+      .def("world_size",
+           [](const c10::intrusive_ptr<BootstrapHolder>& self) -> int64_t { return self->get("world_size").world_size(); })
+      .def("pids",
+           [](const c10::intrusive_ptr<BootstrapHolder>& self) -> std::vector<int64_t> { return self->get("pids").pids(); })
+      .def("barrier",
+           [](const c10::intrusive_ptr<BootstrapHolder>& self) { runtime_errors([&] { self->get("barrier").barrier(); }); })
+      // every rank says whether its part of `what` succeeded; raises on every rank naming each failed rank
+      .def("agree",
+           [](const c10::intrusive_ptr<BootstrapHolder>& self, bool ok, std::string why, std::string what) {
+             runtime_errors([&] { self->get("agree").agree(ok, why, what); });
+           })
+      .def("abort",
+           [](const c10::intrusive_ptr<BootstrapHolder>& self, std::string why) {
+             if (self->boot) self->boot->abort(why);
+           })
+      .def("close", [](const c10::intrusive_ptr<BootstrapHolder>& self) { self->boot.reset(); })
+      .def("closed", [](const c10::intrusive_ptr<BootstrapHolder>& self) { return self->boot == nullptr; });
+  m.def("make_job_token() -> str", &make_job_token);
+  m.def("resource_counts() -> int[]", &resource_counts);
+}
+
+}  // namespace pcpkv_torch

@@ -1,0 +1,160 @@
+"""The whole-model PCP prefill with one process per rank (torchrun, torch.distributed): DistPcpWorld and
+DistPcpModel.
+
+    torchrun --nproc-per-node 4 -m pcpkv_torch.examples.prefill_dist --tokens 512
+
+Each process owns one PCP rank: it computes that rank's rows of every attention layer (projections, dispatch,
+indexer, sparse MLA) and holds that rank's cache replica in pcpkv symmetric memory (pcpkv_torch.distributed:
+POSIX shared memory on the CPU, CUDA VMM memory on a GPU; every peer's replica is mapped here). Publication:
+  direct   this rank's dispatch stores final cache bytes into every rank's replica (peer stores), fence
+  staging  this rank's dispatch stores transport rows into its slot of every rank's staging workspace, fence,
+           combine of every rank's rows into the own replica
+  collect  this rank materializes its bf16 rows, torch.distributed all_gather, quantize-and-insert locally
+The token-wise rest of the model (embedding, norms, MLP / MoE, lm_head) runs in global token order on every
+process (replicated: each rank computes it the same way); the attention output rows are all-gathered from their
+owners (torch.distributed). So the logits equal the single-process PcpModel's byte for byte.
+
+The torch group's backend: gloo on the CPU and for several ranks sharing one GPU (NCCL refuses two ranks on one
+GPU; CUDA rows then travel through host memory), NCCL with a GPU per rank. A rank that exits or is killed makes
+every other rank raise RuntimeError naming it (a fence wait ends after fence_timeout_s, a collective when its
+peer's connection closes or after the group's timeout).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from ..distributed import SymmetricCaches
+from ..ops import rope_table
+from .replica_check import ReplicaCheck, compare_hashes, slot_hashes
+from .world import PcpWorld
+
+__all__ = ["DistPcpWorld", "DistPcpModel"]
+
+
+class DistPcpWorld(PcpWorld):
+    """PcpWorld's interface for this process's rank of a torch.distributed group (collective to build): mla /
+    index [layer][r] are every rank's replicas as mapped here (symmetric memory; replica_bytes(layer, r) reads any
+    rank's), local_ranks = [rank]. pcp_world must equal the group's size. timeout_s bounds pcpkv's bootstrap steps,
+    fence_timeout_s every fence wait. check_replicas: see replica_check.py (the hashes are all-gathered).
+    Raises RuntimeError when torch.distributed is not initialized or setup fails on any rank (naming it),
+    ValueError for a pcp_world other than the group's size. close() releases the symmetric memory."""
+
+    def __init__(self, spec, pcp_world: int, num_layers: int, num_blocks: int, block_size: int, *,
+                 kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", max_positions: int, device=None,
+                 fill: int = 0xA5, check_replicas: Optional[bool] = None, group=None, timeout_s: float = 60.0,
+                 fence_timeout_s: float = 30.0):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistPcpWorld: torch.distributed is not initialized (run under torchrun and call "
+                               "torch.distributed.init_process_group)")
+        W = dist.get_world_size(group)
+        if pcp_world != W:
+            raise ValueError(f"pcp_world = {pcp_world}, but the torch.distributed group has {W} ranks (one per rank)")
+        if isinstance(fence_timeout_s, bool) or not isinstance(fence_timeout_s, (int, float)) or not fence_timeout_s > 0:
+            raise ValueError(f"fence_timeout_s = {fence_timeout_s!r} must be a positive number of seconds")
+        self.group, self.W, self.spec, self.num_layers = group, W, spec, num_layers
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.replica_check = ReplicaCheck(check_replicas)
+        self.caches = SymmetricCaches(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                                      kv_format=kv_format, ds_mla_scale=ds_mla_scale,
+                                      has_indexer=[spec.layer_has_indexer(i) for i in range(num_layers)],
+                                      device=self.device, group=group, timeout_s=timeout_s, fill=fill)
+        self.device = self.caches.device  # cuda -> cuda:<current>
+        self.rank = self.caches.rank
+        self.local_ranks = [self.rank]
+        self.fmts, self.mla, self.index = self.caches.fmts, self.caches.mla, self.caches.index
+        self.targets, self.pads, self.fence_state = self.caches.targets, self.caches.pads, self.caches.fence_state
+        self.rope = rope_table(spec.rope, max_positions, self.device)
+        self.max_positions = max_positions
+        self.fence_timeout_us = int(fence_timeout_s * 1e6)
+        self._gloo = dist.get_backend(group) == "gloo"
+
+    # ---- what differs from W ranks in one process ------------------------------------------------------------
+
+    def _staging_for(self, fmt, rows: int):
+        ws, dests = self.caches.staging_for(fmt, rows)
+        per_rank = [[d if r == self.rank else None for r in range(self.W)] for d in dests]
+        return ws[0].shape[3], ws, per_rank
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[W, *t.shape]: every rank's t (same shape and dtype on every rank), bytes exactly (any dtype)."""
+        import torch.distributed as dist
+
+        src = t.contiguous().reshape(-1).view(torch.uint8)
+        if self._gloo and src.is_cuda:
+            src = src.cpu()  # gloo gathers host memory
+        outs = [torch.empty_like(src) for _ in range(self.W)]
+        dist.all_gather(outs, src, group=self.group)
+        return torch.stack(outs).to(t.device).view(t.dtype).view(self.W, *t.shape)
+
+    def _gather_rows(self, rows: Sequence[torch.Tensor]):
+        for t in rows:
+            t.copy_(self.all_gather(t[self.rank]))
+
+    def _named(self, what: str, fn):
+        """fn(); a failure while a peer process is gone is re-raised naming that rank."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - re-raised, with the dead rank named when there is one
+            boot = self.caches.bootstrap
+            dead = boot.dead_ranks() if boot is not None else []
+            if not dead:
+                raise
+            who = ", ".join(f"rank {r} (pid {boot.pids[r]})" for r in dead)
+            raise RuntimeError(f"{what} on rank {self.rank}: {who} exited or was killed ({e})") from e
+
+    def publish(self, layer_idx, transport, local, step, weights, q_c_out):
+        def run():
+            super(DistPcpWorld, self).publish(layer_idx, transport, local, step, weights, q_c_out)
+            if self.device.type == "cuda":  # the device fence reports a timeout in memory; raise it here
+                torch.cuda.synchronize(self.device)
+                self.fence_state.check()
+
+        self._named(f"layer {layer_idx} publication ({transport})", run)
+
+    def owned_to_global(self, ys: dict, step, like: torch.Tensor) -> torch.Tensor:
+        g = self._named("the attention output all-gather", lambda: self.all_gather(ys[self.rank]))
+        out = torch.zeros_like(like)
+        for r in range(self.W):
+            step.scatter_owned(out, g[r], r)
+        return out
+
+    def check_published(self, layer_idx: int, step):
+        if not self.replica_check.enabled:
+            return
+        t0 = time.perf_counter()
+        slots = self.replica_check.written_slots(step)
+        idx = self.index[layer_idx]
+        mine = slot_hashes(self.mla[layer_idx][self.rank], idx[self.rank] if idx is not None else None, slots)
+        hashes = self._named(f"layer {layer_idx} replica check", lambda: self.all_gather(mine))
+        compare_hashes(hashes, slots, layer_idx)
+        self.replica_check.record(t0)
+
+    def close(self):
+        """Releases this rank's symmetric memory and bootstrap (local; the peers need not be alive)."""
+        self.mla, self.index, self.targets, self.pads, self.fence_state = [], [], [], [], None
+        self.caches.close()
+
+
+def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout_s: float = 30.0, **kw):
+    """A PcpModel (same arguments but pcp_world, which is the group's size) with one PCP rank per process of the
+    torch.distributed group (DistPcpWorld). Collective: every rank builds it with the same arguments and model
+    weights, and calls step() with the same requests. Release its memory with model.world.close()."""
+    import torch.distributed as dist
+
+    from .runner import PcpModel
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("DistPcpModel: torch.distributed is not initialized (run under torchrun and call "
+                           "torch.distributed.init_process_group)")
+
+    def make_world(*args, **kwargs):
+        return DistPcpWorld(*args, group=group, timeout_s=timeout_s, fence_timeout_s=fence_timeout_s, **kwargs)
+
+    return PcpModel(hf_model, dist.get_world_size(group), make_world=make_world, **kw)

@@ -1,0 +1,122 @@
+// The batch flags (batch_flags.h): one row per flag, the one place its name, field and shared help live.
+#include "batch_flags.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "pcpkv/core/error.h"
+
+#include "pcpkv/flag_checks.h"
+
+namespace pcpkv::cli {
+namespace {
+
+struct Row {
+  BatchFlag flag;
+  const char* help;
+  CLI::Option* (*add)(CLI::App* sub, BatchFlags& f, const std::string& help);
+};
+
+const Row kRows[] = {
+    {BatchFlag::kModel, "Model preset: glm-5 | deepseek-v3.2",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--model", f.model, h); }},
+    {BatchFlag::kConfig, "HF config.json overriding the preset",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--config", f.config, h); }},
+    {BatchFlag::kTokens, "Tokens of the prefill request (0: no prefill)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) {
+       return s->add_option("--tokens", f.tokens, h)->check(decimal_fits_int64());
+     }},
+    {BatchFlag::kDecodes, "Decode requests (1 token each)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--decodes", f.decodes, h); }},
+    {BatchFlag::kDecodeContext, "Context length of every decode request",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) {
+       return s->add_option("--decode-context", f.decode_context, h)->check(decimal_fits_int64());
+     }},
+    {BatchFlag::kBlockSize, "Tokens per cache block (power of two)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--block-size", f.block_size, h); }},
+    {BatchFlag::kKvFormat, "MLA cache format: fp8_ds_mla | fp8 | bf16",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--kv-format", f.kv_format, h); }},
+    {BatchFlag::kDsMlaScale, "fp8_ds_mla tile scales: pow2 | raw",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) {
+       return s->add_option("--ds-mla-scale", f.ds_mla_scale, h);
+     }},
+    {BatchFlag::kKScale, "Per-tensor scale of the static fp8 format",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) {
+       BatchFlags* p = &f;
+       return s->add_option("--k-scale", f.k_scale, h)->each([p](const std::string& typed) { p->k_scale_text = typed; });
+     }},
+    {BatchFlag::kLayer, "indexer (writes indexer K) | shared (IndexShare layer, no indexer)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--layer", f.layer, h); }},
+    {BatchFlag::kTransport, "all | comma list of collect, staging, direct",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--transport", f.transport, h); }},
+    {BatchFlag::kBackend, "auto (CUDA when built and a GPU is visible, else CPU) | cpu | cuda",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--backend", f.backend, h); }},
+    {BatchFlag::kThreads, "CPU backend threads (0: all cores)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--threads", f.threads, h); }},
+    {BatchFlag::kSeed, "Seed of the input generator and the block-table shuffle",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) {
+       return s->add_option("--seed", f.seed, h)->check(decimal_fits_uint64());
+     }},
+    {BatchFlag::kRepeats, "Run each publication this many times (timing; results from the last)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--repeats", f.repeats, h); }},
+    {BatchFlag::kTopkWidth, "Fill a top-k buffer [T, width] with -1 (indexer layers; 0: off)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--topk-width", f.topk_width, h); }},
+};
+
+}  // namespace
+
+std::vector<Transport> parse_transport_list(const std::string& s) {
+  if (s == "all") return {Transport::kCollect, Transport::kStaging, Transport::kDirect};
+  std::vector<Transport> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = s.find(',', start);
+    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    PCPKV_CHECK(item == "collect" || item == "staging" || item == "direct",
+                "--transport: unknown transport '{}' in '{}'; use all or a comma list of collect, staging, direct",
+                item, s);
+    const Transport t = parse_transport(item);
+    PCPKV_CHECK(std::find(out.begin(), out.end(), t) == out.end(), "--transport: '{}' is listed twice in '{}'", item,
+                s);
+    out.push_back(t);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+CacheFormat parse_format_flags(const BatchFlags& f) {
+  const std::string k_scale_typed = f.k_scale_text.empty() ? fmt::format("{}", f.k_scale) : f.k_scale_text;
+  PCPKV_CHECK(std::isfinite(f.k_scale) && f.k_scale > 0, "--k-scale: must be positive and finite, got {}",
+              k_scale_typed);
+  // 1e-300 would round to 0 and 1e39 to inf, and later checks would name the rounded value, not the one typed.
+  PCPKV_CHECK(static_cast<float>(f.k_scale) > 0 && std::isfinite(static_cast<float>(f.k_scale)),
+              "--k-scale: {} does not fit a float32 (the cache stores it as fp32: about 1.4e-45 to 3.4e38)",
+              k_scale_typed);
+  PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: must be indexer or shared, got '{}'", f.layer);
+  CacheFormat fmt;
+  fmt.kv_format = parse_kv_format(f.kv_format, "kv-format");
+  fmt.ds_mla_scale = parse_ds_mla_scale(f.ds_mla_scale, "ds-mla-scale");
+  fmt.k_scale = static_cast<float>(f.k_scale);
+  fmt.has_indexer = f.layer == "indexer";
+  return fmt;
+}
+
+void add_batch_flags(CLI::App* sub, BatchFlags& f, std::initializer_list<BatchFlag> flags,
+                     std::initializer_list<FlagHelp> help) {
+  for (BatchFlag want : flags) {
+    for (const Row& row : kRows) {
+      if (row.flag != want) continue;
+      std::string text = row.help;
+      for (const FlagHelp& h : help)
+        if (h.flag == want) text = h.help;
+      CLI::Option* opt = row.add(sub, f, text);
+      if (want != BatchFlag::kConfig) opt->capture_default_str();
+    }
+  }
+}
+
+}  // namespace pcpkv::cli

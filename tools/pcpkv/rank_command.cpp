@@ -1,0 +1,97 @@
+// The pieces every rank-side subcommand shares (launch_cmds.h): meeting the other ranks, the rank
+// publisher of a --backend, running as one rank (errors told to the peers, exit codes), --gpus lists.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "error_line.h"
+#include "launch_cmds.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/publish/backend.h"
+#if defined(PCPKV_HAVE_CUDA)
+#include "pcpkv/publish/cuda_multiproc.h"
+#endif
+
+namespace pcpkv::cli {
+
+std::unique_ptr<Bootstrap> connect_world() {
+  std::optional<BootstrapConfig> c = bootstrap_config_from_env();
+  if (!c) {
+    BootstrapConfig one;
+    one.source = "single process (no PCPKV_RANK or RANK in the environment)";
+    c = one;
+  }
+  return Bootstrap::connect(*c);
+}
+
+RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved) {
+  PCPKV_CHECK(backend == "cpu" || backend == "cuda" || backend == "auto",
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", backend);
+  if (backend == "cpu") {
+    *resolved = "cpu";
+    return make_cpu_rank_publisher;
+  }
+  std::string why;
+  const bool have_cuda = cuda_backend_available(&why);
+#if defined(PCPKV_HAVE_CUDA)
+  if (have_cuda) {
+    *resolved = "cuda";
+    return cuda::make_rank_publisher;
+  }
+#else
+  if (have_cuda) why = "this pcpkv CLI was compiled without PCPKV_HAVE_CUDA (its multi-process CUDA path is off)";
+#endif
+  PCPKV_CHECK(backend == "auto", "--backend cuda: unavailable: {}", why);
+  *resolved = "cpu";
+  return make_cpu_rank_publisher;
+}
+
+int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn) {
+  // "pcpkv: error: mp-publish rank 1: ...", the one-line form of every CLI error.
+  // Before the rendezvous there is no world yet: the launcher's RANK names the rank (checked when it is read).
+  const char* env_rank = std::getenv("RANK");
+  const std::string who = world ? fmt::format("{} rank {}", cmd, world->rank())
+                                : fmt::format("{} rank {}", cmd, env_rank && *env_rank ? env_rank : "?");
+  try {
+    return fn();
+  } catch (const FenceTimeout& e) {
+    print_error(fmt::format("{}: {}", who, e.what()));
+    if (world) world->abort(clip_middle(e.what()));
+    return kExitPeerFailed;
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    print_error(fmt::format("{}: {}", who, msg));
+    if (world) world->abort(clip_middle(msg));
+    return msg.rfind("bootstrap:", 0) == 0 ? kExitPeerFailed : 2;
+  } catch (const std::exception& e) {
+    print_error(fmt::format("{}: internal: {}", who, e.what()));
+    if (world) world->abort(clip_middle(e.what()));
+    return 3;
+  }
+}
+
+std::vector<int32_t> parse_device_list(const std::string& s, const char* flag) {
+  std::vector<int32_t> out;
+  if (s.empty()) return out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    const std::string item = s.substr(pos, comma - pos);
+    char* end = nullptr;
+    const long d = std::strtol(item.c_str(), &end, 10);
+    PCPKV_CHECK(!item.empty() && *end == '\0' && d >= 0, "{}: '{}' is not a device index (in '{}')", flag, item, s);
+    out.push_back(static_cast<int32_t>(d));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace pcpkv::cli
