@@ -65,6 +65,8 @@ int run_command(const RunOptions& o) {
   std::FILE* human = o.json ? stderr : stdout;
   Progress progress(true);
   const PreparedRun prep = prepare_run(o, &progress);
+  // The choice of --transport auto on stderr too, so that it shows beside a --json result.
+  if (!prep.transport_reason.empty()) fmt::print(stderr, "pcpkv run: {}\n", prep.transport_reason);
   const RunOutcome out = execute_run(prep, &progress);
   progress.finish();
   const double elapsed = progress.elapsed_s();
@@ -108,13 +110,14 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--pcp", o->pcp, "PCP world size P (ranks, each with its own cache replica)")->capture_default_str();
   sub->add_option("--tokens", o->tokens, "Tokens of the prefill request (0: no prefill)")->capture_default_str()
       ->check(decimal_fits_int64());
-  sub->add_option("--decodes", o->decodes, "Decode requests (1 token each), replicated on every rank")
+  sub->add_option("--decodes", o->decodes, "Decode requests (1 token each); see --decode-ownership")
       ->capture_default_str();
   sub->add_option("--decode-context", o->decode_context,
                   "Context length of every decode request (-1: 1000*(i+1)+7*i for decode i)")
       ->capture_default_str()
       ->check(decimal_fits_int64());
   sub->add_option("--block-size", o->block_size, "Tokens per cache block (power of two)")->capture_default_str();
+  add_plan_mode_flags(sub, &o->local_order, &o->decode_ownership);
   sub->add_option("--kv-format", o->kv_format, "MLA cache format: fp8_ds_mla | fp8 | bf16")->capture_default_str();
   sub->add_option("--ds-mla-scale", o->ds_mla_scale, "fp8_ds_mla tile scales: pow2 | raw")->capture_default_str();
   sub->add_option("--k-scale", o->k_scale, "Per-tensor scale of the static fp8 format")
@@ -122,7 +125,10 @@ void add_run_command(CLI::App& app) {
       ->each([o](const std::string& typed) { o->k_scale_text = typed; });
   sub->add_option("--layer", o->layer, "indexer (writes indexer K) | shared (IndexShare layer, no indexer)")
       ->capture_default_str();
-  sub->add_option("--transport", o->transport, "all | comma list of collect, staging, direct")->capture_default_str();
+  sub->add_option("--transport", o->transport,
+                  "all | comma list of collect, staging, direct | auto (direct when peer stores reach every "
+                  "replica, else collect; says why)")
+      ->capture_default_str();
   sub->add_option("--backend", o->backend, "auto (CUDA when built and a GPU is visible, else CPU) | cpu | cuda")
       ->capture_default_str();
   sub->add_option("--threads", o->threads, "CPU backend threads (0: all cores)")->capture_default_str();

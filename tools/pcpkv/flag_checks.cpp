@@ -68,6 +68,16 @@ std::string cgroup_v2_dir() {
 }  // namespace
 
 CLI::Validator decimal_fits_int64() { return decimal_fits<int64_t>(); }
+
+void add_plan_mode_flags(CLI::App* sub, std::string* local_order, std::string* decode_ownership) {
+  sub->add_option("--local-order", *local_order,
+                  "Order of a rank's rows: request | local (vLLM's: segments starting at position 0 last)")
+      ->capture_default_str();
+  sub->add_option("--decode-ownership", *decode_ownership,
+                  "replicated (every rank holds each decode, rank 0 writes it) | round_robin (decode i on rank i % P "
+                  "only)")
+      ->capture_default_str();
+}
 CLI::Validator decimal_fits_uint64() { return decimal_fits<uint64_t>(); }
 
 std::vector<std::string> unused_format_flag_notes(KvFormat kv_format, bool ds_mla_scale_given, bool k_scale_given) {

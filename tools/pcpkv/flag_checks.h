@@ -8,6 +8,7 @@
 #include "pcpkv/layout.h"
 
 namespace CLI {
+class App;
 class Validator;
 }
 
@@ -23,6 +24,11 @@ void check_block_size_flag(int64_t block_size);
 /// left to CLI11. Attach with ->check(decimal_fits_uint64()).
 CLI::Validator decimal_fits_int64();
 CLI::Validator decimal_fits_uint64();
+
+/// Adds the plan-mode flags (SPEC section 4.1) --local-order (request | local) and --decode-ownership
+/// (replicated | round_robin), bound to the strings given; parse them with pcpkv::parse_local_order /
+/// parse_decode_ownership, which name the flag and the value.
+void add_plan_mode_flags(CLI::App* sub, std::string* local_order, std::string* decode_ownership);
 
 /// "note: ..." texts for format flags given on the command line that the format ignores: --ds-mla-scale
 /// applies to fp8_ds_mla only, --k-scale to fp8 only (the same wording as `pcpkv run`).

@@ -33,6 +33,7 @@
 #include "pcpkv/model.h"
 #include "pcpkv/plan.h"
 #include "pcpkv/symmetric.h"
+#include "pcpkv/transport_choice.h"
 #include "pcpkv/verify.h"
 #include "transport/publish_layout.h"
 #if defined(PCPKV_HAVE_CUDA)
@@ -57,6 +58,8 @@ struct MpPublishFlags {
   int64_t tokens = 4096;
   int32_t decodes = 2;
   int32_t block_size = 64;
+  std::string local_order = "request";          // request | local (SPEC section 4.1)
+  std::string decode_ownership = "replicated";  // replicated | round_robin
   std::string kv_format = "fp8_ds_mla";
   std::string ds_mla_scale = "pow2";
   double k_scale = 1.0;
@@ -86,8 +89,11 @@ struct MpPublishFlags {
   bool ds_mla_scale_given = false, k_scale_given = false;  // for the notes on flags the format ignores
 };
 
+// "auto" stands for what it may pick (collect or direct: the flag checks and the memory estimate); mp_publish
+// decides after the rendezvous (auto_transport).
 std::vector<Transport> parse_transports(const std::string& s) {
   if (s == "all") return {Transport::kCollect, Transport::kStaging, Transport::kDirect};
+  if (s == "auto") return {Transport::kCollect, Transport::kDirect};
   std::vector<Transport> out;
   size_t pos = 0;
   while (pos <= s.size()) {
@@ -198,6 +204,8 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(std::isfinite(f.link_gbps) && f.link_gbps >= 0, "--link-gbps: must be >= 0 and finite, got {}",
               f.link_gbps);
   PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: '{}' is not indexer or shared", f.layer);
+  (void)parse_local_order(f.local_order, "--local-order");
+  (void)parse_decode_ownership(f.decode_ownership, "--decode-ownership");
   PCPKV_CHECK(f.backend == "auto" || f.backend == "cpu" || f.backend == "cuda",
               "--backend: unknown backend '{}'; known: auto, cpu, cuda", f.backend);
   PCPKV_CHECK(f.collect_via == "auto" || f.collect_via == "nccl" || f.collect_via == "p2p",
@@ -388,6 +396,34 @@ void check_mp_device_memory(const MpPublishFlags& f, const ModelConfig& model, B
 }
 #endif
 
+// --transport auto: the PCP group's topology (every rank's host name, and its row of peer access: shared
+// memory within a host on the CPU, the same GPU or CUDA P2P access on CUDA), gathered over the group so that
+// every rank decides the same.
+TransportChoice auto_transport(Bootstrap& group, const std::string& backend) {
+  constexpr size_t kHost = 64;
+  const auto W = static_cast<size_t>(group.world_size());
+  char host[kHost] = {};
+  if (::gethostname(host, kHost - 1) != 0 || host[0] == '\0') std::snprintf(host, kHost, "localhost");
+  std::vector<char> hosts(kHost * W);
+  group.all_gather(host, kHost, hosts.data());
+  Topology t;
+  for (size_t r = 0; r < W; ++r) t.hosts.emplace_back(&hosts[kHost * r], ::strnlen(&hosts[kHost * r], kHost - 1));
+  const auto me = static_cast<size_t>(group.rank());
+  std::vector<uint8_t> row(W);
+  for (size_t b = 0; b < W; ++b) row[b] = t.hosts[b] == t.hosts[me] ? 1 : 0;
+#if defined(PCPKV_HAVE_CUDA)
+  if (backend == "cuda") {
+    const std::vector<bool> p2p = cuda::peer_access_row(group);
+    for (size_t b = 0; b < W; ++b) row[b] = row[b] && p2p[b] ? 1 : 0;
+    t.nccl_available = cuda::have_nccl();
+  }
+#endif
+  std::vector<uint8_t> all(W * W);
+  group.all_gather(row.data(), W, all.data());
+  for (size_t a = 0; a < W; ++a) t.peer_access.emplace_back(all.begin() + a * W, all.begin() + (a + 1) * W);
+  return choose_transport(t);
+}
+
 int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   const GroupLayout layout = GroupLayout::make(world.world_size(), f.tp);
   const int32_t group_idx = layout.pcp_group_of(world.rank());
@@ -401,6 +437,8 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   pc.pcp_rank_base = group_idx * layout.pcp_size;
   pc.block_size = f.block_size;
   pc.seed = f.seed;
+  pc.local_order = parse_local_order(f.local_order, "--local-order");
+  pc.decode_ownership = parse_decode_ownership(f.decode_ownership, "--decode-ownership");
   if (f.tokens > 0) pc.requests.push_back({RequestKind::kPrefill, f.tokens, 0});
   for (int32_t i = 0; i < f.decodes; ++i) pc.requests.push_back({RequestKind::kDecode, 1, 1000 * int64_t{i + 1} + 7 * i});
   PCPKV_CHECK(!pc.requests.empty(), "--tokens 0 --decodes 0: the batch is empty");
@@ -410,7 +448,7 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   fmt.ds_mla_scale = parse_ds_mla_scale(f.ds_mla_scale);
   fmt.k_scale = static_cast<float>(f.k_scale);
   fmt.has_indexer = f.layer == "indexer";
-  const std::vector<Transport> transports = parse_transports(f.transport);
+  std::vector<Transport> transports = parse_transports(f.transport);  // "auto": decided after the rendezvous
   // Each PCP group publishes its own inputs: the checks then catch a write that crossed groups.
   const uint64_t group_seed = f.seed + 1000003ull * static_cast<uint64_t>(group_idx);
   const GlobalInputs inputs = generate_inputs(model, plan, fmt.has_indexer, group_seed);
@@ -434,6 +472,13 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   }
 #endif
   auto group = make_pcp_group(world, layout);
+  std::string transport_reason;
+  if (f.transport == "auto") {
+    const TransportChoice choice = auto_transport(*group, backend_name);
+    transports = {choice.transport};
+    transport_reason = "--transport auto: " + choice.reason;
+    if (group->rank() == 0) fmt::print(stderr, "pcpkv mp-publish: PCP group {}: {}\n", group_idx, transport_reason);
+  }
   RankPublishOptions opt;
   opt.fence_timeout_ms = f.fence_timeout_ms;
   opt.num_threads = f.threads;
@@ -705,6 +750,10 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
       j["tp"] = layout.tp_size;
       j["pcp"] = layout.pcp_size;
       j["pcp_group"] = group_idx;
+      if (!transport_reason.empty())
+        j["transport_choice"] = {{"transport", to_string(transports.front())}, {"reason", transport_reason}};
+      j["local_order"] = to_string(plan.local_order);
+      j["decode_ownership"] = to_string(plan.decode_ownership);
       j["backend"] = backend_name;
       j["device"] = pub->device();
       j["ok"] = ok;
@@ -752,13 +801,17 @@ void add_mp_publish_command(CLI::App& app) {
   sub->add_option("--model", f->model, "Model preset: glm-5 | deepseek-v3.2")->capture_default_str();
   sub->add_option("--config", f->config, "HF config.json overriding the preset");
   sub->add_option("--tokens", f->tokens, "Tokens of the prefill request (0: none)")->capture_default_str();
-  sub->add_option("--decodes", f->decodes, "Decode requests (rank 0 writes them)")->capture_default_str();
+  sub->add_option("--decodes", f->decodes, "Decode requests (see --decode-ownership)")->capture_default_str();
   sub->add_option("--block-size", f->block_size, "Tokens per cache block (power of two)")->capture_default_str();
+  add_plan_mode_flags(sub, &f->local_order, &f->decode_ownership);
   sub->add_option("--kv-format", f->kv_format, "fp8_ds_mla | fp8 | bf16")->capture_default_str();
   sub->add_option("--ds-mla-scale", f->ds_mla_scale, "pow2 | raw")->capture_default_str();
   sub->add_option("--k-scale", f->k_scale, "Static fp8 per-tensor scale")->capture_default_str();
   sub->add_option("--layer", f->layer, "indexer | shared")->capture_default_str();
-  sub->add_option("--transport", f->transport, "all | comma list of collect, staging, direct")->capture_default_str();
+  sub->add_option("--transport", f->transport,
+                  "all | comma list of collect, staging, direct | auto (direct when every peer is reachable by "
+                  "peer stores, else collect over NCCL; says why)")
+      ->capture_default_str();
   sub->add_option("--backend", f->backend, "auto | cpu | cuda (GPU: local rank % visible GPUs, or PCPKV_DEVICE)")
       ->capture_default_str();
   sub->add_option("--tp", f->tp, "TP size: the world splits into this many PCP groups of contiguous ranks")

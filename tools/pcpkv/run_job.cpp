@@ -22,6 +22,7 @@
 #include "pcpkv/input_limits.h"
 #include "pcpkv/inputs_io.h"
 #include "pcpkv/safetensors.h"
+#include "pcpkv/transport_choice.h"
 #include "pcpkv/verify.h"
 #include "progress.h"
 
@@ -421,7 +422,8 @@ std::vector<Transport> parse_transport_list(const std::string& s) {
     const size_t comma = s.find(',', start);
     const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     PCPKV_CHECK(item == "collect" || item == "staging" || item == "direct",
-                "--transport: unknown transport '{}' in '{}'; use all or a comma list of collect, staging, direct",
+                "--transport: unknown transport '{}' in '{}'; use all, auto or a comma list of collect, staging, "
+                "direct",
                 item, s);
     const Transport t = parse_transport(item);
     PCPKV_CHECK(std::find(out.begin(), out.end(), t) == out.end(), "--transport: '{}' is listed twice in '{}'", item,
@@ -433,11 +435,25 @@ std::vector<Transport> parse_transport_list(const std::string& s) {
   return out;
 }
 
+Topology one_process_topology(int32_t pcp) {
+  // `pcpkv run`'s P logical ranks live in one process on one device (the CPU or one GPU): every rank's replica
+  // is plain memory of that device to every other rank.
+  char host[256] = {};
+  const std::string name = ::gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "localhost";
+  Topology t;
+  t.hosts.assign(static_cast<size_t>(std::max(pcp, 1)), name);
+  t.peer_access.assign(t.hosts.size(), std::vector<bool>(t.hosts.size(), true));
+  return t;
+}
+
 PcpPlan single_rank_plan(const PcpPlan& plan) {
   PcpPlan s = plan;
   const int64_t n = plan.num_global_tokens();
   s.pcp_world = 1;
   s.max_local_tokens = n;
+  s.local_order = LocalOrder::kRequest;  // global order on the one rank, which writes every decode
+  s.decode_ownership = DecodeOwnership::kReplicated;
+  for (int32_t& o : s.decode_owner) o = o >= 0 ? 0 : -1;
   RankPlan r;
   r.num_local_tokens = n;
   for (int64_t g = 0; g < n; ++g) {
@@ -467,6 +483,8 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   check_block_size_flag(o.block_size);
   PCPKV_CHECK(o.tokens >= 0, "--tokens: must be >= 0, got {}", o.tokens);
   PCPKV_CHECK(o.decodes >= 0, "--decodes: must be >= 0, got {}", o.decodes);
+  const LocalOrder local_order = parse_local_order(o.local_order, "--local-order");
+  const DecodeOwnership decode_ownership = parse_decode_ownership(o.decode_ownership, "--decode-ownership");
   PCPKV_CHECK(o.decode_context >= -1,
               "--decode-context: must be >= -1 (-1: context 1000*(i+1)+7*i for decode i; >= 0: that context for "
               "every decode), got {}",
@@ -493,7 +511,14 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   p.fmt.ds_mla_scale = parse_ds_mla_scale(o.ds_mla_scale, "ds-mla-scale");
   p.fmt.k_scale = static_cast<float>(o.k_scale);
   p.fmt.has_indexer = o.layer == "indexer";
-  p.transports = parse_transport_list(o.transport);
+  if (o.transport == "auto") {
+    const TransportChoice choice = choose_transport(one_process_topology(o.pcp));
+    p.transports = {choice.transport};
+    p.transport_reason = "--transport auto: " + choice.reason;
+    p.notes_text.push_back(p.transport_reason);
+  } else {
+    p.transports = parse_transport_list(o.transport);
+  }
   // Flags that do not apply to this format or layer: say so rather than ignore them silently.
   auto given = [&](const char* flag) {
     return std::find(o.flags_given.begin(), o.flags_given.end(), flag) != o.flags_given.end();
@@ -545,6 +570,8 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   pc.pcp_world = o.pcp;
   pc.block_size = o.block_size;
   pc.seed = o.seed;
+  pc.local_order = local_order;
+  pc.decode_ownership = decode_ownership;
   InputsBatch batch;
   if (!o.inputs.empty()) {
     batch = read_inputs_batch(o.inputs);

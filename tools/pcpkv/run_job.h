@@ -12,6 +12,7 @@
 #include "pcpkv/layout.h"
 #include "pcpkv/model.h"
 #include "pcpkv/plan.h"
+#include "pcpkv/transport_choice.h"
 
 namespace pcpkv::cli {
 
@@ -28,12 +29,14 @@ struct RunOptions {
   int32_t decodes = 4;          // decode requests, each with its own context
   int64_t decode_context = -1;  // context of decode i: this value, or (-1) 1000 * (i + 1) + 7 * i
   int32_t block_size = 64;
+  std::string local_order = "request";           // request | local (SPEC section 4.1)
+  std::string decode_ownership = "replicated";   // replicated | round_robin
   std::string kv_format = "fp8_ds_mla";
   std::string ds_mla_scale = "pow2";
   double k_scale = 1.0;           // static fp8 per-tensor scale
   std::string k_scale_text;       // --k-scale as typed (for messages), "" when not given
   std::string layer = "indexer";  // indexer | shared
-  std::string transport = "all";  // all | comma list of collect, staging, direct
+  std::string transport = "all";  // all | comma list of collect, staging, direct | auto
   std::string backend = "auto";
   int32_t threads = 0;  // CPU backend threads (0: all cores)
   uint64_t seed = 0;
@@ -55,6 +58,7 @@ struct PreparedRun {
   ConfigNotes notes;
   CacheFormat fmt;
   std::vector<Transport> transports;
+  std::string transport_reason;  // --transport auto: "--transport auto: direct: ..." (what it chose and why)
   PcpPlan plan;      // PCP-P plan
   PcpPlan ref_plan;  // PCP-1 plan: same requests, block tables and slots
   GlobalInputs inputs;
@@ -108,5 +112,8 @@ PcpPlan single_rank_plan(const PcpPlan& plan);
 
 /// Parses --transport: "all" or a comma list. Throws pcpkv::Error naming the flag and the value.
 std::vector<Transport> parse_transport_list(const std::string& s);
+
+/// The topology of `pcpkv run`'s pcp logical ranks (one process, one device, this host), for --transport auto.
+Topology one_process_topology(int32_t pcp);
 
 }  // namespace pcpkv::cli
