@@ -25,7 +25,8 @@ ROOT = os.path.dirname(HERE)
 
 
 def _sources():
-    core = [os.path.join(ROOT, "src", "core", f"{n}.cpp") for n in ("layout", "rope", "plan")]
+    core = [os.path.join(ROOT, "src", "core", f"{n}.cpp") for n in ("layout", "rope", "plan", "transport_choice",
+                                                                       "backend_types")]
     cpu = [os.path.join(ROOT, "src", "cpu", f"{n}.cpp")
            for n in ("dispatch", "combine", "validate_params", "indexer_ref", "sparse_mla_ref", "lse_merge_ref")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
