@@ -1,13 +1,13 @@
 // PCP batch plan (SPEC section 4): DualChunkSwap split, decode replication or ownership, local order, padding,
 // slot mappings.
-#include "pcpkv/plan.h"
+#include "pcpkv/core/plan.h"
 
 #include <algorithm>
 #include <climits>
 #include <numeric>
 #include <unordered_map>
 
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 
 namespace pcpkv {
 namespace {

@@ -7,9 +7,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"
-#include "pcpkv/error.h"
-#include "pcpkv/plan.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/plan.h"
 #include "support/publish_case.h"
 
 namespace pcpkv {

@@ -5,8 +5,8 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/transport_choice.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/publish/transport_choice.h"
 
 namespace pcpkv {
 namespace {
