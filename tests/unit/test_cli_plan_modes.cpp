@@ -3,7 +3,7 @@
 // the verdict PASS; bad names refused with the flag and the value.
 #include <nlohmann/json.hpp>
 
-#include "test_cli_util.h"
+#include "support/cli_util.h"
 
 namespace {
 
