@@ -100,6 +100,9 @@ PcpPlan single_rank_plan(const PcpPlan& plan) {
   const int64_t n = plan.num_global_tokens();
   s.pcp_world = 1;
   s.max_local_tokens = n;
+  s.local_order = LocalOrder::kRequest;  // global order on the one rank, which writes every decode
+  s.decode_ownership = DecodeOwnership::kReplicated;
+  for (int32_t& o : s.decode_owner) o = o >= 0 ? 0 : -1;
   RankPlan r;
   r.num_local_tokens = n;
   for (int64_t g = 0; g < n; ++g) {

@@ -24,6 +24,8 @@ struct CaseSpec {
   AllocationOptions alloc;
   int64_t topk_width = 0;
   uint64_t seed = 1;                // plan and inputs
+  LocalOrder local_order = LocalOrder::kRequest;
+  DecodeOwnership decode_ownership = DecodeOwnership::kReplicated;
 };
 
 /// Owns everything a PublishSetup points to (so it is neither copied nor moved).

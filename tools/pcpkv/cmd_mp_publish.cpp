@@ -71,7 +71,9 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(f.collect_via == "auto" || f.collect_via == "nccl" || f.collect_via == "p2p",
               "--collect-via: '{}' is not auto, nccl or p2p", f.collect_via);
   (void)parse_format_flags(f);
-  (void)parse_transport_list(f.transport);
+  (void)parse_local_order(f.local_order, "--local-order");
+  (void)parse_decode_ownership(f.decode_ownership, "--decode-ownership");
+  (void)candidate_transports(f.transport);
   if (f.config.empty()) (void)preset(f.model);
 }
 
@@ -99,9 +101,12 @@ void add_mp_publish_command(CLI::App& app) {
       "group's rank 0 checks every replica against the single-process CPU reference)");
   using F = BatchFlag;
   add_batch_flags(sub, *f,
-                  {F::kModel, F::kConfig, F::kTokens, F::kDecodes, F::kBlockSize, F::kKvFormat, F::kDsMlaScale,
-                   F::kKScale, F::kLayer, F::kTransport, F::kBackend},
-                  {{F::kDecodes, "Decode requests (rank 0 writes them)"},
+                  {F::kModel, F::kConfig, F::kTokens, F::kDecodes, F::kBlockSize, F::kLocalOrder,
+                   F::kDecodeOwnership, F::kKvFormat, F::kDsMlaScale, F::kKScale, F::kLayer, F::kTransport,
+                   F::kBackend},
+                  {{F::kDecodes, "Decode requests (see --decode-ownership)"},
+                   {F::kTransport, "all | comma list of collect, staging, direct | auto (direct when every peer is "
+                                   "reachable by peer stores, else collect over NCCL; says why)"},
                    {F::kBackend, "auto | cpu | cuda (GPU: local rank % visible GPUs, or PCPKV_DEVICE)"}});
   sub->add_option("--tp", f->tp, "TP size: the world splits into this many PCP groups of contiguous ranks")
       ->capture_default_str();

@@ -14,6 +14,7 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
 #include "batch_flags.h"
+#include "pcpkv/publish/transport_choice.h"
 
 namespace pcpkv::cli {
 
@@ -47,6 +48,7 @@ struct PreparedRun {
   ConfigNotes notes;
   CacheFormat fmt;
   std::vector<Transport> transports;
+  std::string transport_reason;  // --transport auto: "--transport auto: direct: ..." (what it chose and why)
   PcpPlan plan;      // PCP-P plan
   PcpPlan ref_plan;  // PCP-1 plan: same requests, block tables and slots
   GlobalInputs inputs;
@@ -80,5 +82,8 @@ struct RunOutcome {
 /// Publishes with every requested transport on the chosen backend, runs the single-rank references on
 /// the CPU backend, and performs every check (check_publication, pcpkv/publish/checks.h).
 RunOutcome execute_run(const PreparedRun& prep, Progress* progress);
+
+/// The topology of `pcpkv run`'s pcp logical ranks (one process, one device, this host), for --transport auto.
+Topology one_process_topology(int32_t pcp);
 
 }  // namespace pcpkv::cli
