@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "pcpkv/dispatch.h"
 #include "pcpkv/inputs.h"
 #include "pcpkv/layout.h"
 #include "pcpkv/model.h"
@@ -45,6 +46,10 @@ struct PublishSetup {
   CacheFormat fmt;
   AllocationOptions alloc;
   int64_t topk_width = 0;         // > 0: dispatch fills topk [T, topk_width] with -1 (indexer layers)
+  TopkFill topk_fill_mode = TopkFill::kFull;  // kTail: only each rank's padding rows [num_local_tokens, T)
+                                              // (the indexer top-k runs on its real tokens and writes the
+                                              // rest: pcpkv/dispatch.h TopkFill); kNone: no fill. The rows
+                                              // not filled keep kGuardByte.
   bool materialize_q = true;      // produce q_c_out on every rank
   int32_t num_ubatches = 1;       // staging workspace micro-batches
   int32_t layer_idx = 0;          // selects the staging double-buffer half (layer_idx & 1)

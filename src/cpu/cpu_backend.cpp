@@ -7,7 +7,8 @@
 // as this implementation touches them:
 //   dispatch   per local row (padding rows included, they are processed): reads q_c (when Q is
 //              materialized) 2*q_lora_rank, kv 1024, k_pe 128, index_k 256 (indexer layers), position 8, and
-//              slot 8 (direct only); writes q_c_out 2*q_lora_rank, top-k 4*topk_width (indexer layers), and
+//              slot 8 (direct only); writes q_c_out 2*q_lora_rank, top-k 4*topk_width per filled row (indexer
+//              layers; setup.topk_fill_mode: every row, the padding rows, or none), and
 //                collect: bf16 kv_c/k_pe/index_k 1024+128+256;  staging: W transport rows;
 //                direct: W * (MLA row + 132 indexer bytes) for rows with slot >= 0.
 //   all-gather W * max_local_tokens bf16 rows per rank (padding moves too), each read and written.
@@ -240,6 +241,10 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     const std::string_view name = stage_names[stage];
     if (name == "dispatch") {
       DispatchParams d = base_dispatch(st, sc);
+      if (fill_topk) {
+        d.topk_fill_mode = setup.topk_fill_mode;
+        d.topk_indexer_rows = plan.ranks[static_cast<size_t>(r)].num_local_tokens;
+      }
       if (transport == Transport::kCollect) {
         d.kv_c_out = sc.kv_c_out.data();
         d.k_pe_out = sc.k_pe_out.data();
@@ -335,13 +340,13 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     written_local += std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t s) { return s >= 0; });
   const int64_t rows = W * M;  // local rows processed over all ranks
   const int64_t q_bytes = setup.materialize_q ? 2 * q_rank : 0;
-  const int64_t topk_bytes = fill_topk ? 4 * setup.topk_width : 0;
+  const int64_t topk_bytes = 4 * setup.topk_width * mp::topk_filled_rows(setup, mp::make_publish_layout(setup));
   const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (transport == Transport::kDirect ? 8 : 0);
   for (size_t k = 0; k < num_stages; ++k) {
     const std::string_view name = stage_names[k];
     int64_t bytes = 0;
     if (name == "dispatch") {
-      bytes = rows * (read_per_row + q_bytes + topk_bytes);
+      bytes = rows * (read_per_row + q_bytes) + topk_bytes;
       if (transport == Transport::kCollect) bytes += rows * bf16_row_bytes;
       if (transport == Transport::kStaging) bytes += rows * W * row_layout.row_bytes;
       if (transport == Transport::kDirect) bytes += written_local * W * cache_row_bytes;

@@ -213,6 +213,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   di.rope_num_positions = rope_.num_positions;
   di.q_c_out = q_out.data();
   di.topk = topk.data();
+  di.topk_indexer_rows = plan.ranks[static_cast<size_t>(me)].num_local_tokens;
 
   const std::vector<std::string> names = mp::stage_names(transport);
   std::vector<double> stage_ms(names.size(), 0.0);

@@ -31,6 +31,9 @@ void validate_publish_setup(const PublishSetup& s) {
   PCPKV_CHECK(a.mla_block_pad >= 0, "alloc: mla_block_pad = {} must be >= 0", a.mla_block_pad);
   PCPKV_CHECK(a.index_block_pad >= 0, "alloc: index_block_pad = {} must be >= 0", a.index_block_pad);
   PCPKV_CHECK(s.topk_width >= 0, "publish: topk_width = {} must be >= 0", s.topk_width);
+  PCPKV_CHECK(s.topk_fill_mode == TopkFill::kFull || s.topk_fill_mode == TopkFill::kTail ||
+                  s.topk_fill_mode == TopkFill::kNone,
+              "publish: topk_fill_mode = {} is not a TopkFill", static_cast<int>(s.topk_fill_mode));
   PCPKV_CHECK(s.num_ubatches >= 1, "publish: num_ubatches = {} must be >= 1", s.num_ubatches);
   PCPKV_CHECK(s.layer_idx >= 0, "publish: layer_idx = {} must be >= 0", s.layer_idx);
   PCPKV_CHECK(s.repeats >= 1, "publish: repeats = {} must be >= 1", s.repeats);
@@ -107,8 +110,23 @@ DispatchParams base_dispatch_params(const PublishSetup& s, const PublishLayout& 
   if (l.fill_topk) {
     d.topk_fill = in.topk;
     d.topk_width = s.topk_width;
+    d.topk_fill_mode = s.topk_fill_mode;
+    d.topk_indexer_rows = in.topk_indexer_rows;
   }
   return d;
+}
+
+int64_t topk_first_row(const PublishSetup& s, int32_t rank) {
+  const PcpPlan& plan = *s.plan;
+  return topk_fill_first_row(s.topk_fill_mode, plan.ranks[static_cast<size_t>(rank)].num_local_tokens,
+                             plan.max_local_tokens);
+}
+
+int64_t topk_filled_rows(const PublishSetup& s, const PublishLayout& l) {
+  if (!l.fill_topk) return 0;
+  int64_t rows = 0;
+  for (int32_t r = 0; r < s.plan->pcp_world; ++r) rows += s.plan->max_local_tokens - topk_first_row(s, r);
+  return rows;
 }
 
 std::vector<std::string> stage_names(Transport t) {
@@ -136,10 +154,10 @@ int64_t stage_bytes_for_rank(const PublishSetup& s, const PublishLayout& l, Tran
   for (const RankPlan& rp : plan.ranks) written_all += written(rp);
   const int64_t written_mine = written(plan.ranks[static_cast<size_t>(rank)]);
   const int64_t q_bytes = s.materialize_q ? 2 * s.model->q_lora_rank : 0;
-  const int64_t topk_bytes = l.fill_topk ? 4 * s.topk_width : 0;
+  const int64_t topk_bytes = l.fill_topk ? 4 * s.topk_width * (M - topk_first_row(s, rank)) : 0;
   const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (t == Transport::kDirect ? 8 : 0);
   if (stage == "dispatch") {
-    int64_t b = M * (read_per_row + q_bytes + topk_bytes);
+    int64_t b = M * (read_per_row + q_bytes) + topk_bytes;
     if (t == Transport::kCollect) b += M * bf16_row_bytes;
     if (t == Transport::kStaging) b += M * W * l.row.row_bytes;
     if (t == Transport::kDirect) b += written_mine * W * cache_row_bytes;
