@@ -68,6 +68,7 @@ struct MpPublishFlags {
   int32_t repeats = 1;
   int32_t threads = 1;
   int64_t topk_width = 0;
+  std::string topk_fill = "full";  // full | tail | none (pcpkv/dispatch.h TopkFill)
   int64_t guard_bytes = 256;
   int64_t base_offset = 0;
   int64_t fence_timeout_ms = 30000;
@@ -183,6 +184,7 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(f.threads >= 1, "--threads: must be >= 1, got {}", f.threads);
   PCPKV_CHECK(f.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", f.threads);
   PCPKV_CHECK(f.topk_width >= 0, "--topk-width: must be >= 0, got {}", f.topk_width);
+  parse_topk_fill(f.topk_fill, "--topk-fill");
   PCPKV_CHECK(f.guard_bytes >= 0, "--guard-bytes: must be >= 0, got {}", f.guard_bytes);
   PCPKV_CHECK(f.base_offset >= 0, "--base-offset: must be >= 0, got {}", f.base_offset);
   PCPKV_CHECK((f.guard_bytes + f.base_offset) % 16 == 0,
@@ -422,6 +424,7 @@ int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
   setup.alloc.guard_bytes = f.guard_bytes;
   setup.alloc.base_offset = f.base_offset;
   setup.topk_width = f.topk_width;
+  setup.topk_fill_mode = parse_topk_fill(f.topk_fill, "--topk-fill");
   setup.repeats = f.repeats;
 
   std::string backend_name;
@@ -780,6 +783,10 @@ void add_mp_publish_command(CLI::App& app) {
   sub->add_flag("--md-rows", f->md_rows, "Also print markdown table rows prefixed 'md|' (for docs/perf.md)");
   sub->add_option("--threads", f->threads, "CPU threads per rank process")->capture_default_str();
   sub->add_option("--topk-width", f->topk_width, "Fill a top-k buffer [T, width] with -1 (indexer layers; 0: off)")
+      ->capture_default_str();
+  sub->add_option("--topk-fill", f->topk_fill,
+                  "Which top-k rows get -1: full (every row, what engines do), tail (only the padding rows past each "
+                  "rank's local tokens: pcpkv's indexer top-k writes the rest) or none")
       ->capture_default_str();
   sub->add_option("--guard-bytes", f->guard_bytes, "Guard bytes (0xA5) before and after each cache")
       ->capture_default_str();

@@ -214,14 +214,22 @@ Check check_bound(const PublishResult& r, const PreparedRun& prep) {
   return c;
 }
 
+// Every row of every rank's buffer (padding rows too): -1 where --topk-fill fills (rows from
+// topk_fill_first_row on), the backend's poison kGuardByte where it must not write.
 Check check_topk(const PublishResult& r, const PreparedRun& prep, int64_t width) {
-  Check c = make_check("top-k buffer filled with -1", to_string(r.transport));
+  const char* what = prep.topk_fill == TopkFill::kFull   ? "top-k buffer filled with -1 (full)"
+                     : prep.topk_fill == TopkFill::kTail ? "top-k buffer: padding rows -1, local tokens' rows untouched (tail)"
+                                                         : "top-k buffer untouched (none)";
+  Check c = make_check(what, to_string(r.transport));
   ByteTally t;
+  const int64_t M = prep.plan.max_local_tokens;
   for (int32_t rank = 0; rank < prep.plan.pcp_world && rank < static_cast<int32_t>(r.topk.size()); ++rank) {
-    const int64_t n = prep.plan.ranks[rank].num_local_tokens * width;
+    const int64_t n = M * width;
+    const int64_t first = topk_fill_first_row(prep.topk_fill, prep.plan.ranks[rank].num_local_tokens, M);
     const auto* p = reinterpret_cast<const uint8_t*>(r.topk[rank].data());
     std::vector<uint8_t> got(p, p + std::min<int64_t>(n, static_cast<int64_t>(r.topk[rank].size())) * 4);
     std::vector<uint8_t> want(static_cast<size_t>(n * 4), 0xFF);
+    std::fill(want.begin(), want.begin() + first * width * 4, kGuardByte);
     t.add(got, want, fmt::format("rank {} top-k", rank),
           [&](int64_t o) { return fmt::format("token {}, entry {}", o / (4 * width), (o % (4 * width)) / 4); });
   }
@@ -229,7 +237,7 @@ Check check_topk(const PublishResult& r, const PreparedRun& prep, int64_t width)
     c.detail = "the backend returned no top-k buffer";
     return c;
   }
-  t.fill(c, fmt::format("{} int32 per local token on all ranks", width));
+  t.fill(c, fmt::format("{} int32 per row, {} rows per rank", width, prep.plan.max_local_tokens));
   return c;
 }
 
@@ -498,6 +506,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   auto given = [&](const char* flag) {
     return std::find(o.flags_given.begin(), o.flags_given.end(), flag) != o.flags_given.end();
   };
+  if (!o.topk_fill.empty()) p.topk_fill = parse_topk_fill(o.topk_fill, "--topk-fill");
   if (given("--topk-fill") && !p.fmt.has_indexer) {
     p.notes_text.push_back("--topk-fill: not used: a shared layer (--layer shared) has no indexer, so no top-k buffer");
   }
@@ -561,7 +570,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   fp.pcp = o.pcp;
   fp.block_size = o.block_size;
   fp.q_lora_rank = p.model.q_lora_rank;
-  fp.index_topk = o.topk_fill && p.fmt.has_indexer ? p.model.index_topk : 0;
+  fp.index_topk = !o.topk_fill.empty() && p.fmt.has_indexer ? p.model.index_topk : 0;
   fp.fmt = p.fmt;
   auto uses = [&](Transport t) { return std::find(p.transports.begin(), p.transports.end(), t) != p.transports.end(); };
   fp.collect = uses(Transport::kCollect);
@@ -698,12 +707,13 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     ref_backend = cpu_ref.get();
   }
 
-  const int64_t topk_width = prep.opts.topk_fill && prep.fmt.has_indexer ? prep.model.index_topk : 0;
+  const int64_t topk_width = !prep.opts.topk_fill.empty() && prep.fmt.has_indexer ? prep.model.index_topk : 0;
   PublishSetup setup;
   setup.model = &prep.model;
   setup.plan = &prep.plan;
   setup.fmt = prep.fmt;
   setup.topk_width = topk_width;
+  setup.topk_fill_mode = prep.topk_fill;
   setup.materialize_q = true;
   setup.repeats = prep.opts.repeats;
   PublishSetup ref_setup = setup;

@@ -40,7 +40,7 @@ struct RunOptions {
   std::string inputs;  // --inputs FILE.safetensors
   std::string save;    // --save FILE.safetensors
   bool json = false;
-  bool topk_fill = false;
+  std::string topk_fill;  // --topk-fill [full|tail|none]: "" = no top-k buffer; the flag alone = full
   bool allow_nonfinite = false;
   int32_t repeats = 1;
   double memory_limit_gb = 0;  // refuse runs whose estimated peak exceeds this (0: available memory only)
@@ -51,6 +51,7 @@ struct RunOptions {
 /// Everything decided before the first byte is published.
 struct PreparedRun {
   RunOptions opts;
+  TopkFill topk_fill = TopkFill::kFull;  // parsed --topk-fill (when given)
   ModelConfig model;
   ConfigNotes notes;
   CacheFormat fmt;
