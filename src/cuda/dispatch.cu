@@ -292,8 +292,8 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       float rc[8] = {}, rs[8] = {};
       if (lane < 8) load_rope(c.rope_cos_sin + v.pos * kRopeDims, lane, c.index_rope_interleaved, rc, rs);
       float x[8];
-      const float r = index_ln_center(v.x, ra.index_k + t * ra.index_k_stride + 8 * lane, kAligned ? 16 : c.load_align,
-                                      x, 0xffffu, c.index_eps);
+      const float r = index_ln_center<false>(v.x, ra.index_k + t * ra.index_k_stride + 8 * lane,
+                                             kAligned ? 16 : c.load_align, x, 0xffffu, c.index_eps);
       const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane));
       const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane + 4));
       const float4 b0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_b + 8 * lane));

@@ -223,14 +223,23 @@ __device__ __noinline__ inline float2 rescaled_index_ln_stats(const uint16_t* sr
 /// Indexer-K LayerNorm centring: x = the leaf of `raw` minus the row mean; returns r = 1 / sqrt(var + eps)
 /// (every lane of `mask` the same). `src` / `align`: where `raw` was loaded from (for the guard's reload).
 /// Overflow guard (token_math.h): a row whose sums are not finite is centred from x * 2^-72 with
-/// eps * 2^-144 when that is finite (a lane-uniform branch to the cold rescaled_index_ln_stats).
+/// eps * 2^-144 when that is finite (a lane-uniform branch). kColdCall: the rescaled stats come from the cold
+/// call rescaled_index_ln_stats (the warp kernel); else inline from x (the CTA kernel: a call there, in one
+/// warp's branch, made ptxas keep the prefetched next token's registers in local memory, on the hot path
+/// too; docs/perf.md section 12).
+template <bool kColdCall>
 __device__ __forceinline__ float index_ln_center(const uint4& raw, const uint16_t* src, int align, float (&x)[8],
                                                  unsigned mask, float eps) {
   unpack_bf16x8(raw, x);
   float mu;
   float var = index_ln_stats<false>(x, mask, mu);
   if (!math::finite(var)) {
-    const float2 big = rescaled_index_ln_stats(src, align, mask);
+    float2 big;
+    if constexpr (kColdCall) {
+      big = rescaled_index_ln_stats(src, align, mask);
+    } else {
+      big.y = index_ln_stats<true>(x, mask, big.x);
+    }
     if (math::use_rescaled(var, big.y)) {
       var = big.y, mu = big.x, eps = math::rescaled_eps(eps);
       math::rescale_leaf(x);

@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
       float rc[8] = {}, rs[8] = {};
       if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
       float xf[8];
-      const float r = index_ln_center(x, ra.index_k + t * ra.index_k_stride + 8 * leaf, 16, xf, kHalf, c.index_eps);
+      const float r = index_ln_center<true>(x, ra.index_k + t * ra.index_k_stride + 8 * leaf, 16, xf, kHalf, c.index_eps);
       float w[8], b[8];
       load_w8(s_w + kWLnW + 8 * leaf, w);
       load_w8(s_w + kWLnB + 8 * leaf, b);
