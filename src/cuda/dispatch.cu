@@ -149,7 +149,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   const int sa = kAligned ? 16 : c.store_align;
 
   // Top-k fill first: plain stores that need nothing else.
-  if (ra.topk_fill != nullptr) {
+  if (ra.topk_fill != nullptr && t >= ra.topk_first_row) {
     int32_t* row = ra.topk_fill + t * c.topk_width;
     if (c.topk_vec) {
       for (int64_t i = 4 * tid; i < c.topk_width; i += 4 * kThreads)
@@ -483,7 +483,8 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
     r.kv_c_out = p.kv_c_out;
     r.k_pe_out = p.k_pe_out;
     r.index_k_out = p.index_k_out;
-    r.topk_fill = p.topk_fill;
+    r.topk_first_row = topk_fill_first_row(p.topk_fill_mode, p.topk_indexer_rows, p.num_tokens);
+    r.topk_fill = r.topk_first_row < p.num_tokens ? p.topk_fill : nullptr;
     r.targets = p.targets;
     r.row_dests = p.row_dests;
     r.token_begin = begin;
@@ -510,7 +511,7 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
       if (p.fmt.has_indexer) store_bits |= addr(t.index_base) | static_cast<uint64_t>(t.index.block_stride);
     }
     for (uint8_t* d : jobs[i].host_row_dests) store_bits |= addr(d) | static_cast<uint64_t>(p.row_bytes);
-    if (p.topk_fill) topk_bits |= addr(p.topk_fill) | static_cast<uint64_t>(p.topk_width * 4);
+    if (r.topk_fill) topk_bits |= addr(p.topk_fill) | static_cast<uint64_t>(p.topk_width * 4);
   }
   a.num_ranks = n;
   a.total_targets = target_base;

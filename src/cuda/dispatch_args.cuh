@@ -43,7 +43,8 @@ struct RankArgs {
   uint16_t* kv_c_out;
   uint16_t* k_pe_out;
   uint16_t* index_k_out;
-  int32_t* topk_fill;
+  int32_t* topk_fill;           // null: no fill (none, or no buffer)
+  int64_t topk_first_row;       // rows [topk_first_row, num_tokens) are filled (pcpkv/dispatch.h topk_fill_first_row)
   const CacheTarget* targets;   // device table
   uint8_t* const* row_dests;    // device table
   int64_t token_begin;          // first work index of this rank in the launch

@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
     }
 
     // ---- top-k fill: stores that need nothing, issued while the loads are in flight ----
-    if (ra.topk_fill != nullptr) {
+    if (ra.topk_fill != nullptr && t >= ra.topk_first_row) {
       int32_t* row = ra.topk_fill + t * c.topk_width;
       if (c.topk_vec) {
 #pragma unroll 4

@@ -269,7 +269,8 @@ class CudaRankPublisher final : public RankPublisher {
     fence(kStartBarrier, s);
     if (timer) timer->start(s);
     if (layout_.fill_topk) {
-      launch_fill_minus_one(topk_.as<int32_t>(), M * setup_.topk_width, s);
+      const int64_t first = mp::topk_first_row(setup_, me);  // kTail / kNone: only the rows no indexer writes
+      launch_fill_minus_one(topk_.as<int32_t>() + first * setup_.topk_width, (M - first) * setup_.topk_width, s);
       mark("topk-fill");
     }
     mp::DispatchInputs in;
@@ -286,6 +287,7 @@ class CudaRankPublisher final : public RankPublisher {
     in.rope_num_positions = rope_num_positions_;
     in.q_c_out = q_out_.as<uint16_t>();
     in.topk = topk_.as<int32_t>();
+    in.topk_indexer_rows = plan.ranks[static_cast<size_t>(me)].num_local_tokens;
     DispatchJob job;
     job.params = mp::base_dispatch_params(setup_, layout_, in);
     DispatchParams& d = job.params;
@@ -372,7 +374,7 @@ class CudaRankPublisher final : public RankPublisher {
     int64_t written_all = 0;
     for (const RankPlan& rp : plan.ranks)
       written_all += std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t x) { return x >= 0; });
-    if (stage == "topk-fill") return plan.max_local_tokens * setup_.topk_width * 4;
+    if (stage == "topk-fill") return (plan.max_local_tokens - mp::topk_first_row(setup_, group_.rank())) * setup_.topk_width * 4;
     if (stage == "insert-mla") return written_all * (1024 + 128 + layout_.row.mla_bytes);
     if (stage == "insert-indexer") return written_all * (256 + kIndexerSlotBytes);
     return mp::stage_bytes_for_rank(setup_, layout_, t, stage, group_.rank());

@@ -237,6 +237,7 @@ DispatchJob Publisher::dispatch_job(int32_t rank, Transport transport, const Inp
   in.rope_num_positions = rope_num_positions_;
   in.q_c_out = set.q_out.as<uint16_t>();
   in.topk = set.topk;
+  in.topk_indexer_rows = setup_.plan->ranks[static_cast<size_t>(rank)].num_local_tokens;
   DispatchJob job;
   job.params = mp::base_dispatch_params(setup_, layout_, in);
   DispatchParams& d = job.params;
@@ -282,7 +283,16 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
   // engines run it.
   const bool pdl = v.pdl && transport != Transport::kCollect;
   if (layout_.fill_topk && !v.fuse_topk) {
-    launch_fill_minus_one(topk_sets_[static_cast<size_t>(s)].as<int32_t>(), W * M * setup_.topk_width, stream);
+    int32_t* all = topk_sets_[static_cast<size_t>(s)].as<int32_t>();
+    const int64_t width = setup_.topk_width;
+    if (setup_.topk_fill_mode == TopkFill::kFull) {
+      launch_fill_minus_one(all, W * M * width, stream);  // every rank's buffer: one byte fill
+    } else {
+      for (int32_t r = 0; r < W; ++r) {  // kTail: each rank's rows no indexer writes (none for kNone)
+        const int64_t first = mp::topk_first_row(setup_, r);
+        launch_fill_minus_one(all + (r * M + first) * width, (M - first) * width, stream);
+      }
+    }
     mark("topk-fill");
   }
 
@@ -358,12 +368,13 @@ std::vector<Stage> Publisher::stage_model(Transport transport) const {
   const int64_t mla_bytes = layout_.row.mla_bytes;
   const int64_t cache_row_bytes = mla_bytes + idx * kIndexerSlotBytes;
   const int64_t q_bytes = setup_.materialize_q ? 2 * q_lora_rank_ : 0;
-  const int64_t topk_bytes = layout_.fill_topk ? 4 * setup_.topk_width : 0;
+  // The fill writes its filled rows only (setup.topk_fill_mode); the stage stays even when that is none.
+  const int64_t topk_bytes = 4 * setup_.topk_width * mp::topk_filled_rows(setup_, layout_);
   const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (transport == Transport::kDirect ? 8 : 0);
   std::vector<Stage> out;
   const bool fused = options_.variant.fuse_topk;
-  if (topk_bytes > 0 && !fused) out.push_back({"topk-fill", 0.0, rows * topk_bytes});
-  int64_t dispatch = rows * (read_per_row + q_bytes) + (fused ? rows * topk_bytes : 0);
+  if (layout_.fill_topk && !fused) out.push_back({"topk-fill", 0.0, topk_bytes});
+  int64_t dispatch = rows * (read_per_row + q_bytes) + (fused ? topk_bytes : 0);
   if (transport == Transport::kCollect) dispatch += rows * bf16_row_bytes;
   if (transport == Transport::kStaging) dispatch += rows * W * layout_.row.row_bytes;
   if (transport == Transport::kDirect) dispatch += written_rows_ * W * cache_row_bytes;
