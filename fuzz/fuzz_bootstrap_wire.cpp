@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "transport/bootstrap_wire.h"
+#include "ranks/bootstrap_wire.h"
 
 namespace bw = pcpkv::bootstrap_wire;
 

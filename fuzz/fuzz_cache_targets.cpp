@@ -9,10 +9,10 @@
 #include <cstring>
 #include <string>
 
-#include "pcpkv/cpu.h"
-#include "pcpkv/dispatch.h"
-#include "pcpkv/error.h"
-#include "pcpkv/layout.h"
+#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/dispatch.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/layout.h"
 
 namespace {
 

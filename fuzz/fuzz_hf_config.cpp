@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <string>
 
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // First byte picks the mode (base preset, strict), the rest is the JSON text.

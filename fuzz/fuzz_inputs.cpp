@@ -4,8 +4,8 @@
 #include <cstdint>
 
 #include "fuzz_util.h"
-#include "pcpkv/error.h"
-#include "pcpkv/inputs_io.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/inputs_io.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const pcpkv::fuzz::MemFile f(data, size);

@@ -3,8 +3,8 @@
 #include <cstdint>
 
 #include "fuzz_util.h"
-#include "pcpkv/error.h"
-#include "pcpkv/safetensors.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const pcpkv::fuzz::MemFile f(data, size);

@@ -9,7 +9,7 @@ Environment:
     MAX_JOBS                  parallel compile jobs (ninja)
 
 The extension compiles pcpkv's core sources it needs (layouts, RoPE tables, PCP plan, the CPU reference
-kernels) and, with CUDA, pcpkv's own launchers and kernels (src/cuda/launch.h: dispatch*.cu, combine.cu,
+kernels) and, with CUDA, pcpkv's own launchers and kernels (src/publish/cuda/launch.h: dispatch*.cu, combine.cu,
 insert.cu, fence.cu, plus device.cpp and pdl_switch.cpp; the consumers' indexer_kernels.cu,
 sparse_mla_*.cu, lse_merge_kernels.cu): the torch ops run exactly the kernels the C++ library runs. fmt comes header-only from torch's own include directory, so nothing beyond torch, a C++20 compiler
 and (for CUDA) nvcc is needed.
@@ -25,29 +25,31 @@ ROOT = os.path.dirname(HERE)
 
 
 def _sources():
-    core = [os.path.join(ROOT, "src", "core", f"{n}.cpp") for n in ("layout", "rope", "plan")]
-    cpu = [os.path.join(ROOT, "src", "cpu", f"{n}.cpp")
-           for n in ("dispatch", "combine", "validate_params", "indexer_ref", "sparse_mla_ref", "lse_merge_ref")]
+    src = os.path.join(ROOT, "src")
+    core = [os.path.join(src, "core", f"{n}.cpp") for n in ("layout", "rope", "plan")]
+    cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
+    cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_ref", "sparse_mla_ref", "lse_merge_ref")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     return core + cpu + [s for s in own if not s.endswith("_cuda.cpp")]
 
 
-# pcpkv's CUDA sources behind the launchers of src/cuda/launch.h that the ops call (launch_dispatch,
+# pcpkv's CUDA sources behind the launchers of src/publish/cuda/launch.h that the ops call (launch_dispatch,
 # launch_combine, launch_insert_mla / launch_insert_indexer, launch_fence) and what they need (num_sms in
 # device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch). run_device_tests.sh refuses a
 # build with an undefined pcpkv symbol, which is what a source missing here looks like.
 # The consumer ops (csrc/consumers_cuda.cpp) call cuda::indexer, cuda::sparse_mla and cuda::lse_merge.
-CUDA_SOURCES = ("combine.cu", "insert.cu", "fence.cu", "device.cpp", "indexer_kernels.cu", "sparse_mla_kernels.cu",
-                "sparse_mla_mma.cu", "lse_merge_kernels.cu")
-CUDA_SOURCES_IF_PRESENT = ("pdl_switch.cpp",)
+CUDA_SOURCES = ("publish/cuda/combine.cu", "publish/cuda/insert.cu", "publish/cuda/fence.cu", "core/cuda/device.cpp",
+                "consumers/cuda/indexer_kernels.cu", "consumers/cuda/sparse_mla_kernels.cu",
+                "consumers/cuda/sparse_mla_mma.cu", "consumers/cuda/lse_merge_kernels.cu")
+CUDA_SOURCES_IF_PRESENT = ("core/cuda/pdl_switch.cpp",)
 
 
 def _cuda_sources():
-    d = os.path.join(ROOT, "src", "cuda")
-    missing = [f for f in CUDA_SOURCES + ("dispatch.cu",) if not os.path.exists(os.path.join(d, f))]
+    d = os.path.join(ROOT, "src")
+    missing = [f for f in CUDA_SOURCES + ("publish/cuda/dispatch.cu",) if not os.path.exists(os.path.join(d, f))]
     if missing:
-        raise RuntimeError(f"pcpkv_torch: src/cuda/{missing} not found (set PCPKV_TORCH_CUDA=0 for a CPU-only build)")
-    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "dispatch*.cu")))
+        raise RuntimeError(f"pcpkv_torch: src/{missing} not found (set PCPKV_TORCH_CUDA=0 for a CPU-only build)")
+    names = sorted(os.path.relpath(p, d) for p in glob.glob(os.path.join(d, "publish", "cuda", "dispatch*.cu")))
     names += list(CUDA_SOURCES) + [f for f in CUDA_SOURCES_IF_PRESENT if os.path.exists(os.path.join(d, f))]
     return [os.path.join(d, f) for f in names]
 

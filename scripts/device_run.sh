@@ -71,7 +71,7 @@ case "$phase" in
     timeout 540 bash python/run_device_tests.sh
     ;;
   models)
-    # the whole-model PCP prefill example (issue 13) at the models' real per-layer dims; needs the in-place
+    # the whole-model PCP prefill example at the models' real per-layer dims; needs the in-place
     # pcpkv_torch build of the python phase (run in the same warm session) or builds it first
     if ! ls python/pcpkv_torch/_C*.so > /dev/null 2>&1; then
       (cd python && CXX="${PCPKV_TORCH_CXX:-/usr/bin/g++}" MAX_JOBS="$(nproc)" CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" \

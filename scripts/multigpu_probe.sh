@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/multigpu_probe.sh: first look at a multi-GPU machine (issue 8) with the commands that exist today:
+# scripts/multigpu_probe.sh: first look at a multi-GPU machine with the commands that exist today:
 # topology, the per-process publication at PCP = 2 and = number of GPUs, the fence across GPUs.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/multigpu_run.sh: the whole multi-GPU measurement (issue 8) in ONE call on a fresh machine with
+# scripts/multigpu_run.sh: the whole multi-GPU measurement in ONE call on a fresh machine with
 # 2, 4 or 8 GPUs: build (only what is needed), the multigpu tests, then the measurements, each step bounded
 # in time so that the whole ends in under 8 minutes; a markdown summary for docs/perf.md is printed last
 # (and kept as $OUT/summary.md).

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "pcpkv/dispatch.h"
-#include "pcpkv/error.h"
-#include "pcpkv/layout.h"
+#include "pcpkv/publish/dispatch.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/layout.h"
 
 namespace pcpkv_torch {
 

@@ -12,9 +12,9 @@
 #include <optional>
 #include <string>
 
-#include "pcpkv/indexer.h"
-#include "pcpkv/lse_merge.h"
-#include "pcpkv/sparse_mla.h"
+#include "pcpkv/consumers/indexer.h"
+#include "pcpkv/consumers/lse_merge.h"
+#include "pcpkv/consumers/sparse_mla.h"
 
 namespace pcpkv_torch {
 

@@ -1,7 +1,7 @@
 // python/csrc/ops.cpp: the `pcpkv` torch library: schemas (TORCH_LIBRARY), the host-only setup ops
 // (rope_table, make_plan, make_cache_targets) and the CPU implementations, which call pcpkv's CPU reference
-// (pcpkv/cpu.h) on host memory. The CUDA implementations (ops_cuda.cpp) call pcpkv's launchers
-// (src/cuda/launch.h); fake (meta) kernels for torch.compile are registered in Python (pcpkv_torch/_fake.py).
+// (pcpkv/publish/cpu.h) on host memory. The CUDA implementations (ops_cuda.cpp) call pcpkv's launchers
+// (src/publish/cuda/launch.h); fake (meta) kernels for torch.compile are registered in Python (pcpkv_torch/_fake.py).
 // Docstrings: pcpkv_torch/ops.py.
 #include <Python.h>
 
@@ -17,10 +17,10 @@
 #include <thread>
 
 #include "common.h"
-#include "pcpkv/cpu.h"
+#include "pcpkv/publish/cpu.h"
 #include "pcpkv/device/fence_kernel.h"
-#include "pcpkv/plan.h"
-#include "pcpkv/rope.h"
+#include "pcpkv/core/plan.h"
+#include "pcpkv/core/rope.h"
 
 // An importable module, so that `import pcpkv_torch._C` loads this library (and its registrations)
 // without pybind11: everything is reached through torch.ops.pcpkv.

@@ -1,4 +1,4 @@
-// python/csrc/ops_cuda.cpp: CUDA implementations of the pcpkv ops, on pcpkv's own launchers (src/cuda/launch.h:
+// python/csrc/ops_cuda.cpp: CUDA implementations of the pcpkv ops, on pcpkv's own launchers (src/publish/cuda/launch.h:
 // launch_dispatch, launch_combine, launch_insert_mla / launch_insert_indexer, launch_fence), so the torch ops
 // and the C++ library run the same kernels (one kernel contract per job; the CPU reference is the oracle).
 //
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "common.h"
-#include "cuda/launch.h"
-#include "pcpkv/cpu.h"
+#include "publish/cuda/launch.h"
+#include "pcpkv/publish/cpu.h"
 
 namespace pcpkv_torch {
 namespace {

@@ -40,7 +40,7 @@ def indexer_topk(q_fp8: Tensor, q_scale: Tensor, weights: Tensor, positions: Ten
                  block_tables: Tensor, index_cache: Tensor, *, topk: int, max_keys: Optional[int] = None,
                  out: Optional[Tensor] = None, positions_out: Optional[Tensor] = None,
                  logit: str = "exact") -> Tensor:
-    """Exact top-k of the DSA indexer (pcpkv/indexer.h), per query token t of request request_idx[t]:
+    """Exact top-k of the DSA indexer (pcpkv/consumers/indexer.h), per query token t of request request_idx[t]:
     score of key position j in 0..positions[t] (causal, inclusive) =
     k_scale[j] * sum_h relu(q_fp8[t, h] . k_fp8[j]) * weights[t, h] * (128 H)^-0.5 * q_scale[t, h];
     the k = min(topk, positions[t] + 1) best keys, score descending, equal scores by position ascending
@@ -77,7 +77,7 @@ def indexer_topk(q_fp8: Tensor, q_scale: Tensor, weights: Tensor, positions: Ten
 def sparse_mla(q: Tensor, mla_cache: Tensor, indices: Tensor, *, fmt: CacheFormat, softmax_scale: float,
                out: Optional[Tensor] = None, lse: Optional[Tensor] = None, scale_read: str = "fp32",
                kernel: str = "mma") -> tuple[Tensor, Tensor]:
-    """Sparse MLA attention, absorbed form (pcpkv/sparse_mla.h): for token t, head h over the valid slots
+    """Sparse MLA attention, absorbed form (pcpkv/consumers/sparse_mla.h): for token t, head h over the valid slots
     j = indices[t, i] >= 0 (-1 skipped, duplicates counted per occurrence):
     s_j = softmax_scale * (q[t, h, :512] . kv_c_j + q[t, h, 512:] . k_pe_j),
     out[t, h] = sum_j softmax(s)_j kv_c_j [512], lse[t, h] = ln sum_j exp(s_j) (natural log, scale included).
@@ -108,7 +108,7 @@ def sparse_mla(q: Tensor, mla_cache: Tensor, indices: Tensor, *, fmt: CacheForma
 
 def lse_merge(outs: Tensor, lses: Tensor, *, out: Optional[Tensor] = None,
               lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Merge of S partial attentions by their LSEs (pcpkv/lse_merge.h), per (token, head): shards whose lse is
+    """Merge of S partial attentions by their LSEs (pcpkv/consumers/lse_merge.h), per (token, head): shards whose lse is
     finite or -inf (NaN / +inf count as -inf); m = max lse_n, L = ln sum_n exp(lse_n - m) + m,
     out = sum_n exp(lse_n - L) out_n (an empty shard's out_n is never read); all shards empty: out = 0,
     lse = -inf. CPU: fp64, rounded once; CUDA: fp32 within pcpkv::LseMergeBound.

@@ -7,7 +7,7 @@ convert exactly; the wrappers convert). Every op runs on CPU tensors (pcpkv's CP
 oracle) and CUDA tensors (asynchronous on the current stream, capturable in CUDA graphs). Bad arguments
 raise ValueError naming the argument and value before anything is written or launched. On CUDA, slot and
 position *values* are not read on the host (that would synchronize) and pcpkv's kernels trust them (as in the
-C++ library, src/cuda/launch.h): they must be in range, which validate_slots() checks on demand.
+C++ library, src/publish/cuda/launch.h): they must be in range, which validate_slots() checks on demand.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def validate_slots(slot_mapping: Tensor, num_slots: int, name: str = "slot_mappi
 
 
 def cuda_dispatch_impl() -> str:
-    """Which CUDA kernels the ops run: "pcpkv" (pcpkv's own launchers of src/cuda/launch.h, the kernels the
+    """Which CUDA kernels the ops run: "pcpkv" (pcpkv's own launchers of src/publish/cuda/launch.h, the kernels the
     C++ library runs; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp picks the dispatch kernel variant) or "none" in a
     CPU-only build."""
     if not hasattr(torch.ops.pcpkv, "cuda_dispatch_impl"):

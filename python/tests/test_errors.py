@@ -85,7 +85,7 @@ def test_dispatch_errors_name_the_argument(device):
     call("targets", targets=short)
     dests32 = pk.RowDests(w.dests[0].host, w.dests[0].table.int(), w.dests[0].tensors)
     call("row_dests", row_dests=dests32)
-    # a hand-made table whose records disagree (issue 12: a smaller replica would be written past its end)
+    # a hand-made table whose records disagree (a smaller replica would be written past its end)
     small = pk.CacheTargets.from_caches([pk.allocate_mla_cache(1, plan.block_size, "fp8_ds_mla", w.device, fill=GUARD)],
                                         [pk.allocate_indexer_cache(1, plan.block_size, w.device, fill=GUARD)], fmt)
     mixed_host = torch.cat([w.targets.host[:1], small.host])

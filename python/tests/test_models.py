@@ -1,4 +1,4 @@
-"""A whole model's PCP prefill through pcpkv_torch.models (issue 13), small configs with the real per-layer cache
+"""A whole model's PCP prefill through pcpkv_torch.models, small configs with the real per-layer cache
 dims (kv_lora 512, rope 64, index head 128, q_lora 2048 GLM-5 / 1536 DeepSeek-V3.2), 4 layers, seeded random
 weights with outlier channels, prompts longer than index_topk (64) so the selection matters.
 

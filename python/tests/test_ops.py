@@ -116,7 +116,7 @@ def publish_both(worlds, plan, what):
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("index_rope_interleaved", [False, True])
 def test_cuda_equals_cpu_reference(monkeypatch, variant, kv_format, index_rope_interleaved):
-    # launch_dispatch reads PCPKV_DISPATCH_VARIANT at every launch (src/cuda/dispatch.cu resolve_variant; an
+    # launch_dispatch reads PCPKV_DISPATCH_VARIANT at every launch (src/publish/cuda/dispatch.cu resolve_variant; an
     # unknown name runs the default variant)
     monkeypatch.setenv("PCPKV_DISPATCH_VARIANT", variant)
     plan = small_plan(4, seed=5)

@@ -1,5 +1,5 @@
 // Limits on files a user names and on quoted values (include/pcpkv/input_limits.h).
-#include "pcpkv/input_limits.h"
+#include "pcpkv/core/input_limits.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 
 namespace pcpkv {
 namespace {

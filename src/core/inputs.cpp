@@ -1,4 +1,4 @@
-// Seeded LLM-like inputs, their validation, and per-rank views (pcpkv/inputs.h; load_inputs lives in
+// Seeded LLM-like inputs, their validation, and per-rank views (pcpkv/core/inputs.h; load_inputs lives in
 // inputs_io.cpp).
 //
 // Randomness is a stateless counter-based hash (splitmix64's finalizer keyed by (seed, tensor, index)), so
@@ -8,11 +8,11 @@
 #include <cmath>
 #include <thread>
 
-#include "cpu/parallel.h"
+#include "core/parallel.h"
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
-#include "pcpkv/inputs.h"
-#include "pcpkv/layout.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/layout.h"
 
 namespace pcpkv {
 namespace {

@@ -1,7 +1,7 @@
 // Byte layouts (SPEC section 3): names, dense geometries, validation, transport rows.
-#include "pcpkv/layout.h"
+#include "pcpkv/core/layout.h"
 
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 
 namespace pcpkv {
 

@@ -1,5 +1,5 @@
 // Model presets (SPEC section 1) and the HF config.json loader.
-#include "pcpkv/model.h"
+#include "pcpkv/core/model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,9 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "pcpkv/error.h"
-#include "pcpkv/input_limits.h"
-#include "pcpkv/rope.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
+#include "pcpkv/core/rope.h"
 
 namespace pcpkv {
 namespace {

@@ -1,12 +1,12 @@
 // PCP batch plan (SPEC section 4): DualChunkSwap split, decode replication, padding, slot mappings.
-#include "pcpkv/plan.h"
+#include "pcpkv/core/plan.h"
 
 #include <algorithm>
 #include <climits>
 #include <numeric>
 #include <unordered_map>
 
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 
 namespace pcpkv {
 namespace {

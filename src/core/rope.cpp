@@ -1,11 +1,11 @@
 // RoPE cos/sin tables (SPEC section 1): default and DeepSeek-YaRN inverse frequencies in long double.
-#include "pcpkv/rope.h"
+#include "pcpkv/core/rope.h"
 
 #include <algorithm>
 #include <cmath>
 #include <string>
 
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 
 namespace pcpkv {
 namespace {

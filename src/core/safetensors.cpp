@@ -1,5 +1,5 @@
 // safetensors reader and writer (include/pcpkv/safetensors.h). The JSON header goes through nlohmann-json.
-#include "pcpkv/safetensors.h"
+#include "pcpkv/core/safetensors.h"
 
 #include <fcntl.h>
 #include <limits.h>
@@ -17,8 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "pcpkv/error.h"
-#include "pcpkv/input_limits.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv {
 namespace {

@@ -1,4 +1,4 @@
-// The all-reduce on the GPU (pcpkv/allreduce.h, SPEC section 7) against the CPU oracle, byte for byte:
+// The all-reduce on the GPU (pcpkv/serving/allreduce.h, SPEC section 7) against the CPU oracle, byte for byte:
 // W logical ranks in one launch over world sizes, algorithms, block counts and consecutive calls; the
 // fused residual-add + RMSNorm; CUDA-graph capture replayed 100 times with fresh inputs; the per-process
 // class driven as two ranks on two streams; a missing rank ends in FenceTimeout. Skips without a GPU.
@@ -11,8 +11,8 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/allreduce.h"
-#include "pcpkv/error.h"
+#include "pcpkv/serving/allreduce.h"
+#include "pcpkv/core/error.h"
 #include "support/gpu.h"
 #include "support/random_bf16.h"
 

@@ -15,7 +15,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "pcpkv/cuda.h"
+#include "pcpkv/publish/cuda.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/codec_hw.h"
 #include "support/gpu.h"

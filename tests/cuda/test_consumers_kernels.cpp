@@ -15,12 +15,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "pcpkv/attention_check.h"
-#include "pcpkv/backend.h"
-#include "pcpkv/error.h"
-#include "pcpkv/lse_merge.h"
-#include "pcpkv/model.h"
-#include "unit/test_consumers_fixture.h"
+#include "pcpkv/consumers/attention_check.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/consumers/lse_merge.h"
+#include "pcpkv/core/model.h"
+#include "support/consumers_fixture.h"
 
 namespace pcpkv {
 namespace {

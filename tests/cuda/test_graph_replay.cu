@@ -10,11 +10,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "cuda/buffers.h"
-#include "cuda/check.h"
-#include "cuda/publisher.h"
-#include "pcpkv/backend.h"
-#include "pcpkv/cuda.h"
+#include "core/cuda/buffers.h"
+#include "core/cuda/check.h"
+#include "publish/cuda/publisher.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/cuda.h"
 #include "support/bytes.h"
 #include "support/publish_case.h"
 #include "support/gpu.h"

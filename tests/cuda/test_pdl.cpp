@@ -1,4 +1,4 @@
-// PDL chains (pcpkv/pdl.h, SPEC section 7): the same chains of pcpkv kernels launched with and without
+// PDL chains (pcpkv/core/pdl.h, SPEC section 7): the same chains of pcpkv kernels launched with and without
 // programmatic stream serialization, captured into CUDA graphs whose intermediates are poisoned before
 // every replay, give identical bytes, equal to the CPU references. A dependent kernel that read before its
 // griddepcontrol.wait would see the poison. Skips without a GPU.
@@ -10,11 +10,11 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/allreduce.h"
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
-#include "pcpkv/pdl.h"
-#include "pcpkv/router.h"
+#include "pcpkv/serving/allreduce.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/pdl.h"
+#include "pcpkv/serving/router.h"
 #include "support/gpu.h"
 #include "support/random_bf16.h"
 

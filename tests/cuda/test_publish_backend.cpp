@@ -9,10 +9,10 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"
-#include "pcpkv/cuda.h"
-#include "pcpkv/error.h"
-#include "pcpkv/verify.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/cuda.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/publish/checks.h"
 #include "support/bytes.h"
 #include "support/publish_case.h"
 #include "support/gpu.h"

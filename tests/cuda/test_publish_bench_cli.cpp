@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "pcpkv/cuda.h"
+#include "pcpkv/publish/cuda.h"
 #include "support/gpu.h"
 
 namespace pcpkv {

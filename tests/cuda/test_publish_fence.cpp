@@ -1,4 +1,4 @@
-// The SPEC section 5 fence kernel for ranks that share a GPU (src/cuda/local_fence.h over
+// The SPEC section 5 fence kernel for ranks that share a GPU (src/publish/cuda/local_fence.h over
 // pcpkv/device/fence_kernel.h): epochs advance per call and per barrier index, ranks arriving from separate
 // launches on separate streams meet, and a rank that never arrives ends the wait with pcpkv::FenceTimeout
 // naming it (an error word in host-mapped memory), not a hang. Skips with the reason when no GPU is visible.
@@ -10,11 +10,11 @@
 
 #include <gtest/gtest.h>
 
-#include "cuda/buffers.h"
-#include "cuda/check.h"
-#include "cuda/local_fence.h"
-#include "pcpkv/cuda.h"
-#include "pcpkv/error.h"
+#include "core/cuda/buffers.h"
+#include "core/cuda/check.h"
+#include "publish/cuda/local_fence.h"
+#include "pcpkv/publish/cuda.h"
+#include "pcpkv/core/error.h"
 #include "support/gpu.h"
 
 namespace pcpkv {

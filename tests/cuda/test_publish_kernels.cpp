@@ -1,4 +1,4 @@
-// The CUDA kernels of the publication (src/cuda/launch.h) against the CPU oracle (pcpkv/cpu.h), byte for
+// The CUDA kernels of the publication (src/publish/cuda/launch.h) against the CPU oracle (pcpkv/publish/cpu.h), byte for
 // byte, on whole buffers (guards included): the fused dispatch in every mode (materialize, cache targets with
 // different padded geometries and misaligned bases, transport rows, top-k fill) and every kernel variant
 // (simple, prefetch, warp), several ranks in one launch, the combine (1, 2, 4 rows per warp), the collect
@@ -14,12 +14,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "cuda/buffers.h"
-#include "cuda/launch.h"
-#include "pcpkv/cpu.h"
-#include "pcpkv/cuda.h"
+#include "core/cuda/buffers.h"
+#include "publish/cuda/launch.h"
+#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/cuda.h"
 #include "pcpkv/device/codec.h"
-#include "pcpkv/rope.h"
+#include "pcpkv/core/rope.h"
 #include "support/bytes.h"
 #include "support/random_bf16.h"
 #include "support/gpu.h"

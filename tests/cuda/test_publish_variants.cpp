@@ -14,13 +14,13 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "cuda/buffers.h"
-#include "cuda/check.h"
-#include "cuda/publisher.h"
-#include "pcpkv/backend.h"
-#include "pcpkv/cuda.h"
-#include "pcpkv/error.h"
-#include "pcpkv/pdl.h"
+#include "core/cuda/buffers.h"
+#include "core/cuda/check.h"
+#include "publish/cuda/publisher.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/cuda.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/pdl.h"
 #include "support/bytes.h"
 #include "support/huge_rows.h"
 #include "support/publish_case.h"
@@ -99,7 +99,7 @@ std::vector<VariantCase> variant_cases() {
     c.spec.fmt.has_indexer = false;
     v.push_back(c);
   }
-  // The top-k fill modes (pcpkv/dispatch.h TopkFill) in every variant, fused and separate: tail fills only
+  // The top-k fill modes (pcpkv/publish/dispatch.h TopkFill) in every variant, fused and separate: tail fills only
   // each rank's padding rows (uneven ranks have some), none nothing; the CPU backend is the oracle.
   for (TopkFill f : {TopkFill::kTail, TopkFill::kNone}) {
     VariantCase c = v[0];
@@ -107,7 +107,7 @@ std::vector<VariantCase> variant_cases() {
     c.spec.topk_fill = f;
     v.push_back(c);
   }
-  // Rows whose norms overflow fp32 (issue 12): the guard's rescaled path must give the CPU's bytes in every
+  // Rows whose norms overflow fp32: the guard's rescaled path must give the CPU's bytes in every
   // kernel (CTA and warp, Q / KV / indexer reductions), mixed with ordinary rows.
   for (VariantCase c : {v[0], v[2]}) {
     c.name += "_huge_rows";

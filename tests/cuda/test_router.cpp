@@ -1,4 +1,4 @@
-// The router on the GPU (pcpkv/router.h, SPEC section 7) against the fp64 CPU oracle:
+// The router on the GPU (pcpkv/serving/router.h, SPEC section 7) against the fp64 CPU oracle:
 //  * logits of every path (both small-T kernels with each experts-per-CTA, cuBLASLt, the dispatch) within
 //    the stated bound factor * 2^-24 * sum|x w| for both presets and both weight dtypes, T = 1..64, padded
 //    row stride; every small-T variant bit-identical to the others (one FMA order), also for hidden sizes
@@ -20,9 +20,9 @@
 #include <gtest/gtest.h>
 
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
-#include "pcpkv/router.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/serving/router.h"
 #include "support/gpu.h"
 #include "support/random_bf16.h"
 

@@ -1,6 +1,6 @@
-// The top-k fill modes (pcpkv/dispatch.h TopkFill) in every CUDA dispatch kernel (CTA simple / prefetch, warp,
+// The top-k fill modes (pcpkv/publish/dispatch.h TopkFill) in every CUDA dispatch kernel (CTA simple / prefetch, warp,
 // warp_pf) followed by the CUDA indexer top-k: byte-identical to the CPU oracle's full fill + indexer, on a
-// poisoned buffer (the case: tests/unit/topk_fill_case.h). The publisher's fused and separate fills are in
+// poisoned buffer (the case: tests/support/topk_fill_case.h). The publisher's fused and separate fills are in
 // test_publish_variants (the *_topk_tail / *_topk_none cases). Skips without a GPU.
 #include <cuda_runtime.h>
 
@@ -11,11 +11,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "cuda/buffers.h"
-#include "cuda/launch.h"
-#include "pcpkv/cpu.h"
+#include "core/cuda/buffers.h"
+#include "publish/cuda/launch.h"
+#include "pcpkv/publish/cpu.h"
 #include "support/gpu.h"
-#include "unit/topk_fill_case.h"
+#include "support/topk_fill_case.h"
 
 namespace pcpkv {
 namespace {

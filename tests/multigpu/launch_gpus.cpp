@@ -1,4 +1,4 @@
-// Rank processes on DISTINCT GPUs (issue 8): `pcpkv launch --gpus 0,1,..` with one process per GPU, so every
+// Rank processes on DISTINCT GPUs: `pcpkv launch --gpus 0,1,..` with one process per GPU, so every
 // P2P store, fence signal and all-gather crosses NVLink. Byte oracle of every transport against the
 // single-process CPU reference (collect through NCCL and through P2P reads), staging == direct, CUDA-graph
 // replays, TP2 x PCP2, the fence (latency and a killed rank), and the all-reduce against its CPU oracle.
@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "multiproc/cli_runner.h"
-#include "pcpkv/cuda.h"
+#include "support/cli_runner.h"
+#include "pcpkv/publish/cuda.h"
 
 namespace pcpkv {
 namespace {

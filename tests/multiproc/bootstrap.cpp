@@ -8,9 +8,9 @@
 #include <numeric>
 #include <thread>
 
-#include "fork_ranks.h"
-#include "pcpkv/bootstrap.h"
-#include "pcpkv/error.h"
+#include "support/fork_ranks.h"
+#include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/core/error.h"
 
 namespace pcpkv {
 namespace {
@@ -76,7 +76,7 @@ TEST(Bootstrap, WrongTokenIsRefusedAndNamed) {
       });
   ASSERT_EQ(out[1].exit_code, 3) << test::describe(out);
   EXPECT_NE(out[1].output.find("job token mismatch"), std::string::npos) << out[1].output;
-  // Both jobs are named (issue 12).
+  // Both jobs are named.
   EXPECT_NE(out[1].output.find("belongs to job 'job B', rank 0 (pid"), std::string::npos) << out[1].output;
   EXPECT_NE(out[1].output.find("to job 'job A'"), std::string::npos) << out[1].output;
   ASSERT_EQ(out[0].exit_code, 3) << test::describe(out);
@@ -419,7 +419,7 @@ TEST(Bootstrap, JobTokensDiffer) {
 }  // namespace pcpkv
 
 // GPU choice of rank processes: round-robin over the visible devices, PCPKV_DEVICE overrides.
-#include "pcpkv/launch.h"
+#include "pcpkv/ranks/launch.h"
 
 namespace pcpkv {
 namespace {

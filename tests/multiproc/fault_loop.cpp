@@ -1,4 +1,4 @@
-// tests/multiproc/fault_loop.cpp: leaks under faults (issue 15 item 5). A bounded loop of CPU multi-process
+// tests/multiproc/fault_loop.cpp: leaks under faults. A bounded loop of CPU multi-process
 // publications in which one rank is killed with SIGKILL at a random moment (during setup, the rendezvous,
 // publication or teardown): every run must exit nonzero naming the killed rank, and leave no process, no
 // /dev/shm segment of its processes and no rendezvous directory behind.
@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "cli_runner.h"
+#include "support/cli_runner.h"
 
 namespace pcpkv {
 namespace {

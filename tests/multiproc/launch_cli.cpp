@@ -10,7 +10,7 @@
 #include <random>
 #include <thread>
 
-#include "cli_runner.h"
+#include "support/cli_runner.h"
 
 namespace pcpkv {
 namespace {

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: serial gpu
 // `pcpkv launch` with CUDA rank processes on ONE GPU (the device machine): 2, 4 and 8 processes, byte
 // oracle against the single-process CPU reference with 13 tokens per rank, guard bytes, CUDA-graph capture
 // and >= 100 replays (the fence epochs advance on every replay), TP2 x PCP2, a rank killed mid-run, the leak
@@ -5,7 +6,7 @@
 // Every test skips, saying why, when the CLI cannot use a GPU here.
 #include <gtest/gtest.h>
 
-#include "cli_runner.h"
+#include "support/cli_runner.h"
 
 namespace pcpkv {
 namespace {

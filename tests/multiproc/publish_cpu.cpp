@@ -5,16 +5,16 @@
 
 #include <cstring>
 
-#include "fork_ranks.h"
-#include "pcpkv/backend.h"
-#include "pcpkv/bootstrap.h"
-#include "pcpkv/error.h"
-#include "pcpkv/inputs.h"
-#include "pcpkv/model.h"
-#include "pcpkv/multiproc.h"
-#include "pcpkv/plan.h"
-#include "pcpkv/symmetric.h"
-#include "pcpkv/verify.h"
+#include "support/fork_ranks.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/publish/multiproc.h"
+#include "pcpkv/core/plan.h"
+#include "pcpkv/ranks/symmetric.h"
+#include "pcpkv/publish/checks.h"
 
 namespace pcpkv {
 namespace {

@@ -6,10 +6,10 @@
 
 #include <cstring>
 
-#include "fork_ranks.h"
-#include "pcpkv/bootstrap.h"
-#include "pcpkv/error.h"
-#include "pcpkv/symmetric.h"
+#include "support/fork_ranks.h"
+#include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/ranks/symmetric.h"
 
 namespace pcpkv {
 namespace {

@@ -1,5 +1,5 @@
-// The all-reduce protocol (pcpkv/allreduce.h) with one CPU process per rank over POSIX shared memory
-// (pcpkv/symmetric.h): byte-exact against the oracle for one-shot, two-shot and the fused variant over
+// The all-reduce protocol (pcpkv/serving/allreduce.h) with one CPU process per rank over POSIX shared memory
+// (pcpkv/ranks/symmetric.h): byte-exact against the oracle for one-shot, two-shot and the fused variant over
 // consecutive calls; the capability agreement over the bootstrap; a rank that never arrives is named by
 // every waiting rank (FenceTimeout), within the bound.
 #include <gtest/gtest.h>
@@ -9,11 +9,11 @@
 #include <cstring>
 #include <vector>
 
-#include "fork_ranks.h"
-#include "pcpkv/allreduce.h"
-#include "pcpkv/bootstrap.h"
-#include "pcpkv/error.h"
-#include "pcpkv/symmetric.h"
+#include "support/fork_ranks.h"
+#include "pcpkv/serving/allreduce.h"
+#include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/ranks/symmetric.h"
 #include "support/random_bf16.h"
 
 namespace pcpkv {

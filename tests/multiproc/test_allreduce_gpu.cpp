@@ -1,5 +1,6 @@
-// The all-reduce on the GPU with one process per rank, N processes sharing one GPU (pcpkv/allreduce.h):
-// workspaces in pcpkv's device symmetric memory (pcpkv/cuda_multiproc.h: CUDA VMM, FDs over the
+// pcpkv-test-labels: serial gpu
+// The all-reduce on the GPU with one process per rank, N processes sharing one GPU (pcpkv/serving/allreduce.h):
+// workspaces in pcpkv's device symmetric memory (pcpkv/publish/cuda_multiproc.h: CUDA VMM, FDs over the
 // bootstrap), capability agreed by all ranks, byte-exact against the CPU oracle for one-shot, two-shot and
 // fused calls, and a CUDA graph replayed with fresh inputs. The parent never touches CUDA (forked children
 // must not inherit a CUDA context); a probe child decides whether a GPU is visible, and the test skips with
@@ -10,17 +11,17 @@
 #include <string>
 #include <vector>
 
-#include "fork_ranks.h"
-#include "pcpkv/allreduce.h"
-#include "pcpkv/bootstrap.h"
-#include "pcpkv/error.h"
+#include "support/fork_ranks.h"
+#include "pcpkv/serving/allreduce.h"
+#include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/core/error.h"
 #include "support/random_bf16.h"
 
 #if defined(PCPKV_HAVE_CUDA)
 #include <cuda_runtime.h>
 
-#include "pcpkv/cuda_multiproc.h"
-#include "pcpkv/symmetric.h"
+#include "pcpkv/publish/cuda_multiproc.h"
+#include "pcpkv/ranks/symmetric.h"
 #endif
 
 namespace pcpkv {

@@ -7,7 +7,7 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"  // kGuardByte
+#include "pcpkv/publish/backend.h"  // kGuardByte
 
 namespace pcpkv::test {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "pcpkv/inputs.h"
+#include "pcpkv/core/inputs.h"
 
 namespace pcpkv::test {
 

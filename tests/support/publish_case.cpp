@@ -2,9 +2,9 @@
 
 #include <fmt/format.h>
 
-#include "pcpkv/inputs.h"
-#include "pcpkv/model.h"
-#include "pcpkv/verify.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/publish/checks.h"
 #include "support/bytes.h"
 
 namespace pcpkv::test {

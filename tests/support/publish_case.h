@@ -9,8 +9,8 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"
-#include "pcpkv/plan.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/plan.h"
 
 namespace pcpkv::test {
 

@@ -1,4 +1,4 @@
-// The all-reduce (pcpkv/allreduce.h, SPEC section 7) on the CPU: the oracle against independent math, and
+// The all-reduce (pcpkv/serving/allreduce.h, SPEC section 7) on the CPU: the oracle against independent math, and
 // the protocol (ranks as threads over shared host memory, same barriers/epochs/work split as the GPU)
 // against the oracle byte for byte, over world sizes, algorithms, block counts and consecutive calls.
 #include <algorithm>
@@ -13,9 +13,9 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/allreduce.h"
+#include "pcpkv/serving/allreduce.h"
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 #include "support/random_bf16.h"
 
 namespace pcpkv {
@@ -307,7 +307,7 @@ TEST(AllReduce, PartitionCoversEveryItemOnceAndDispatchIsMonotone) {
     }
     EXPECT_EQ(choose_allreduce_algo(4096, w, true), AllReduceAlgo::kOneShot);
   }
-  // The measured crossovers (H200, W logical ranks on one GPU; src/cpu/allreduce_dispatch.cpp).
+  // The measured crossovers (H200, W logical ranks on one GPU; src/serving/cpu/allreduce_dispatch.cpp).
   EXPECT_EQ(choose_allreduce_algo(int64_t{4} << 20, 2), AllReduceAlgo::kOneShot);
   EXPECT_EQ(choose_allreduce_algo(int64_t{16} << 20, 2), AllReduceAlgo::kTwoShot);
   EXPECT_EQ(choose_allreduce_algo(int64_t{1} << 20, 4), AllReduceAlgo::kOneShot);

@@ -1,4 +1,4 @@
-// `pcpkv run` with bad input (issue 2 part 6): exit code 2, a message "pcpkv: error: ..." naming the field
+// `pcpkv run` with bad input: exit code 2, a message "pcpkv: error: ..." naming the field
 // and the value, and nothing written (the --save file does not appear, no temporary is left).
 #include <gtest/gtest.h>
 
@@ -10,8 +10,8 @@
 #include <fmt/format.h>
 
 #include "pcpkv/device/codec.h"
-#include "pcpkv/safetensors.h"
-#include "test_cli_util.h"
+#include "pcpkv/core/safetensors.h"
+#include "support/cli_util.h"
 
 using pcpkv_test::CliResult;
 using pcpkv_test::InputsFile;

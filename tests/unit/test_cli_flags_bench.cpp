@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "test_cli_util.h"
+#include "support/cli_util.h"
 
 using pcpkv_test::CliResult;
 using pcpkv_test::run_cli;

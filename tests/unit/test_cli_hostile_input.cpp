@@ -1,4 +1,4 @@
-// `pcpkv` with hostile files (issue 12), as a user meets it: one bounded "pcpkv: error:" line and exit 2
+// `pcpkv` with hostile files, as a user meets it: one bounded "pcpkv: error:" line and exit 2
 // for a deeply nested or oversized config, a FIFO or device as --config; notes for what an inputs file
 // holds that pcpkv does not read; `pcpkv info` that survives one broken preset file.
 #include <gtest/gtest.h>
@@ -12,9 +12,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "pcpkv/input_limits.h"
-#include "pcpkv/safetensors.h"
-#include "test_cli_util.h"
+#include "pcpkv/core/input_limits.h"
+#include "pcpkv/core/safetensors.h"
+#include "support/cli_util.h"
 
 using pcpkv_test::CliResult;
 using pcpkv_test::InputsFile;

@@ -14,9 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "pcpkv/error.h"
-#include "pcpkv/safetensors.h"
-#include "test_cli_util.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/safetensors.h"
+#include "support/cli_util.h"
 
 using pcpkv_test::CliResult;
 using pcpkv_test::InputsFile;

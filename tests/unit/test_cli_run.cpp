@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "pcpkv/safetensors.h"
-#include "test_cli_util.h"
+#include "pcpkv/core/safetensors.h"
+#include "support/cli_util.h"
 
 using nlohmann::json;
 using pcpkv_test::CliResult;

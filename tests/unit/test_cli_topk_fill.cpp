@@ -1,9 +1,9 @@
-// `--topk-fill full|tail|none` (pcpkv/dispatch.h TopkFill) on run, bench and launch: run checks every row of
+// `--topk-fill full|tail|none` (pcpkv/publish/dispatch.h TopkFill) on run, bench and launch: run checks every row of
 // every rank's buffer against the mode (-1 where it fills, the poison byte elsewhere); the flag alone keeps the
 // old meaning (full); a bad value is refused naming the flag, before any work.
 #include <nlohmann/json.hpp>
 
-#include "unit/test_cli_util.h"
+#include "support/cli_util.h"
 
 namespace pcpkv_test {
 namespace {

@@ -7,12 +7,12 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"
-#include "pcpkv/error.h"
-#include "pcpkv/inputs.h"
-#include "pcpkv/model.h"
-#include "pcpkv/plan.h"
-#include "pcpkv/rope.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/plan.h"
+#include "pcpkv/core/rope.h"
 
 namespace pcpkv {
 namespace {

@@ -9,10 +9,10 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/attention_check.h"
-#include "pcpkv/backend.h"
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
+#include "pcpkv/consumers/attention_check.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
 
 namespace pcpkv {
 namespace {

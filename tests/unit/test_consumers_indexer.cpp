@@ -1,4 +1,4 @@
-// The CPU indexer (pcpkv/indexer.h) against an independent fp64 statement of SPEC section 6 and the
+// The CPU indexer (pcpkv/consumers/indexer.h) against an independent fp64 statement of SPEC section 6 and the
 // top-k contract: k = min(topk, len), score descending, ties to the lower position, -1 padded, causal.
 #include <algorithm>
 #include <cmath>
@@ -12,9 +12,9 @@
 
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/consumers.h"
-#include "pcpkv/error.h"
-#include "pcpkv/indexer.h"
-#include "unit/test_consumers_fixture.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/consumers/indexer.h"
+#include "support/consumers_fixture.h"
 
 namespace pcpkv {
 namespace {

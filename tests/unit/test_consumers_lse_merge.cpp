@@ -1,4 +1,4 @@
-// The CPU LSE merge (pcpkv/lse_merge.h): partial attention over split key sets merges back to the
+// The CPU LSE merge (pcpkv/consumers/lse_merge.h): partial attention over split key sets merges back to the
 // whole; NaN / +inf / -inf shards contribute nothing; one shard is the identity.
 #include <algorithm>
 #include <cmath>
@@ -7,10 +7,10 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/lse_merge.h"
-#include "pcpkv/sparse_mla.h"
-#include "unit/test_consumers_fixture.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/consumers/lse_merge.h"
+#include "pcpkv/consumers/sparse_mla.h"
+#include "support/consumers_fixture.h"
 
 namespace pcpkv {
 namespace {

@@ -1,4 +1,4 @@
-// The CPU sparse MLA reference (pcpkv/sparse_mla.h) against a naive long-double softmax over rows
+// The CPU sparse MLA reference (pcpkv/consumers/sparse_mla.h) against a naive long-double softmax over rows
 // decoded by verify.h's decode_slot (an independent decoder), for every cache format.
 #include <algorithm>
 #include <cmath>
@@ -8,11 +8,11 @@
 #include <gtest/gtest.h>
 
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
-#include "pcpkv/sparse_mla.h"
-#include "pcpkv/verify.h"
-#include "unit/test_consumers_fixture.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/consumers/sparse_mla.h"
+#include "pcpkv/publish/checks.h"
+#include "support/consumers_fixture.h"
 
 namespace pcpkv {
 namespace {

@@ -7,9 +7,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"
-#include "pcpkv/error.h"
-#include "pcpkv/verify.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/publish/checks.h"
 #include "support/bytes.h"
 #include "support/publish_case.h"
 
@@ -269,7 +269,7 @@ TEST(CpuBackend, ThreadCountDoesNotChangeBytes) {
 }
 
 TEST(CpuBackend, ProfileCountsBytesOfThePerfModel) {
-  // 8 ranks x 4096 even tokens would be PERF.md's table; here 8 ranks x 16 tokens, no padding, GLM-5 shapes.
+  // 8 ranks x 4096 even tokens would be docs/perf.md's table; here 8 ranks x 16 tokens, no padding, GLM-5 shapes.
   CaseSpec spec;
   spec.pcp = 8;
   spec.requests = {{RequestKind::kPrefill, 128, 0}};
@@ -278,7 +278,7 @@ TEST(CpuBackend, ProfileCountsBytesOfThePerfModel) {
   ASSERT_EQ(c->plan.max_local_tokens, 16);
   auto backend = make_cpu_backend(2);
   const int64_t n = 128;
-  // Per token (PERF.md): read 4096 + 1024 + 128 + 256 + 8 (+ 8 slot: direct), write 4096 + 8192 + rows.
+  // Per token (docs/perf.md): read 4096 + 1024 + 128 + 256 + 8 (+ 8 slot: direct), write 4096 + 8192 + rows.
   const PublishResult direct = backend->publish(c->setup, c->inputs, Transport::kDirect);
   EXPECT_EQ(direct.profile.stages[0].name, "dispatch");
   EXPECT_EQ(direct.profile.stages[0].bytes, n * (5520 + 4096 + 8192 + 8 * (656 + 132)));

@@ -1,4 +1,4 @@
-// Generated inputs (pcpkv/inputs.h): seeded, LLM-like, independent of threads, validated; per-rank views.
+// Generated inputs (pcpkv/core/inputs.h): seeded, LLM-like, independent of threads, validated; per-rank views.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -6,10 +6,10 @@
 #include <gtest/gtest.h>
 
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
-#include "pcpkv/inputs.h"
-#include "pcpkv/model.h"
-#include "pcpkv/plan.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/plan.h"
 
 namespace pcpkv {
 namespace {

@@ -1,4 +1,4 @@
-// CPU reference kernels (pcpkv/cpu.h) against hand checks: tokens whose bytes are computed here step by step
+// CPU reference kernels (pcpkv/publish/cpu.h) against hand checks: tokens whose bytes are computed here step by step
 // with codec.h, and an independent re-statement of SPEC section 2 for random tokens.
 #include <cmath>
 #include <cstring>
@@ -9,11 +9,11 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/cpu.h"
+#include "pcpkv/publish/cpu.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/pack.h"
-#include "pcpkv/error.h"
-#include "pcpkv/rope.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/rope.h"
 #include "support/bytes.h"
 #include "support/guard.h"
 #include "support/random_bf16.h"

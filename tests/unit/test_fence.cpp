@@ -1,4 +1,4 @@
-// The host fence (pcpkv/fence.h, SPEC section 5): visibility across many epochs, parity-slot reuse,
+// The host fence (pcpkv/ranks/fence.h, SPEC section 5): visibility across many epochs, parity-slot reuse,
 // more ranks than cores, processes sharing memory, and a bounded wait that names the missing rank.
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -11,8 +11,8 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/fence.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/ranks/fence.h"
 
 namespace pcpkv {
 namespace {

@@ -1,4 +1,4 @@
-// Hostile files (issue 12): deeply nested JSON, huge values quoted in messages, duplicate tensor names,
+// Hostile files: deeply nested JSON, huge values quoted in messages, duplicate tensor names,
 // files that are not regular files, a shadowed rope_theta, and a save killed by a signal. Each refusal
 // names the file and what is wrong, in a bounded message, and never crashes.
 #include <gtest/gtest.h>
@@ -15,11 +15,11 @@
 #include <thread>
 #include <vector>
 
-#include "pcpkv/error.h"
-#include "pcpkv/input_limits.h"
-#include "pcpkv/model.h"
-#include "pcpkv/safetensors.h"
-#include "test_cli_util.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/safetensors.h"
+#include "support/cli_util.h"
 
 namespace {
 

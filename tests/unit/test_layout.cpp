@@ -1,8 +1,8 @@
 // Byte layouts (SPEC section 3): row sizes, offsets in 64 bits, strides, staging geometry.
 #include <gtest/gtest.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/layout.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/layout.h"
 
 namespace pcpkv {
 namespace {

@@ -4,8 +4,8 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
 
 namespace pcpkv {
 namespace {

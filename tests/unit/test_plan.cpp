@@ -6,8 +6,8 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/plan.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/plan.h"
 
 namespace pcpkv {
 namespace {

@@ -4,9 +4,9 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
-#include "pcpkv/rope.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/rope.h"
 
 namespace pcpkv {
 namespace {

@@ -1,4 +1,4 @@
-// The MoE router's CPU reference (pcpkv/router.h, SPEC section 7): presets, validation, the fp64 logits,
+// The MoE router's CPU reference (pcpkv/serving/router.h, SPEC section 7): presets, validation, the fp64 logits,
 // grouped top-k on hand-built cases whose answer is worked out in the comments, the near-tie gaps, the
 // dispatch table, and FP8 per-token-group quantization against independent bounds.
 #include <climits>
@@ -11,9 +11,9 @@
 #include <gtest/gtest.h>
 
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
-#include "pcpkv/router.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/serving/router.h"
 #include "support/random_bf16.h"
 
 namespace pcpkv {
@@ -255,7 +255,7 @@ TEST(Router, DispatchTableIsWellFormed) {
       EXPECT_EQ(256 % e, 0);
     }
   }
-  // Measured on the H200 (src/cpu/router_dispatch.cpp): the small-T kernel at T = 1, cuBLASLt from T = 8 on.
+  // Measured on the H200 (src/serving/cpu/router_dispatch.cpp): the small-T kernel at T = 1, cuBLASLt from T = 8 on.
   EXPECT_EQ(router_dispatch(1).path, RouterPath::kSmallT);
   EXPECT_EQ(router_dispatch(64).path, RouterPath::kCublasLt);
   EXPECT_EQ(parse_router_small_kernel("small2"), RouterSmallKernel::kStaged);

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "pcpkv/error.h"
-#include "pcpkv/safetensors.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/safetensors.h"
 
 namespace fs = std::filesystem;
 using pcpkv::SafetensorsReader;

@@ -16,13 +16,14 @@
 #include <fmt/format.h>
 
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
-#include "pcpkv/inputs.h"
-#include "pcpkv/inputs_io.h"
-#include "pcpkv/layout.h"
-#include "pcpkv/model.h"
-#include "pcpkv/plan.h"
-#include "pcpkv/safetensors.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/inputs_io.h"
+#include "pcpkv/publish/save_run.h"
+#include "pcpkv/core/layout.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/plan.h"
+#include "pcpkv/core/safetensors.h"
 
 namespace fs = std::filesystem;
 using namespace pcpkv;

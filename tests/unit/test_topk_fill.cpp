@@ -1,5 +1,5 @@
-// The dispatch's top-k fill modes (pcpkv/dispatch.h TopkFill) on the CPU oracle: after the dispatch and pcpkv's
-// indexer top-k the buffer is byte-identical under full and tail (the case: tests/unit/topk_fill_case.h), each
+// The dispatch's top-k fill modes (pcpkv/publish/dispatch.h TopkFill) on the CPU oracle: after the dispatch and pcpkv's
+// indexer top-k the buffer is byte-identical under full and tail (the case: tests/support/topk_fill_case.h), each
 // mode writes exactly its rows, bad parameters are refused before anything is written, and the CPU backend
 // fills each rank's padding rows only under tail.
 #include <cstring>
@@ -9,11 +9,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"
-#include "pcpkv/cpu.h"
-#include "pcpkv/error.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/cpu.h"
+#include "pcpkv/core/error.h"
 #include "support/publish_case.h"
-#include "unit/topk_fill_case.h"
+#include "support/topk_fill_case.h"
 
 namespace pcpkv {
 namespace {

@@ -1,14 +1,14 @@
-// The verification checks (pcpkv/verify.h) must catch what they claim to: a changed guard, padding or
+// The verification checks (pcpkv/publish/checks.h) must catch what they claim to: a changed guard, padding or
 // unwritten byte; a wrong cache value or scale; a wrong RoPE style. And pass on a correct publication.
 #include <cstring>
 #include <string>
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/backend.h"
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/device/codec.h"
-#include "pcpkv/error.h"
-#include "pcpkv/verify.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/publish/checks.h"
 #include "support/publish_case.h"
 
 namespace pcpkv {

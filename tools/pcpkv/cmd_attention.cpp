@@ -1,4 +1,4 @@
-// `pcpkv attention`: the consumers of the replicated cache end to end (issue 6, SPEC section 6).
+// `pcpkv attention`: the consumers of the replicated cache end to end (SPEC section 6).
 // Publishes a mixed prefill + decode batch with PCP P and with one rank, serves every rank's local
 // tokens with the indexer and sparse MLA attention on its own replica, and checks the gathered outputs
 // against the one-rank run byte for byte (and against the CPU reference, and DCP shards + LSE merge
@@ -16,14 +16,14 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "pcpkv/attention_check.h"
-#include "pcpkv/backend.h"
+#include "pcpkv/consumers/attention_check.h"
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/flag_checks.h"
-#include "pcpkv/error.h"
-#include "pcpkv/layout.h"
-#include "pcpkv/model.h"
-#include "pcpkv/plan.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/layout.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/plan.h"
 
 // The CLI sees PCPKV_HAVE_CUDA only when the build exports it; PCPKV_HAVE_NCCL (public on pcpkv_cuda)
 // also proves the CUDA library is linked.
@@ -33,7 +33,7 @@
 #define PCPKV_CLI_CUDA 0
 #endif
 #if PCPKV_CLI_CUDA
-#include "pcpkv/cuda_multiproc.h"  // device_free_bytes
+#include "pcpkv/publish/cuda_multiproc.h"  // device_free_bytes
 #endif
 
 namespace pcpkv::cli {
@@ -125,7 +125,7 @@ IndexerLogit parse_indexer_logit(const std::string& name, const char* flag) {
 // ---- memory, estimated from the flags before anything is allocated ---------------------------------
 //
 // Everything in long double: --prefill 99999999999 must give a message, not an overflow. The estimate adds
-// up what is alive at the check's peak (run_attention_check in src/core/attention_check.cpp: plans, inputs,
+// up what is alive at the check's peak (run_attention_check in src/consumers/attention_check.cpp: plans, inputs,
 // P + 1 cache replicas, the CPU publisher's scratch, queries, the one-rank, gathered and reference outputs
 // with the reference's fp64 error statistics, the indexer scores [N, max_keys] and, with --dcp D, D shards
 // of outputs), so it is an upper bound of the peak RSS rather than a guess at it.
@@ -283,7 +283,7 @@ MemoryEstimate device_estimate(const BatchShape& b, int64_t pcp, bool first, con
   return *worst;
 }
 
-// --bench: one causal prefill of T tokens (src/cuda/sparse_mla_bench.cu): host caches and tables; on the
+// --bench: one causal prefill of T tokens (bench/cuda/sparse_mla_bench.cu): host caches and tables; on the
 // device the caches, queries, top-k, the indexer's score workspace (up to 8 GiB) and the outputs, or the
 // 4 GiB of the copy-bandwidth probe, whichever is larger.
 void bench_estimates(long double T, const EstimateInputs& e, MemoryEstimate* host, MemoryEstimate* device) {
@@ -385,7 +385,7 @@ struct CheckedOptions {
 std::vector<std::string> unused_flag_notes(const AttentionOptions& o, KvFormat kv_format) {
   std::vector<std::string> notes;
   if (o.bench) {
-    // --bench times one causal prefill of --tokens tokens with fixed scales (src/cuda/sparse_mla_bench.cu).
+    // --bench times one causal prefill of --tokens tokens with fixed scales (bench/cuda/sparse_mla_bench.cu).
     for (const char* flag : {"--pcp", "--prefill", "--prefill-context", "--decodes", "--decode-context",
                              "--block-size", "--ds-mla-scale", "--k-scale", "--transport", "--backend",
                              "--consumers", "--attention-kernel", "--dcp", "--dcp-interleave", "--no-reference"}) {

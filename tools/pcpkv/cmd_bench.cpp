@@ -1,5 +1,5 @@
-// `pcpkv bench`: GPU benchmarks of the publication (pcpkv/cuda.h run_bench). Prints per-stage tables, the
-// single-rank dispatch against PERF.md's vLLM numbers, and last a summary table per transport (time,
+// `pcpkv bench`: GPU benchmarks of the publication (pcpkv/publish/cuda.h run_bench). Prints per-stage tables, the
+// single-rank dispatch against docs/perf.md's vLLM numbers, and last a summary table per transport (time,
 // bytes, GB/s, fraction of the device-to-device copy bandwidth of the same run, time over its byte floor,
 // speedup over collect, CUDA-graph replay time). --json FILE / --markdown FILE save the same.
 // Flags are checked first (bad input: exit code 2, naming the flag and value); then, built without CUDA or
@@ -19,15 +19,15 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "pcpkv/backend.h"
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/flag_checks.h"
-#include "pcpkv/error.h"
-#include "pcpkv/layout.h"
-#include "pcpkv/model.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/layout.h"
+#include "pcpkv/core/model.h"
 
 #if defined(PCPKV_HAVE_CUDA)
-#include "pcpkv/cuda.h"
+#include "pcpkv/publish/cuda.h"
 #endif
 
 namespace pcpkv::cli {
@@ -105,7 +105,7 @@ void check_output_path(const std::string& path, const char* flag, bool given) {
   PCPKV_CHECK(fs::is_directory(dir, ec), "{}: directory '{}' of '{}' does not exist", flag, dir.string(), path);
 }
 
-// The one-GPU bench serves 1..8 logical ranks (pcpkv/cuda.h run_bench).
+// The one-GPU bench serves 1..8 logical ranks (pcpkv/publish/cuda.h run_bench).
 constexpr int64_t kMaxBenchPcp = 8;
 
 struct CheckedBench {
@@ -165,7 +165,7 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
 
 #if defined(PCPKV_HAVE_CUDA)
 
-// PERF.md: vLLM's Triton fused_norm_rope on one H200, GLM-5, fp8_ds_mla, indexer layer, top-k fill.
+// docs/perf.md: vLLM's Triton fused_norm_rope on one H200, GLM-5, fp8_ds_mla, indexer layer, top-k fill.
 struct VllmRef {
   double us, floor_us, ratio;
 };
@@ -227,7 +227,7 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
 
   // ---- single rank
   if (!rep.singles.empty()) {
-    md += "\n## dispatch alone, one rank (GLM-5, fp8_ds_mla, indexer layer, top-k fill; PERF.md's vLLM case)\n\n";
+    md += "\n## dispatch alone, one rank (GLM-5, fp8_ds_mla, indexer layer, top-k fill; docs/perf.md's vLLM case)\n\n";
     md += "| tokens | variant | top-k fill | time us | bytes MB | floor us | time / floor | vLLM time / floor |\n";
     md += "|---|---|---|---|---|---|---|---|\n";
     json js = json::array();

@@ -12,12 +12,12 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "pcpkv/backend.h"
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
-#include "pcpkv/error.h"
-#include "pcpkv/input_limits.h"
-#include "pcpkv/layout.h"
-#include "pcpkv/model.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
+#include "pcpkv/core/layout.h"
+#include "pcpkv/core/model.h"
 
 namespace pcpkv::cli {
 namespace {

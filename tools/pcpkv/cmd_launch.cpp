@@ -1,4 +1,4 @@
-// `pcpkv launch --nproc N -- <pcpkv subcommand> [args]`: start N local rank processes of one job (issue 4),
+// `pcpkv launch --nproc N -- <pcpkv subcommand> [args]`: start N local rank processes of one job,
 // plus the shared pieces of the rank-side subcommands (launch_cmds.h).
 //
 // Exit code: 0 when every rank exited 0; otherwise that of the first rank that failed (128 + signal when a
@@ -15,12 +15,12 @@
 
 #include "error_line.h"
 #include "launch_cmds.h"
-#include "pcpkv/backend.h"
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
-#include "pcpkv/error.h"
-#include "pcpkv/launch.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/ranks/launch.h"
 #if defined(PCPKV_HAVE_CUDA)
-#include "pcpkv/cuda_multiproc.h"
+#include "pcpkv/publish/cuda_multiproc.h"
 #endif
 
 namespace pcpkv::cli {

@@ -1,4 +1,4 @@
-// `pcpkv run`: the main job (issue 2 part 4). Publishes one layer's KV rows for a PCP batch with each
+// `pcpkv run`: the main job. Publishes one layer's KV rows for a PCP batch with each
 // transport, prints the plan, a stage table per transport and the verification verdict.
 // Exit code: 0 every check passed, 1 a check failed, 2 bad input (nothing written), 3 the run completed
 // and its report was printed, but --save could not write its file (no partial file is left).
@@ -13,9 +13,10 @@
 #include <fmt/format.h>
 
 #include "pcpkv/commands.h"
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 #include "pcpkv/flag_checks.h"
-#include "pcpkv/inputs_io.h"
+#include "pcpkv/core/inputs_io.h"
+#include "pcpkv/publish/save_run.h"
 #include "progress.h"
 #include "run_job.h"
 #include "run_report.h"

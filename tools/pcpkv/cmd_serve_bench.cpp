@@ -19,14 +19,14 @@
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/commands.h"
-#include "pcpkv/error.h"
-#include "pcpkv/model.h"
-#include "pcpkv/router.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/serving/router.h"
 
 #if defined(PCPKV_HAVE_CUDA)
-#include "pcpkv/allreduce.h"
-#include "pcpkv/cuda.h"
-#include "pcpkv/pdl.h"
+#include "pcpkv/serving/allreduce.h"
+#include "pcpkv/publish/cuda.h"
+#include "pcpkv/core/pdl.h"
 #endif
 
 namespace pcpkv::cli {
@@ -143,7 +143,7 @@ std::string router_markdown(const std::vector<cuda::RouterBenchRow>& rows, bool 
   }
   // Suggested dispatch: the fastest variant per token count (without PDL), summed over presets.
   md += "\n**Suggested dispatch (fastest variant per T without PDL, summed over presets; compare with "
-        "src/cpu/router_dispatch.cpp)**\n\n";
+        "src/serving/cpu/router_dispatch.cpp)**\n\n";
   md += "| T | fastest | us (sum over presets) | cuBLASLt (sum) |\n|---|---|---|---|\n";
   std::map<int64_t, std::map<std::string, double>> sum;
   std::map<int64_t, std::map<std::string, int>> seen;

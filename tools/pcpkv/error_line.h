@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "pcpkv/input_limits.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv::cli {
 

@@ -10,8 +10,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "pcpkv/error.h"
-#include "pcpkv/layout.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/layout.h"
 
 namespace pcpkv::cli {
 

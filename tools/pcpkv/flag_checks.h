@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "pcpkv/layout.h"
+#include "pcpkv/core/layout.h"
 
 namespace CLI {
 class Validator;

@@ -1,5 +1,5 @@
 // `pcpkv bench-allreduce`: pcpkv's symmetric-memory all-reduce (one-shot, two-shot, fused residual-add +
-// RMSNorm) against ncclAllReduce across rank processes, one GPU each (issue 8, item 5). Run it as
+// RMSNorm) against ncclAllReduce across rank processes, one GPU each. Run it as
 //   pcpkv launch --nproc N --gpus 0,1,.. -- bench-allreduce
 // Rank 0 prints per message size the latency of each variant (per rank the median over graph replays, then
 // the slowest rank), the fastest variant, what the dispatch table (choose_allreduce_algo) picks today, and
@@ -14,10 +14,10 @@
 #include <fmt/format.h>
 
 #include "launch_cmds.h"
-#include "pcpkv/allreduce.h"
-#include "pcpkv/error.h"
+#include "pcpkv/serving/allreduce.h"
+#include "pcpkv/core/error.h"
 #if defined(PCPKV_HAVE_CUDA)
-#include "pcpkv/cuda_multiproc.h"
+#include "pcpkv/publish/cuda_multiproc.h"
 #endif
 
 namespace pcpkv::cli {

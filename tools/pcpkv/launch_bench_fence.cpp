@@ -1,4 +1,4 @@
-// `pcpkv bench-fence`: fence latency per layer across rank processes (issue 4, item 7). Run it as
+// `pcpkv bench-fence`: fence latency per layer across rank processes. Run it as
 //   pcpkv launch --nproc N -- bench-fence --backend cuda     (N processes on one GPU: round-robin devices)
 // Every rank runs `--layers` fences back to back (one per layer, barrier index alternating like
 // micro-batches), `--iters` times; rank 0 prints each rank's median, p10 and p90 in microseconds and, on
@@ -13,9 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include "launch_cmds.h"
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 #if defined(PCPKV_HAVE_CUDA)
-#include "pcpkv/cuda_multiproc.h"
+#include "pcpkv/publish/cuda_multiproc.h"
 #endif
 
 namespace pcpkv::cli {

@@ -1,5 +1,5 @@
 // `pcpkv bench-link`: the GPUs' link bandwidth with copy-engine peer copies (cudaMemcpyPeerAsync), from ONE
-// process holding every GPU (issue 8, item 2): one pair one way, the pair both ways, and every ordered pair
+// process holding every GPU: one pair one way, the pair both ways, and every ordered pair
 // at once (what each GPU receives while all send to all: the reference for a PCP publication's P2P stores).
 // Not a rank command: run it on its own, before or after the launched benchmarks.
 #include <cstdio>
@@ -8,9 +8,9 @@
 #include <fmt/format.h>
 
 #include "launch_cmds.h"
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 #if defined(PCPKV_HAVE_CUDA)
-#include "pcpkv/cuda_multiproc.h"
+#include "pcpkv/publish/cuda_multiproc.h"
 #endif
 
 namespace pcpkv::cli {

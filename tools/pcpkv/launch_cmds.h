@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "pcpkv/bootstrap.h"
-#include "pcpkv/multiproc.h"
+#include "pcpkv/ranks/bootstrap.h"
+#include "pcpkv/publish/multiproc.h"
 
 namespace CLI {
 class App;

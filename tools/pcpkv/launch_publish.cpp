@@ -1,4 +1,4 @@
-// `pcpkv mp-publish`: one process's rank of a layer's publication, one process per rank (issue 4).
+// `pcpkv mp-publish`: one process's rank of a layer's publication, one process per rank.
 // Run it under `pcpkv launch --nproc N` (or torchrun): the world of N processes is split into --tp PCP
 // groups of N / tp ranks ({0..P-1}, {P..2P-1}, ...); each group publishes its own batch (seed + group
 // index, so a write that crossed groups would show) with each requested transport, and each group's
@@ -26,17 +26,17 @@
 #include <nlohmann/json.hpp>
 
 #include "launch_cmds.h"
-#include "pcpkv/backend.h"
-#include "pcpkv/error.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/error.h"
 #include "pcpkv/flag_checks.h"
-#include "pcpkv/inputs.h"
-#include "pcpkv/model.h"
-#include "pcpkv/plan.h"
-#include "pcpkv/symmetric.h"
-#include "pcpkv/verify.h"
-#include "transport/publish_layout.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/plan.h"
+#include "pcpkv/ranks/symmetric.h"
+#include "pcpkv/publish/checks.h"
+#include "publish/publish_layout.h"
 #if defined(PCPKV_HAVE_CUDA)
-#include "pcpkv/cuda_multiproc.h"
+#include "pcpkv/publish/cuda_multiproc.h"
 #endif
 
 namespace pcpkv::cli {
@@ -68,7 +68,7 @@ struct MpPublishFlags {
   int32_t repeats = 1;
   int32_t threads = 1;
   int64_t topk_width = 0;
-  std::string topk_fill = "full";  // full | tail | none (pcpkv/dispatch.h TopkFill)
+  std::string topk_fill = "full";  // full | tail | none (pcpkv/publish/dispatch.h TopkFill)
   int64_t guard_bytes = 256;
   int64_t base_offset = 0;
   int64_t fence_timeout_ms = 30000;
@@ -363,7 +363,7 @@ void check_mp_host_memory(const MpPublishFlags& f) {
 // than it has free. Ranks of this host on the same device index add up (launch --gpus 0 puts them all on
 // one GPU); an index names one GPU only when every rank sees the same devices, as under `pcpkv launch`,
 // so elsewhere (torchrun with per-rank CUDA_VISIBLE_DEVICES) each rank counts alone. Not yet measured on a
-// GPU: the estimate is the sum of the publisher's buffers (src/cuda/multiproc_publisher.cpp).
+// GPU: the estimate is the sum of the publisher's buffers (src/publish/cuda/multiproc_publisher.cpp).
 void check_mp_device_memory(const MpPublishFlags& f, const ModelConfig& model, Bootstrap& world,
                             int64_t group_world, int32_t device) {
   const long double free = static_cast<long double>(cuda::device_free_bytes());  // before anyone allocates

@@ -13,7 +13,7 @@
 
 #include "pcpkv/commands.h"
 #include "pcpkv/error_line.h"
-#include "pcpkv/error.h"
+#include "pcpkv/core/error.h"
 
 namespace {
 

@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "pcpkv/backend.h"
-#include "pcpkv/inputs.h"
-#include "pcpkv/layout.h"
-#include "pcpkv/model.h"
-#include "pcpkv/plan.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/core/inputs.h"
+#include "pcpkv/core/layout.h"
+#include "pcpkv/core/model.h"
+#include "pcpkv/core/plan.h"
 
 namespace pcpkv::cli {
 

@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "pcpkv/layout.h"
+#include "pcpkv/core/layout.h"
 
 namespace pcpkv::cli {
 namespace {

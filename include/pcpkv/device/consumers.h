@@ -2,7 +2,7 @@
 // reference and the CUDA kernels share, so both produce the same bits where the contract asks for it.
 //
 // Indexer score, fixed rounding (CPU and GPU bit-identical). A head's logit q_fp8[h] . k_fp8 has one of
-// two definitions (IndexerParams::logit, pcpkv/indexer.h):
+// two definitions (IndexerParams::logit, pcpkv/consumers/indexer.h):
 //   kExact (default): the exact dot product, rounded once to fp32 (round to nearest even), -0 -> +0.
 //              Every E4M3 value is an integer multiple of 2^-9 below 2^9, so each product is a multiple of
 //              2^-18 below 2^18 and any partial sum of the 128 products a multiple of 2^-18 below 2^25:
@@ -30,7 +30,7 @@
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/config.h"
 #include "pcpkv/device/fp32.h"
-#include "pcpkv/layout.h"
+#include "pcpkv/core/layout.h"
 
 // "#pragma unroll" only where nvcc reads it (g++ warns on unknown pragmas).
 #if defined(__CUDACC__)

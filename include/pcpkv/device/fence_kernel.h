@@ -1,7 +1,7 @@
 // pcpkv/device/fence_kernel.h: the SPEC section 5 fence as device code, for ranks that share a GPU (W
 // logical ranks in one process) and for rank processes whose pads are mapped through CUDA IPC / VMM.
 //
-// Protocol (the same as the host fence of pcpkv/fence.h, same pad layout):
+// Protocol (the same as the host fence of pcpkv/ranks/fence.h, same pad layout):
 //   every rank owns a signal pad pad[num_barriers][2][W] uint64 (fence_pad_elems), zeroed at setup and
 //   mapped by every rank; and a device-resident epoch counter per barrier index, private to the rank.
 //   A call at barrier idx:  e = ++epoch[idx] (on the device, so CUDA-graph replays advance it);  p = e & 1;

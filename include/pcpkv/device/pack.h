@@ -15,7 +15,7 @@
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/config.h"
 #include "pcpkv/device/fp32.h"
-#include "pcpkv/layout.h"
+#include "pcpkv/core/layout.h"
 
 namespace pcpkv::pack {
 

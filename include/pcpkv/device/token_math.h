@@ -14,7 +14,7 @@
 // LayerNorm: mu = sum / n;  d = x - mu;  v = sumsq(d) / n;  r = 1 / sqrt(v + eps);  y = (d * r) * w + b
 // RoPE pair: (x0, x1) -> (x0*c - x1*s, x1*c + x0*s), each product rounded, then the sum (no FMA).
 //
-// Overflow guard (SPEC 2.1, 2.2, 2.4; issue 12): finite bf16 inputs reach 2^128, and the fp32 sum of squares
+// Overflow guard (SPEC 2.1, 2.2, 2.4): finite bf16 inputs reach 2^128, and the fp32 sum of squares
 // overflows once sum x^2 >= 2^128 (one |x| >= 2^64, or all of 512 elements >= 2^59.5), the LayerNorm sum
 // from |x| ~ 2^121. Such a row was published as zeros (r = 1/sqrt(inf) = 0). Both norms are scale invariant: normalizing x * 2^-72 with eps * 2^-144 is the same
 // formula, and multiplying by a power of two is exact (except for results below 2^-126, far under the row's

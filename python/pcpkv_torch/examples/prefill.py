@@ -1,4 +1,4 @@
-"""A whole model's PCP prefill through pcpkv, checked and timed (issue 13):
+"""A whole model's PCP prefill through pcpkv, checked and timed:
 
     python -m pcpkv_torch.examples.prefill --model glm-5 --layers 4 --tokens 8192 --pcp 8 --transport all
 

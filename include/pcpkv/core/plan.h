@@ -1,0 +1,96 @@
+// pcpkv/core/plan.h: the PCP batch plan (SPEC section 4).
+//
+// A batch is a list of requests in global order. Prefill requests are split across the PCP world by
+// DualChunkSwap (head-tail balance); decode requests are replicated on every rank and only rank 0's copy
+// writes KV. Local buffers are padded to max_local_tokens; padded rows have slot -1.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pcpkv {
+
+enum class RequestKind : uint8_t { kPrefill, kDecode };
+
+struct RequestSpec {
+  RequestKind kind = RequestKind::kPrefill;
+  int64_t num_new_tokens = 0;  // prefill: L >= 1; decode: 1
+  int64_t context_len = 0;     // tokens already cached; the first new token has position context_len
+};
+
+struct PlanConfig {
+  int32_t pcp_world = 1;       // P >= 1
+  int32_t pcp_rank_base = 0;   // global rank of PCP rank 0 (for TP x PCP subgroups); informational
+  int32_t block_size = 64;     // power of two
+  std::vector<RequestSpec> requests;
+  int64_t extra_blocks = 0;    // spare blocks beyond those the requests need
+  bool reserve_null_block = true;  // block 0 is vLLM's null block: never written
+  bool shuffle_blocks = true;      // block ids drawn as a seeded permutation (non-contiguous tables)
+  uint64_t seed = 0;
+};
+
+/// One rank's local view. Every vector has max_local_tokens entries.
+struct RankPlan {
+  int64_t num_local_tokens = 0;     // real (unpadded) local tokens
+  int64_t num_prefill_tokens = 0;
+  int64_t num_decode_tokens = 0;
+  std::vector<int64_t> positions;      // [max_local_tokens], global positions; 0 for padding
+  std::vector<int64_t> slot_mapping;   // [max_local_tokens], -1: padding or a decode copy on rank > 0
+  std::vector<int64_t> global_index;   // [max_local_tokens], index into the global token order; -1 padding
+};
+
+struct PcpPlan {
+  int32_t pcp_world = 1;
+  int32_t block_size = 0;
+  int64_t num_blocks = 0;              // cache blocks, including the null block when reserved
+  bool reserve_null_block = true;
+  std::vector<RequestSpec> requests;
+  std::vector<std::vector<int32_t>> block_tables;  // [num_requests][blocks of that request]
+  // Global token order: requests in order, tokens of one request contiguous.
+  std::vector<int64_t> global_positions;  // [num_global_tokens]
+  std::vector<int64_t> global_slots;      // [num_global_tokens]
+  std::vector<int32_t> global_request;    // [num_global_tokens] request index
+  int64_t max_local_tokens = 0;
+  std::vector<RankPlan> ranks;            // [pcp_world]
+  /// Rank-major concatenation of the local slot mappings: [pcp_world * max_local_tokens]. Row
+  /// r * max_local_tokens + i of a staging buffer or an all-gathered tensor lands in this slot.
+  std::vector<int64_t> gathered_slot_mapping;
+
+  int64_t num_global_tokens() const { return static_cast<int64_t>(global_slots.size()); }
+  int64_t num_slots() const { return num_blocks * block_size; }
+  /// Slots written by the batch (each exactly once over the gathered mapping).
+  int64_t num_written_slots() const;
+};
+
+/// DualChunkSwap chunks of a prefill of length L over P ranks: chunk = ceil(L / (2P)); rank r owns chunks
+/// r and 2P-1-r; chunk idx covers [idx*chunk, min((idx+1)*chunk, L)), empty chunks dropped.
+/// Returns the token offsets (within the request, in local order) rank r owns.
+std::vector<int64_t> dual_chunk_swap_tokens(int64_t L, int32_t P, int32_t r);
+
+/// Builds and validates the plan. Throws pcpkv::Error naming the field and value (pcp_world < 1,
+/// block_size not a power of two, a request with no tokens, a decode with num_new_tokens != 1, ...).
+PcpPlan make_plan(const PlanConfig& config);
+
+/// Checks every invariant of a plan (sizes, slots in range and not in the null block, block tables,
+/// every global slot written exactly once over the gathered mapping). Throws pcpkv::Error on the first.
+void validate_plan(const PcpPlan& plan);
+
+/// Checks a slot mapping against a cache of num_slots slots: every entry -1 or in [0, num_slots),
+/// no slot twice, and (when null_block_size > 0) none in [0, null_block_size). `name` is the field name
+/// used in the message, e.g. "slot_mapping". Throws pcpkv::Error("slot_mapping[17] = 9000 is out of
+/// range [0, 8192)") or ("slot_mapping[5] = 130 duplicates slot_mapping[2]").
+void validate_slot_mapping(const int64_t* slots, int64_t n, int64_t num_slots, const std::string& name,
+                           int64_t null_block_size = 0);
+
+/// Checks that every token's position is below the model's max_position_embeddings (the model, and the RoPE
+/// tables built for it, cover positions [0, max_position_embeddings)). `origin` prefixes the message (e.g.
+/// "publish: plan" or the CLI flags that made the batch). Throws pcpkv::Error naming the first request that
+/// reaches it, e.g. "plan: request 0 (prefill of 200000 tokens from position 0) reaches position 163840, but
+/// the model's max_position_embeddings is 163840 (positions must be < 163840)".
+void validate_positions(const PcpPlan& plan, int64_t max_position_embeddings, const std::string& origin = "plan");
+
+/// A short human description: tokens per rank, max_local_tokens, blocks.
+std::string describe(const PcpPlan& plan);
+
+}  // namespace pcpkv

@@ -1,0 +1,379 @@
+// The CPU reference backend (pcpkv/publish/backend.h): PCP ranks are threads, each with its own cache replica and
+// staging workspace, running the three transports of SPEC section 5 with the host fence (pcpkv/ranks/fence.h).
+//
+// Stage profile. Rank threads run each stage concurrently; stages are separated by a host barrier, and a
+// stage's ms is the wall clock from the barrier that opens it to the one that closes it (mean over
+// setup.repeats). Bytes follow docs/perf.md's byte model (bytes read + bytes written, summed over ranks), counted
+// as this implementation touches them:
+//   dispatch   per local row (padding rows included, they are processed): reads q_c (when Q is
+//              materialized) 2*q_lora_rank, kv 1024, k_pe 128, index_k 256 (indexer layers), position 8, and
+//              slot 8 (direct only); writes q_c_out 2*q_lora_rank, top-k 4*topk_width per filled row (indexer
+//              layers; setup.topk_fill_mode: every row, the padding rows, or none), and
+//                collect: bf16 kv_c/k_pe/index_k 1024+128+256;  staging: W transport rows;
+//                direct: W * (MLA row + 132 indexer bytes) for rows with slot >= 0.
+//   all-gather W * max_local_tokens bf16 rows per rank (padding moves too), each read and written.
+//   insert     rows with slot >= 0, per rank: bf16 row read + MLA row and indexer slot written.
+//   combine    rows with slot >= 0, per rank: transport row read + MLA row and indexer slot written.
+//   fence      W signal stores + W polled slots of 8 B per rank.
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string_view>
+#include <thread>
+
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/cpu.h"
+#include "pcpkv/core/error.h"
+#include "pcpkv/ranks/fence.h"
+#include "pcpkv/core/rope.h"
+#include "publish/publish_layout.h"
+
+namespace pcpkv {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kFenceTimeoutMs = 60000;  // a bug, not load, would ever reach it
+constexpr int32_t kPublishBarrier = 0;      // fence barrier index of the publication
+
+// What one publication hands back for a rank (fresh every call: it moves into the PublishResult).
+struct RankState {
+  std::vector<uint8_t> mla_alloc, index_alloc;   // whole allocations, kGuardByte outside written rows
+  CacheTarget target;                            // this rank's replica
+  std::vector<uint16_t> q_out;                   // [M, q_lora_rank]
+  std::vector<int32_t> topk;                     // [M, topk_width]
+  std::vector<uint64_t> pad;                     // fence signal pad [1][2][W]
+  std::unique_ptr<HostFence> fence;
+};
+
+// Per-rank working memory kept by the backend across calls (reused storage avoids ~1 GB of fresh page faults
+// per GLM-5 32K publication).
+struct RankScratch {
+  RankInputs in;
+  std::vector<uint16_t> kv_c_out, k_pe_out, index_k_out;  // collect: [M, 512 | 64 | 128]
+  std::vector<uint16_t> kv_c_all, k_pe_all, index_k_all;  // collect: [W * M, ...]
+  std::unique_ptr<uint8_t[]> staging;                     // StagingGeometry::bytes(), symmetric across ranks
+  int64_t staging_bytes = 0;
+};
+
+bool same_rope(const RopeConfig& a, const RopeConfig& b) {
+  return a.scaling == b.scaling && a.theta == b.theta && a.factor == b.factor &&
+         a.original_max_position_embeddings == b.original_max_position_embeddings && a.beta_fast == b.beta_fast &&
+         a.beta_slow == b.beta_slow && a.mscale == b.mscale && a.mscale_all_dim == b.mscale_all_dim;
+}
+
+// The same checks as every other publication driver (CUDA, per-process): one definition.
+void validate_setup(const PublishSetup& s, const GlobalInputs& in, Transport transport) {
+  mp::validate_publish_setup(s);
+  mp::validate_publish_inputs(s, in, transport);
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int num_threads)
+      : num_threads_(num_threads > 0 ? num_threads
+                                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) {}
+
+  std::string name() const override { return "cpu"; }
+  std::string device() const override { return fmt::format("CPU ({} threads)", num_threads_); }
+
+  PublishResult publish(const PublishSetup& setup, const GlobalInputs& inputs, Transport transport) override;
+
+ private:
+  std::shared_ptr<const RopeTable> rope_table(const RopeConfig& rope, int64_t num_positions);
+
+  int num_threads_;
+  std::mutex publish_mutex_;              // one publication at a time: they share scratch_
+  std::vector<RankScratch> scratch_;
+  std::mutex rope_mutex_;
+  RopeConfig rope_key_;
+  std::shared_ptr<const RopeTable> rope_;  // cached across calls (the table costs ~0.1 s at 32K positions)
+};
+
+std::shared_ptr<const RopeTable> CpuBackend::rope_table(const RopeConfig& rope, int64_t num_positions) {
+  std::lock_guard<std::mutex> lock(rope_mutex_);
+  if (!rope_ || !same_rope(rope_key_, rope) || rope_->num_positions < num_positions) {
+    rope_ = std::make_shared<const RopeTable>(make_rope_table(rope, num_positions));
+    rope_key_ = rope;
+  }
+  return rope_;
+}
+
+PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs& inputs, Transport transport) {
+  validate_setup(setup, inputs, transport);
+  std::lock_guard<std::mutex> publish_lock(publish_mutex_);
+  const ModelConfig& model = *setup.model;
+  const PcpPlan& plan = *setup.plan;
+  const CacheFormat fmt = setup.fmt;
+  const int32_t W = plan.pcp_world;
+  const int64_t M = plan.max_local_tokens;
+  const int64_t q_rank = model.q_lora_rank;
+  const bool fill_topk = setup.topk_width > 0 && fmt.has_indexer;  // shared layers keep the previous top-k
+  const TransportRowLayout row_layout = transport_row_layout(fmt);
+  const int threads_per_rank = std::max(1, num_threads_ / W);
+
+  PublishResult result;
+  result.transport = transport;
+  // Geometry and allocation layout shared with the CUDA and per-process drivers (byte-comparable replicas).
+  const mp::PublishLayout layout = mp::make_publish_layout(setup);
+  result.mla_geometry = layout.mla;
+  result.index_geometry = layout.index;
+  const MlaCacheGeometry& mg = result.mla_geometry;
+  const IndexerCacheGeometry& ig = result.index_geometry;
+  result.mla_cache_offset = layout.head;
+  result.index_cache_offset = layout.head;
+
+  int64_t max_pos = 0;
+  for (int64_t p : plan.global_positions) max_pos = std::max(max_pos, p);
+  const std::shared_ptr<const RopeTable> rope = rope_table(model.rope, max_pos + 1);
+
+  StagingGeometry sg;
+  sg.num_ubatches = setup.num_ubatches;
+  sg.pcp_world = W;
+  sg.max_local_tokens = M;
+  sg.row_bytes = row_layout.row_bytes;
+  const int buffer_idx = setup.layer_idx & 1;
+
+  // ---- stages per transport ----
+  std::vector<const char*> stage_names;
+  switch (transport) {
+    case Transport::kCollect: stage_names = {"dispatch", "all-gather", "insert"}; break;
+    case Transport::kStaging: stage_names = {"dispatch", "fence", "combine"}; break;
+    case Transport::kDirect: stage_names = {"dispatch", "fence"}; break;
+  }
+  const size_t num_stages = stage_names.size();
+
+  std::vector<RankState> ranks(static_cast<size_t>(W));
+  if (scratch_.size() < static_cast<size_t>(W)) scratch_.resize(static_cast<size_t>(W));
+  std::vector<CacheTarget> targets(static_cast<size_t>(W));
+  std::vector<uint8_t*> row_dests_storage;  // [W][W]: rank r's row_dests = peers' staging slots of r
+
+  // Per-rank setup (allocation, poisoning, local inputs), in the rank threads; not timed.
+  auto prepare_rank = [&](int32_t r) {
+    RankState& st = ranks[static_cast<size_t>(r)];
+    RankScratch& sc = scratch_[static_cast<size_t>(r)];
+    rank_inputs(inputs, plan, r, &sc.in);
+    const int64_t head = layout.head;
+    st.mla_alloc.assign(static_cast<size_t>(layout.mla_alloc_bytes), kGuardByte);
+    st.index_alloc.assign(static_cast<size_t>(layout.index_alloc_bytes), kGuardByte);
+    st.target.mla_base = st.mla_alloc.data() + head;
+    st.target.mla = mg;
+    st.target.index_base = st.index_alloc.data() + head;
+    st.target.index = ig;
+    targets[static_cast<size_t>(r)] = st.target;
+    if (setup.materialize_q) st.q_out.assign(static_cast<size_t>(M * q_rank), 0xA5A5);
+    if (fill_topk) st.topk.assign(static_cast<size_t>(M * setup.topk_width), static_cast<int32_t>(0xA5A5A5A5u));
+    if (transport == Transport::kCollect) {
+      sc.kv_c_out.assign(static_cast<size_t>(M * 512), 0xA5A5);
+      sc.k_pe_out.assign(static_cast<size_t>(M * 64), 0xA5A5);
+      sc.kv_c_all.resize(static_cast<size_t>(W * M * 512));
+      sc.k_pe_all.resize(static_cast<size_t>(W * M * 64));
+      sc.index_k_out.assign(fmt.has_indexer ? static_cast<size_t>(M * 128) : 0, 0xA5A5);
+      sc.index_k_all.resize(fmt.has_indexer ? static_cast<size_t>(W * M * 128) : 0);
+    }
+    if (transport == Transport::kStaging && sc.staging_bytes < sg.bytes()) {
+      sc.staging.reset(new uint8_t[static_cast<size_t>(sg.bytes())]);  // contents unspecified until written
+      sc.staging_bytes = sg.bytes();
+    }
+  };
+
+  // Fence pads are set up (zeroed) before any rank runs.
+  std::vector<uint64_t*> pads(static_cast<size_t>(W));
+  for (int32_t r = 0; r < W; ++r) {
+    ranks[static_cast<size_t>(r)].pad.assign(static_cast<size_t>(fence_pad_elems(1, W)), 0);
+    pads[static_cast<size_t>(r)] = ranks[static_cast<size_t>(r)].pad.data();
+  }
+  for (int32_t r = 0; r < W; ++r) ranks[static_cast<size_t>(r)].fence = std::make_unique<HostFence>(r, W, 1, pads);
+
+  // Stage timestamps: one per barrier phase; phase 0 = everyone prepared, then per repeat 1 + num_stages.
+  std::vector<Clock::time_point> stamps;
+  stamps.reserve(1 + static_cast<size_t>(setup.repeats) * (1 + num_stages));
+  auto on_phase = [&stamps]() noexcept { stamps.push_back(Clock::now()); };
+  std::barrier phase_barrier(W, on_phase);
+  std::atomic<bool> failed{false};
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(W));
+
+  auto base_dispatch = [&](RankState& st, const RankScratch& sc) {
+    DispatchParams d;
+    d.num_tokens = M;
+    d.q_lora_rank = q_rank;
+    if (setup.materialize_q) {
+      d.q_c = sc.in.q_c.data();
+      d.q_c_stride = q_rank;
+    }
+    d.kv = sc.in.kv.data();
+    d.k_pe = sc.in.k_pe.data();
+    d.index_k = fmt.has_indexer ? sc.in.index_k.data() : nullptr;
+    d.positions = sc.in.positions.data();
+    d.q_norm_w = inputs.weights.q_norm_w.data();
+    d.kv_norm_w = inputs.weights.kv_norm_w.data();
+    if (fmt.has_indexer) {
+      d.index_ln_w = inputs.weights.index_ln_w.data();
+      d.index_ln_b = inputs.weights.index_ln_b.data();
+    }
+    d.rope_cos_sin = rope->cos_sin.data();
+    d.rope_num_positions = rope->num_positions;
+    d.q_eps = static_cast<float>(model.rms_norm_eps);
+    d.kv_eps = static_cast<float>(model.rms_norm_eps);
+    d.index_eps = static_cast<float>(model.index_norm_eps);
+    d.mla_rope = model.mla_rope_interleave ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+    d.index_rope = model.indexer_rope_interleave ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+    d.index_hadamard = model.indexer_hadamard;
+    d.fmt = fmt;
+    d.q_c_out = setup.materialize_q ? st.q_out.data() : nullptr;
+    if (fill_topk) {
+      d.topk_fill = st.topk.data();
+      d.topk_width = setup.topk_width;
+    }
+    return d;
+  };
+
+  if (transport == Transport::kStaging) row_dests_storage.resize(static_cast<size_t>(W) * W);
+
+  auto run_stage = [&](int32_t r, size_t stage) {
+    RankState& st = ranks[static_cast<size_t>(r)];
+    RankScratch& sc = scratch_[static_cast<size_t>(r)];
+    const std::string_view name = stage_names[stage];
+    if (name == "dispatch") {
+      DispatchParams d = base_dispatch(st, sc);
+      if (fill_topk) {
+        d.topk_fill_mode = setup.topk_fill_mode;
+        d.topk_indexer_rows = plan.ranks[static_cast<size_t>(r)].num_local_tokens;
+      }
+      if (transport == Transport::kCollect) {
+        d.kv_c_out = sc.kv_c_out.data();
+        d.k_pe_out = sc.k_pe_out.data();
+        d.index_k_out = fmt.has_indexer ? sc.index_k_out.data() : nullptr;
+      } else if (transport == Transport::kStaging) {
+        // Rank r's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank r][0].
+        uint8_t** dests = row_dests_storage.data() + static_cast<size_t>(r) * W;
+        for (int32_t peer = 0; peer < W; ++peer)
+          dests[peer] = scratch_[static_cast<size_t>(peer)].staging.get() + sg.row_offset(buffer_idx, 0, r, 0);
+        d.row_dests = dests;
+        d.num_row_dests = W;
+        d.row_bytes = row_layout.row_bytes;
+      } else {
+        d.slot_mapping = sc.in.slot_mapping.data();
+        d.targets = targets.data();
+        d.num_targets = W;
+      }
+      cpu_dispatch(d, threads_per_rank);
+    } else if (name == "all-gather") {
+      // Three all-gathers: every rank copies every rank's padded rows, rank-major.
+      for (int32_t src = 0; src < W; ++src) {
+        const RankScratch& s = scratch_[static_cast<size_t>(src)];
+        std::copy(s.kv_c_out.begin(), s.kv_c_out.end(), sc.kv_c_all.begin() + src * M * 512);
+        std::copy(s.k_pe_out.begin(), s.k_pe_out.end(), sc.k_pe_all.begin() + src * M * 64);
+        if (fmt.has_indexer)
+          std::copy(s.index_k_out.begin(), s.index_k_out.end(), sc.index_k_all.begin() + src * M * 128);
+      }
+    } else if (name == "insert") {
+      InsertParams p;
+      p.num_tokens = W * M;
+      p.kv_c = sc.kv_c_all.data();
+      p.k_pe = sc.k_pe_all.data();
+      p.index_k = fmt.has_indexer ? sc.index_k_all.data() : nullptr;
+      p.slot_mapping = plan.gathered_slot_mapping.data();
+      p.fmt = fmt;
+      p.target = st.target;
+      cpu_insert(p, threads_per_rank);
+    } else if (name == "fence") {
+      st.fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs);
+    } else if (name == "combine") {
+      CombineParams p;
+      p.rows = sc.staging.get() + sg.row_offset(buffer_idx, 0, 0, 0);
+      p.num_src_ranks = W;
+      p.max_local_tokens = M;
+      p.row_bytes = row_layout.row_bytes;
+      p.slot_mapping = plan.gathered_slot_mapping.data();
+      p.fmt = fmt;
+      p.target = st.target;
+      cpu_combine(p, threads_per_rank);
+    }
+  };
+
+  auto rank_main = [&](int32_t r) {
+    try {
+      prepare_rank(r);
+      phase_barrier.arrive_and_wait();
+      if (failed.load()) return;
+      for (int32_t rep = 0; rep < setup.repeats; ++rep) {
+        for (size_t stage = 0; stage < num_stages; ++stage) {
+          run_stage(r, stage);
+          phase_barrier.arrive_and_wait();
+          if (failed.load()) return;
+        }
+        phase_barrier.arrive_and_wait();  // closes the repeat (keeps repeats apart)
+        if (failed.load()) return;
+      }
+    } catch (...) {
+      errors[static_cast<size_t>(r)] = std::current_exception();
+      failed.store(true);
+      phase_barrier.arrive_and_drop();  // let the others finish the phase, see `failed`, and stop
+    }
+  };
+
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(W));
+  for (int32_t r = 0; r < W; ++r) threads.emplace_back(rank_main, r);
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+
+  // ---- profile ----
+  std::vector<double> stage_ms(num_stages, 0.0);
+  for (int32_t rep = 0; rep < setup.repeats; ++rep) {
+    const size_t base = 1 + static_cast<size_t>(rep) * (num_stages + 1);  // stamps[base - 1] opens the repeat
+    for (size_t k = 0; k < num_stages; ++k)
+      stage_ms[k] += std::chrono::duration<double, std::milli>(stamps[base + k] - stamps[base + k - 1]).count();
+  }
+  const int64_t idx = fmt.has_indexer ? 1 : 0;
+  const int64_t bf16_row_bytes = 1024 + 128 + idx * 256;
+  const int64_t cache_row_bytes = row_layout.mla_bytes + idx * kIndexerSlotBytes;
+  int64_t written_local = 0;  // rows with slot >= 0 over all ranks (= slots the batch writes)
+  for (const RankPlan& rp : plan.ranks)
+    written_local += std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t s) { return s >= 0; });
+  const int64_t rows = W * M;  // local rows processed over all ranks
+  const int64_t q_bytes = setup.materialize_q ? 2 * q_rank : 0;
+  const int64_t topk_bytes = 4 * setup.topk_width * mp::topk_filled_rows(setup, mp::make_publish_layout(setup));
+  const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (transport == Transport::kDirect ? 8 : 0);
+  for (size_t k = 0; k < num_stages; ++k) {
+    const std::string_view name = stage_names[k];
+    int64_t bytes = 0;
+    if (name == "dispatch") {
+      bytes = rows * (read_per_row + q_bytes) + topk_bytes;
+      if (transport == Transport::kCollect) bytes += rows * bf16_row_bytes;
+      if (transport == Transport::kStaging) bytes += rows * W * row_layout.row_bytes;
+      if (transport == Transport::kDirect) bytes += written_local * W * cache_row_bytes;
+    } else if (name == "all-gather") {
+      bytes = int64_t{W} * rows * bf16_row_bytes * 2;
+    } else if (name == "insert") {
+      bytes = int64_t{W} * written_local * (bf16_row_bytes + cache_row_bytes);
+    } else if (name == "combine") {
+      bytes = int64_t{W} * written_local * (row_layout.row_bytes + cache_row_bytes);
+    } else if (name == "fence") {
+      bytes = int64_t{W} * W * 16;
+    }
+    result.profile.stages.push_back(Stage{std::string(name), stage_ms[k] / setup.repeats, bytes});
+  }
+
+  // ---- hand the allocations over (they are host memory already) ----
+  for (RankState& st : ranks) {
+    result.mla_alloc.push_back(std::move(st.mla_alloc));
+    result.index_alloc.push_back(std::move(st.index_alloc));
+    if (setup.materialize_q) result.q_c_out.push_back(std::move(st.q_out));
+    if (fill_topk) result.topk.push_back(std::move(st.topk));
+  }
+  return result;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads) { return std::make_unique<CpuBackend>(num_threads); }
+
+}  // namespace pcpkv

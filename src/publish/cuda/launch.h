@@ -1,0 +1,86 @@
+// src/publish/cuda/launch.h: host launchers of the pcpkv kernels (internal API of pcpkv_cuda; the backend, the
+// bench and the tests use it). Every launcher validates its parameters on the host with the same checks
+// as the CPU reference (pcpkv/publish/cpu.h) and throws pcpkv::Error before enqueuing anything; the kernels
+// themselves trust their inputs. All launches are asynchronous on `stream` and capturable into graphs.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/cuda/device.h"
+#include "pcpkv/device/fence_kernel.h"
+#include "pcpkv/publish/dispatch.h"
+
+namespace pcpkv::cuda_detail {
+
+// ---- dispatch (SPEC section 2) ------------------------------------------------------------------------
+/// One rank's dispatch: the public contract (device pointers; params.targets and params.row_dests point
+/// to device tables) plus host copies of those two tables, used to validate and to pick store widths.
+struct DispatchJob {
+  DispatchParams params;
+  std::vector<CacheTarget> host_targets;   // [params.num_targets], equal to the device table
+  std::vector<uint8_t*> host_row_dests;    // [params.num_row_dests], equal to the device table
+};
+
+enum class DispatchVariant : uint8_t {
+  kAuto,      // the default (currently kWarp; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf overrides)
+  kSimple,    // persistent CTAs of 4 warps, one token per CTA iteration, loads at the top of each iteration
+  kPrefetch,  // same, but the next token's inputs are loaded before the current token is processed
+  kWarp,      // persistent, one token per warp, no CTA barrier (dispatch_warp.cu); layouts that are not
+              // 16-byte aligned and q_lora_rank > 2048 run the simple kernel instead
+  kWarpPrefetch,  // kWarp + a bulk L2 prefetch of each warp's next token ("warp_pf")
+};
+const char* to_string(DispatchVariant v);
+/// "auto" | "simple" | "prefetch" | "warp" | "warp_pf"; throws pcpkv::Error otherwise.
+DispatchVariant parse_dispatch_variant(const std::string& s);
+
+/// Enqueues the fused dispatch of every job (one kernel launch for up to 8 jobs that share weights, rope
+/// table and format; more launches otherwise). Throws pcpkv::Error on a bad parameter (nothing enqueued).
+/// pdl: launch with programmatic stream serialization (pcpkv/core/pdl.h); the kernel waits for the previous
+/// kernel before it reads or writes anything but the device tables of targets / row destinations, which
+/// must not be written by the preceding kernel.
+void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream,
+                     DispatchVariant variant = DispatchVariant::kAuto, bool pdl = false);
+
+/// Registers, shared memory and spills of the dispatch kernel instances (from cudaFuncGetAttributes), one
+/// line each, for the bench report.
+std::vector<std::string> dispatch_kernel_resources();
+
+// ---- combine (staging -> local caches) -----------------------------------------------------------------
+/// What rows_per_warp = 0 means. Change it only after `pcpkv bench --layer-variants ...` measured it.
+constexpr int kDefaultCombineRowsPerWarp = 1;
+/// Enqueues the combine of every job (one launch for up to 8). Throws pcpkv::Error on a bad parameter.
+/// rows_per_warp: 1 (one warp per row, the slot read before the row), 2 or 4 (a warp reads the slots and
+/// rows of that many rows at once, then stores), 0 = kDefaultCombineRowsPerWarp. pdl: see launch_dispatch.
+void launch_combine(const CombineParams* jobs, int num_jobs, cudaStream_t stream, int rows_per_warp = 0,
+                    bool pdl = false);
+
+// ---- collect: quantize-and-insert --------------------------------------------------------------------------
+/// MLA cache rows of every job (kv_c, k_pe); the indexer part is ignored here.
+void launch_insert_mla(const InsertParams* jobs, int num_jobs, cudaStream_t stream);
+/// Indexer-K slots of every job (jobs whose fmt.has_indexer is false are skipped).
+void launch_insert_indexer(const InsertParams* jobs, int num_jobs, cudaStream_t stream);
+
+// ---- collect: all-gather between logical ranks of one GPU -------------------------------------------------
+/// dst[p][r * bytes_per_rank + i] = src[r][i] for every destination p and source r, i.e. the all-gather of
+/// one tensor (one launch per 8 x 8 block of ranks). Device pointers, 16-byte aligned; bytes_per_rank % 16 == 0.
+void launch_all_gather(const std::vector<const void*>& src, const std::vector<void*>& dst, int64_t bytes_per_rank,
+                       cudaStream_t stream);
+
+// ---- top-k buffer fill ------------------------------------------------------------------------------------
+/// Fills count int32 with -1 (a 0xFF byte fill at copy-engine speed).
+void launch_fill_minus_one(int32_t* p, int64_t count, cudaStream_t stream);
+
+// ---- fence (SPEC section 5) -----------------------------------------------------------------------------
+/// Launches the fence kernel with num_blocks blocks (block b acts as rank args.first_rank + b). pdl: launch
+/// with programmatic stream serialization; the kernel waits for the previous kernel before it signals.
+void launch_fence(const FenceArgs& args, int num_blocks, cudaStream_t stream, bool pdl = false);
+
+/// Throws pcpkv::FenceTimeout when *error (host view of the host-mapped FenceError) reports a timeout.
+/// Call after synchronizing the stream that ran the fence.
+void throw_if_fence_timeout(const FenceError& error, double timeout_ms);
+
+}  // namespace pcpkv::cuda_detail

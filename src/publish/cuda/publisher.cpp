@@ -1,0 +1,417 @@
+// Publisher: see publisher.h.
+#include "publish/cuda/publisher.h"
+
+#include <algorithm>
+
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/pdl.h"
+#include "pcpkv/core/rope.h"
+
+namespace pcpkv::cuda_detail {
+
+// ---- PublishVariant -----------------------------------------------------------------------------------
+
+std::string PublishVariant::name() const {
+  return fmt::format("{}:{}:{}{}", to_string(dispatch), fuse_topk ? "fused" : "separate",
+                     combine_rows_per_warp == 0 ? kDefaultCombineRowsPerWarp : combine_rows_per_warp,
+                     pdl ? ":pdl" : "");
+}
+
+PublishVariant PublishVariant::parse(const std::string& s) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t colon = s.find(':', start);
+    parts.push_back(s.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  PCPKV_CHECK(!parts.empty() && parts.size() <= 4,
+              "variant '{}': expected <dispatch>[:<fused|separate>[:<1|2|4>[:pdl]]]", s);
+  PublishVariant v;
+  v.pdl = false;
+  v.dispatch = parse_dispatch_variant(parts[0]);
+  if (parts.size() > 1) {
+    PCPKV_CHECK(parts[1] == "fused" || parts[1] == "separate", "variant '{}': top-k fill '{}' is not fused or separate",
+                s, parts[1]);
+    v.fuse_topk = parts[1] == "fused";
+  }
+  if (parts.size() > 2) {
+    PCPKV_CHECK(parts[2] == "1" || parts[2] == "2" || parts[2] == "4",
+                "variant '{}': combine rows per warp '{}' is not 1, 2 or 4", s, parts[2]);
+    v.combine_rows_per_warp = std::stoi(parts[2]);
+  }
+  if (parts.size() > 3) {
+    PCPKV_CHECK(parts[3] == "pdl", "variant '{}': the 4th part '{}' is not pdl", s, parts[3]);
+    v.pdl = true;
+  }
+  return v;
+}
+
+PublishVariant collect_baseline_variant() {
+  PublishVariant v;
+  v.dispatch = DispatchVariant::kPrefetch;
+  v.fuse_topk = false;
+  v.combine_rows_per_warp = 1;
+  v.pdl = false;
+  return v;
+}
+
+PublishVariant PublisherOptions::default_variant() {
+  PublishVariant v;
+  v.pdl = pdl::enabled();
+  return v;
+}
+
+// ---- StageTimer ----------------------------------------------------------------------------------------
+
+void StageTimer::start(cudaStream_t stream) {
+  used_ = 0;
+  names_.clear();
+  if (events_.empty()) events_.emplace_back();
+  PCPKV_CUDA_CHECK(cudaEventRecord(events_[0].get(), stream));
+  used_ = 1;
+}
+
+void StageTimer::mark(const std::string& name, cudaStream_t stream) {
+  PCPKV_CHECK(used_ >= 1, "StageTimer::mark('{}') before start()", name);
+  if (events_.size() <= used_) events_.emplace_back();
+  PCPKV_CUDA_CHECK(cudaEventRecord(events_[used_].get(), stream));
+  names_.push_back(name);
+  ++used_;
+}
+
+std::vector<std::pair<std::string, double>> StageTimer::read() const {
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 1; i < used_; ++i) out.emplace_back(names_[i - 1], elapsed_ms(events_[i - 1], events_[i]));
+  return out;
+}
+
+// ---- per-rank device state -----------------------------------------------------------------------------
+
+struct Publisher::InputSet {
+  DeviceBuffer q_c, kv, k_pe, index_k;  // [M, ...] bf16
+  DeviceBuffer q_out;                   // [M, q_lora_rank] bf16
+  int32_t* topk = nullptr;              // [M, topk_width] int32, inside topk_sets_[set]
+};
+
+struct Publisher::RankState {
+  std::vector<InputSet> sets;
+  DeviceBuffer positions;   // [M] int64
+  DeviceBuffer slots;       // [M] int64
+  DeviceBuffer caches;      // layout.caches_bytes: mla allocation | pad | indexer allocation
+  DeviceBuffer staging;     // StagingGeometry bytes
+  DeviceBuffer kv_c_out, k_pe_out, index_k_out;  // collect: [M, 512 | 64 | 128] bf16
+  DeviceBuffer kv_c_all, k_pe_all, index_k_all;  // collect: [W * M, ...]
+  DeviceBuffer row_dests;   // [W] uint8_t*: where this rank's transport rows go (every peer's staging)
+  std::vector<uint8_t*> host_row_dests;
+  CacheTarget target;
+};
+
+namespace {
+
+template <class T>
+DeviceBuffer upload_or_empty(const std::vector<T>& v) {
+  return v.empty() ? DeviceBuffer(16) : DeviceBuffer::from(v);
+}
+
+std::vector<uint8_t> download_range(const DeviceBuffer& b, int64_t offset, int64_t bytes) {
+  std::vector<uint8_t> v(static_cast<size_t>(bytes));
+  if (bytes > 0)
+    PCPKV_CUDA_CHECK(cudaMemcpy(v.data(), b.data() + offset, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+void poison_buffer(const DeviceBuffer& b) {
+  if (b.bytes() > 0) PCPKV_CUDA_CHECK(cudaMemset(b.data(), kGuardByte, static_cast<size_t>(b.bytes())));
+}
+
+}  // namespace
+
+Publisher::Publisher(const PublishSetup& setup, const GlobalInputs& inputs, const PublisherOptions& options)
+    : setup_(setup),
+      options_(options),
+      fence_((mp::validate_publish_setup(setup), setup.plan->pcp_world), setup.num_ubatches, options.fence_timeout_ms) {
+  mp::validate_publish_inputs(setup, inputs, Transport::kDirect);
+  PCPKV_CHECK(options.num_sets >= 1, "publisher: num_sets = {} must be >= 1", options.num_sets);
+  const PcpPlan& plan = *setup.plan;
+  const ModelConfig& model = *setup.model;
+  layout_ = mp::make_publish_layout(setup);
+  world_ = plan.pcp_world;
+  max_local_tokens_ = plan.max_local_tokens;
+  q_lora_rank_ = model.q_lora_rank;
+  const int64_t M = max_local_tokens_;
+  const int32_t W = world_;
+  for (const RankPlan& rp : plan.ranks)
+    written_rows_ += std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t s) { return s >= 0; });
+
+  // Shared: weights, rope table, gathered slot mapping.
+  q_norm_w_ = upload_or_empty(inputs.weights.q_norm_w);
+  kv_norm_w_ = upload_or_empty(inputs.weights.kv_norm_w);
+  index_ln_w_ = upload_or_empty(inputs.weights.index_ln_w);
+  index_ln_b_ = upload_or_empty(inputs.weights.index_ln_b);
+  const RopeTable rope = make_rope_table(model.rope, layout_.max_position + 1);
+  rope_ = DeviceBuffer::from(rope.cos_sin);
+  rope_num_positions_ = rope.num_positions;
+  gathered_slots_ = upload_or_empty(plan.gathered_slot_mapping);
+
+  const bool collect_index = setup.fmt.has_indexer;
+  // All ranks' top-k buffers of one input set are contiguous: the fill is one byte fill.
+  for (int s = 0; s < options.num_sets; ++s)
+    topk_sets_.emplace_back(std::max<int64_t>(16, layout_.fill_topk ? W * M * setup.topk_width * 4 : 0));
+  for (int32_t r = 0; r < W; ++r) {
+    auto st = std::make_unique<RankState>();
+    const RankInputs in = rank_inputs(inputs, plan, r);
+    st->sets.resize(static_cast<size_t>(options.num_sets));
+    for (int s = 0; s < options.num_sets; ++s) {
+      InputSet& set = st->sets[static_cast<size_t>(s)];
+      set.q_c = upload_or_empty(in.q_c);
+      set.kv = upload_or_empty(in.kv);
+      set.k_pe = upload_or_empty(in.k_pe);
+      set.index_k = upload_or_empty(in.index_k);
+      set.q_out.reset(std::max<int64_t>(16, M * q_lora_rank_ * 2));
+      set.topk = topk_sets_[static_cast<size_t>(s)].as<int32_t>() + (layout_.fill_topk ? r * M * setup.topk_width : 0);
+    }
+    st->positions = upload_or_empty(in.positions);
+    st->slots = upload_or_empty(in.slot_mapping);
+    st->caches.reset(layout_.caches_bytes);
+    st->staging.reset(std::max<int64_t>(16, layout_.staging.bytes()));
+    st->kv_c_out.reset(std::max<int64_t>(16, M * 512 * 2));
+    st->k_pe_out.reset(std::max<int64_t>(16, M * 64 * 2));
+    st->index_k_out.reset(std::max<int64_t>(16, collect_index ? M * 128 * 2 : 0));
+    st->kv_c_all.reset(std::max<int64_t>(16, W * M * 512 * 2));
+    st->k_pe_all.reset(std::max<int64_t>(16, W * M * 64 * 2));
+    st->index_k_all.reset(std::max<int64_t>(16, collect_index ? W * M * 128 * 2 : 0));
+    st->target.mla_base = st->caches.data() + layout_.head;
+    st->target.mla = layout_.mla;
+    st->target.index_base = st->caches.data() + layout_.index_region_offset + layout_.head;
+    st->target.index = layout_.index;
+    host_targets_.push_back(st->target);
+    ranks_.push_back(std::move(st));
+  }
+  targets_ = DeviceBuffer::from(host_targets_);
+  // Rank r's transport rows land in every peer's staging buffer at [layer half][ubatch 0][src rank r][0].
+  const int buffer_idx = setup.layer_idx & 1;
+  for (int32_t r = 0; r < W; ++r) {
+    RankState& st = *ranks_[static_cast<size_t>(r)];
+    for (int32_t peer = 0; peer < W; ++peer)
+      st.host_row_dests.push_back(ranks_[static_cast<size_t>(peer)]->staging.data() +
+                                  layout_.staging.row_offset(buffer_idx, 0, r, 0));
+    st.row_dests = DeviceBuffer::from(st.host_row_dests);
+  }
+  poison();
+}
+
+Publisher::~Publisher() = default;
+
+int64_t Publisher::input_set_bytes() const {
+  const InputSet& s = ranks_[0]->sets[0];
+  return world_ * (s.q_c.bytes() + s.kv.bytes() + s.k_pe.bytes() + s.index_k.bytes() + s.q_out.bytes()) +
+         topk_sets_[0].bytes();
+}
+
+void Publisher::poison() {
+  for (const DeviceBuffer& b : topk_sets_) poison_buffer(b);
+  for (auto& st : ranks_) {
+    for (InputSet& s : st->sets) poison_buffer(s.q_out);
+    for (const DeviceBuffer* b : {&st->caches, &st->staging, &st->kv_c_out, &st->k_pe_out, &st->index_k_out,
+                                  &st->kv_c_all, &st->k_pe_all, &st->index_k_all})
+      poison_buffer(*b);
+  }
+  PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+DispatchJob Publisher::dispatch_job(int32_t rank, Transport transport, const InputSet& set) const {
+  const RankState& st = *ranks_[static_cast<size_t>(rank)];
+  mp::DispatchInputs in;
+  in.q_c = set.q_c.as<const uint16_t>();
+  in.kv = set.kv.as<const uint16_t>();
+  in.k_pe = set.k_pe.as<const uint16_t>();
+  in.index_k = set.index_k.as<const uint16_t>();
+  in.positions = st.positions.as<const int64_t>();
+  in.q_norm_w = q_norm_w_.as<const float>();
+  in.kv_norm_w = kv_norm_w_.as<const float>();
+  in.index_ln_w = index_ln_w_.as<const float>();
+  in.index_ln_b = index_ln_b_.as<const float>();
+  in.rope_cos_sin = rope_.as<const float>();
+  in.rope_num_positions = rope_num_positions_;
+  in.q_c_out = set.q_out.as<uint16_t>();
+  in.topk = set.topk;
+  in.topk_indexer_rows = setup_.plan->ranks[static_cast<size_t>(rank)].num_local_tokens;
+  DispatchJob job;
+  job.params = mp::base_dispatch_params(setup_, layout_, in);
+  DispatchParams& d = job.params;
+  if (!options_.variant.fuse_topk) {
+    d.topk_fill = nullptr;  // its own stage (a byte fill)
+    d.topk_width = 0;
+  }
+  switch (transport) {
+    case Transport::kCollect:
+      d.kv_c_out = st.kv_c_out.as<uint16_t>();
+      d.k_pe_out = st.k_pe_out.as<uint16_t>();
+      d.index_k_out = setup_.fmt.has_indexer ? st.index_k_out.as<uint16_t>() : nullptr;
+      break;
+    case Transport::kStaging:
+      d.row_dests = st.row_dests.as<uint8_t* const>();
+      d.num_row_dests = world_;
+      d.row_bytes = layout_.row.row_bytes;
+      job.host_row_dests = st.host_row_dests;
+      break;
+    case Transport::kDirect:
+      d.slot_mapping = st.slots.as<const int64_t>();
+      d.targets = targets_.as<const CacheTarget>();
+      d.num_targets = world_;
+      job.host_targets = host_targets_;
+      break;
+  }
+  return job;
+}
+
+void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* timer) {
+  const int s = next_set_;
+  next_set_ = (next_set_ + 1) % options_.num_sets;
+  last_set_ = s;
+  const int32_t W = world_;
+  const int64_t M = max_local_tokens_;
+  auto mark = [&](const char* name) {
+    if (timer) timer->mark(name, stream);
+  };
+  if (timer) timer->start(stream);
+
+  const PublishVariant& v = options_.variant;
+  // PDL for the staging / direct chain dispatch -> fence -> combine (chain a); collect stays as
+  // engines run it.
+  const bool pdl = v.pdl && transport != Transport::kCollect;
+  if (layout_.fill_topk && !v.fuse_topk) {
+    int32_t* all = topk_sets_[static_cast<size_t>(s)].as<int32_t>();
+    const int64_t width = setup_.topk_width;
+    if (setup_.topk_fill_mode == TopkFill::kFull) {
+      launch_fill_minus_one(all, W * M * width, stream);  // every rank's buffer: one byte fill
+    } else {
+      for (int32_t r = 0; r < W; ++r) {  // kTail: each rank's rows no indexer writes (none for kNone)
+        const int64_t first = mp::topk_first_row(setup_, r);
+        launch_fill_minus_one(all + (r * M + first) * width, (M - first) * width, stream);
+      }
+    }
+    mark("topk-fill");
+  }
+
+  std::vector<DispatchJob> jobs;
+  jobs.reserve(static_cast<size_t>(W));
+  for (int32_t r = 0; r < W; ++r) jobs.push_back(dispatch_job(r, transport, ranks_[static_cast<size_t>(r)]->sets[static_cast<size_t>(s)]));
+  launch_dispatch(jobs.data(), W, stream, v.dispatch, pdl);
+  mark("dispatch");
+
+  const bool idx = setup_.fmt.has_indexer;
+  if (transport == Transport::kCollect) {
+    // The three all-gathers (kv_c, k_pe, index_k), rank-major like NCCL's.
+    auto gather = [&](DeviceBuffer RankState::*out, DeviceBuffer RankState::*all, int64_t width) {
+      std::vector<const void*> src;
+      std::vector<void*> dst;
+      for (auto& st : ranks_) {
+        src.push_back(((*st).*out).data());
+        dst.push_back(((*st).*all).data());
+      }
+      launch_all_gather(src, dst, M * width * 2, stream);
+    };
+    gather(&RankState::kv_c_out, &RankState::kv_c_all, 512);
+    gather(&RankState::k_pe_out, &RankState::k_pe_all, 64);
+    if (idx) gather(&RankState::index_k_out, &RankState::index_k_all, 128);
+    mark("all-gather");
+    std::vector<InsertParams> ins(static_cast<size_t>(W));
+    for (int32_t r = 0; r < W; ++r) {
+      const RankState& st = *ranks_[static_cast<size_t>(r)];
+      InsertParams& p = ins[static_cast<size_t>(r)];
+      p.num_tokens = W * M;
+      p.kv_c = st.kv_c_all.as<const uint16_t>();
+      p.k_pe = st.k_pe_all.as<const uint16_t>();
+      p.index_k = idx ? st.index_k_all.as<const uint16_t>() : nullptr;
+      p.slot_mapping = gathered_slots_.as<const int64_t>();
+      p.fmt = setup_.fmt;
+      p.target = st.target;
+    }
+    launch_insert_mla(ins.data(), W, stream);
+    mark("insert-mla");
+    if (idx) {
+      launch_insert_indexer(ins.data(), W, stream);
+      mark("insert-indexer");
+    }
+    return;
+  }
+
+  fence_.enqueue(0, stream, pdl);
+  mark("fence");
+  if (transport == Transport::kStaging) {
+    const int buffer_idx = setup_.layer_idx & 1;
+    std::vector<CombineParams> comb(static_cast<size_t>(W));
+    for (int32_t r = 0; r < W; ++r) {
+      const RankState& st = *ranks_[static_cast<size_t>(r)];
+      CombineParams& p = comb[static_cast<size_t>(r)];
+      p.rows = st.staging.data() + layout_.staging.row_offset(buffer_idx, 0, 0, 0);
+      p.num_src_ranks = W;
+      p.max_local_tokens = M;
+      p.row_bytes = layout_.row.row_bytes;
+      p.slot_mapping = gathered_slots_.as<const int64_t>();
+      p.fmt = setup_.fmt;
+      p.target = st.target;
+    }
+    launch_combine(comb.data(), W, stream, v.combine_rows_per_warp, pdl);
+    mark("combine");
+  }
+}
+
+std::vector<Stage> Publisher::stage_model(Transport transport) const {
+  const int64_t W = world_, M = max_local_tokens_;
+  const int64_t idx = setup_.fmt.has_indexer ? 1 : 0;
+  const int64_t rows = W * M;
+  const int64_t bf16_row_bytes = 1024 + 128 + idx * 256;
+  const int64_t mla_bytes = layout_.row.mla_bytes;
+  const int64_t cache_row_bytes = mla_bytes + idx * kIndexerSlotBytes;
+  const int64_t q_bytes = setup_.materialize_q ? 2 * q_lora_rank_ : 0;
+  // The fill writes its filled rows only (setup.topk_fill_mode); the stage stays even when that is none.
+  const int64_t topk_bytes = 4 * setup_.topk_width * mp::topk_filled_rows(setup_, layout_);
+  const int64_t read_per_row = q_bytes + 1024 + 128 + idx * 256 + 8 + (transport == Transport::kDirect ? 8 : 0);
+  std::vector<Stage> out;
+  const bool fused = options_.variant.fuse_topk;
+  if (layout_.fill_topk && !fused) out.push_back({"topk-fill", 0.0, topk_bytes});
+  int64_t dispatch = rows * (read_per_row + q_bytes) + (fused ? topk_bytes : 0);
+  if (transport == Transport::kCollect) dispatch += rows * bf16_row_bytes;
+  if (transport == Transport::kStaging) dispatch += rows * W * layout_.row.row_bytes;
+  if (transport == Transport::kDirect) dispatch += written_rows_ * W * cache_row_bytes;
+  out.push_back({"dispatch", 0.0, dispatch});
+  if (transport == Transport::kCollect) {
+    out.push_back({"all-gather", 0.0, W * rows * bf16_row_bytes * 2});
+    out.push_back({"insert-mla", 0.0, W * written_rows_ * (1024 + 128 + mla_bytes)});
+    if (idx) out.push_back({"insert-indexer", 0.0, W * written_rows_ * (256 + kIndexerSlotBytes)});
+    return out;
+  }
+  out.push_back({"fence", 0.0, W * W * 16});
+  if (transport == Transport::kStaging)
+    out.push_back({"combine", 0.0, W * written_rows_ * (layout_.row.row_bytes + cache_row_bytes)});
+  return out;
+}
+
+PublishResult Publisher::download(Transport transport) const {
+  PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
+  PublishResult r;
+  r.transport = transport;
+  r.mla_geometry = layout_.mla;
+  r.index_geometry = layout_.index;
+  r.mla_cache_offset = layout_.head;
+  r.index_cache_offset = layout_.head;
+  const int64_t M = max_local_tokens_;
+  for (const auto& st : ranks_) {
+    r.mla_alloc.push_back(download_range(st->caches, 0, layout_.mla_alloc_bytes));
+    r.index_alloc.push_back(download_range(st->caches, layout_.index_region_offset, layout_.index_alloc_bytes));
+    const InputSet& set = st->sets[static_cast<size_t>(last_set_)];
+    if (setup_.materialize_q) r.q_c_out.push_back(set.q_out.download<uint16_t>(M * q_lora_rank_));
+    if (layout_.fill_topk) {
+      std::vector<int32_t> topk(static_cast<size_t>(M * setup_.topk_width));
+      PCPKV_CUDA_CHECK(cudaMemcpy(topk.data(), set.topk, topk.size() * 4, cudaMemcpyDeviceToHost));
+      r.topk.push_back(std::move(topk));
+    }
+  }
+  return r;
+}
+
+}  // namespace pcpkv::cuda_detail
