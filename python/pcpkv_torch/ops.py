@@ -61,7 +61,7 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
       * materialize: q_c_out [T, q_lora_rank] bf16 = RMSNorm(q_c); kv_c_out [T, 512], k_pe_out [T, 64],
         index_k_out [T, 128] bf16 (normalized / roped, the "collect" path); topk_fill int32 [T, width] = -1
         on the rows topk_fill_mode picks: "full" every row (what engines do, the default), "tail" only rows
-        t >= topk_indexer_rows, "none" no row (pcpkv/dispatch.h TopkFill). tail is exact when pcpkv's
+        t >= topk_indexer_rows, "none" no row (pcpkv/publish/dispatch.h TopkFill). tail is exact when pcpkv's
         indexer_topk with topk = width then runs on rows [0, topk_indexer_rows) of the same buffer: it writes
         every entry of every row it processes (its -1 tail and request -1 rows included), so only the rows
         past the step's tokens are left to the fill;
