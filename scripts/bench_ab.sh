@@ -5,7 +5,8 @@
 # SRC: a source directory, or a git revision of this repository (exported with git archive into
 # OUT_DIR/src-NAME). Each is built (Release, CUDA, no tests / benchmarks) into OUT_DIR/build-NAME; then for
 # round i = 1..AB_ROUNDS (default 2) every build runs `pcpkv bench FLAGS --markdown OUT_DIR/NAME_i.md
-# --json OUT_DIR/NAME_i.json` in the order given. AB_JOBS: build parallelism (default: all cores).
+# --json OUT_DIR/NAME_i.json` in the order given. AB_JOBS: build parallelism (default: all cores). AB_ROUNDS=0
+# only builds (a later call with the same OUT_DIR reuses the trees and builds).
 # Example (docs/perf.md section 12):
 #   scripts/bench_ab.sh /tmp/ab old=ae35b7f new=HEAD -- --models glm-5 --pcp 8 --kv-formats fp8_ds_mla \
 #     --single-rank-tokens 4096,32768 --variants warp,prefetch --layer-variants warp:fused:4 --pdl-tokens none
@@ -19,10 +20,12 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   name=${1%%=*}
   src=${1#*=}
   [ -n "$name" ] && [ "$name" != "$1" ] || { echo "bench_ab.sh: '$1' is not NAME=SRC" >&2; exit 2; }
-  if [ ! -d "$src" ]; then  # a revision: export it
-    rm -rf "$out/src-$name"
-    mkdir -p "$out/src-$name"
-    git -C "$repo" archive "$src" | tar -x -C "$out/src-$name"
+  if [ ! -d "$src" ]; then  # a revision: export it (once: a second call reuses the tree and its build)
+    if [ ! -d "$out/src-$name" ]; then
+      mkdir -p "$out/src-$name.tmp"
+      git -C "$repo" archive "$src" | tar -x -C "$out/src-$name.tmp"
+      mv "$out/src-$name.tmp" "$out/src-$name"
+    fi
     src=$out/src-$name
   fi
   cmake -S "$src" -B "$out/build-$name" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPCPKV_TESTS=OFF -DPCPKV_BENCH=OFF \
