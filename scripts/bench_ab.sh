@@ -13,6 +13,10 @@
 set -euo pipefail
 [ $# -ge 2 ] || { sed -n 2,12p "$0" >&2; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
+if [ -d "$repo/.deps/root/usr" ]; then  # packages carried to the GPU machine (scripts/gpu_check.sh --pack-deps)
+  export CMAKE_PREFIX_PATH="$repo/.deps/root/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  export LD_LIBRARY_PATH="$repo/.deps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 names=()
@@ -28,7 +32,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
     fi
     src=$out/src-$name
   fi
-  cmake -S "$src" -B "$out/build-$name" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPCPKV_TESTS=OFF -DPCPKV_BENCH=OFF \
+  cmake -S "$src" -B "$out/build-$name" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DPCPKV_TESTS=OFF -DPCPKV_BENCH=OFF \
     >"$out/cmake-$name.log"
   ninja -C "$out/build-$name" -j"${AB_JOBS:-$(nproc)}" pcpkv_cli >"$out/build-$name.log"
   names+=("$name")
