@@ -197,12 +197,15 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
                   const std::optional<at::Tensor>& index_k_out, const std::optional<at::Tensor>& topk_fill,
                   at::TensorList /*written*/, c10::string_view kv_format, c10::string_view ds_mla_scale,
                   double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
-                  bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard) {
+                  bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard,
+                  c10::string_view topk_fill_mode, int64_t topk_indexer_rows) {
   DispatchArgs a{kv,          k_pe,     positions, kv_norm_w, rope_cos_sin, q_c,
                  q_norm_w,    index_k,  index_ln_w, index_ln_b, slot_mapping, q_c_out,
                  kv_c_out,    k_pe_out, index_k_out, topk_fill, std::string(kv_format), std::string(ds_mla_scale),
                  k_scale,     has_indexer, q_eps,   kv_eps,    index_eps,    mla_rope_interleaved,
                  index_rope_interleaved, index_hadamard};
+  a.topk_fill_mode = std::string(topk_fill_mode);
+  a.topk_indexer_rows = topk_indexer_rows;
   pcpkv::DispatchParams p = make_dispatch_params(a);
   std::vector<pcpkv::CacheTarget> tv;
   std::vector<uint8_t*> dv;
@@ -355,7 +358,7 @@ TORCH_LIBRARY(pcpkv, m) {
         "Tensor(a!)? q_c_out, Tensor(b!)? kv_c_out, Tensor(c!)? k_pe_out, Tensor(d!)? index_k_out, "
         "Tensor(e!)? topk_fill, Tensor(f!)[] written, str kv_format, str ds_mla_scale, float k_scale, "
         "bool has_indexer, float q_eps, float kv_eps, float index_eps, bool mla_rope_interleaved, "
-        "bool index_rope_interleaved, bool index_hadamard) -> ()");
+        "bool index_rope_interleaved, bool index_hadamard, str topk_fill_mode=\"full\", int topk_indexer_rows=0) -> ()");
   m.def("combine(Tensor rows, Tensor slot_mapping, Tensor(a!) mla_cache, Tensor(b!)? index_cache, str kv_format, "
         "str ds_mla_scale, float k_scale, bool has_indexer) -> ()");
   m.def("insert(Tensor kv_c, Tensor k_pe, Tensor? index_k, Tensor slot_mapping, Tensor(a!) mla_cache, "

@@ -27,6 +27,7 @@ std::unique_ptr<PublishCase> make_case(const CaseSpec& spec) {
   c->setup.fmt = spec.fmt;
   c->setup.alloc = spec.alloc;
   c->setup.topk_width = spec.topk_width;
+  c->setup.topk_fill_mode = spec.topk_fill;
   return c;
 }
 

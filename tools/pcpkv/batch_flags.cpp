@@ -71,6 +71,10 @@ const Row kRows[] = {
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--repeats", f.repeats, h); }},
     {BatchFlag::kTopkWidth, "Fill a top-k buffer [T, width] with -1 (indexer layers; 0: off)",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--topk-width", f.topk_width, h); }},
+    {BatchFlag::kTopkFill,
+     "Which top-k rows get -1: full (every row, what engines do), tail (only the padding rows past each rank's local "
+     "tokens: pcpkv's indexer top-k writes the rest) or none",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--topk-fill", f.topk_fill, h); }},
 };
 
 }  // namespace

@@ -40,11 +40,12 @@ struct BatchFlags {
   uint64_t seed = 0;                 // --seed
   int32_t repeats = 1;               // --repeats
   int64_t topk_width = 0;            // --topk-width: top-k buffer width filled with -1
+  std::string topk_fill = "full";    // --topk-fill: full | tail | none (pcpkv/publish/dispatch.h TopkFill)
 };
 
 enum class BatchFlag {
   kModel, kConfig, kTokens, kDecodes, kDecodeContext, kBlockSize, kLocalOrder, kDecodeOwnership, kKvFormat, kDsMlaScale, kKScale, kLayer,
-  kTransport, kBackend, kThreads, kSeed, kRepeats, kTopkWidth,
+  kTransport, kBackend, kThreads, kSeed, kRepeats, kTopkWidth, kTopkFill,
 };
 
 /// A command's own help text for a flag, where it means something narrower than the shared text.

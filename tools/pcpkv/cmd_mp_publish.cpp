@@ -53,6 +53,7 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(f.threads >= 1, "--threads: must be >= 1, got {}", f.threads);
   PCPKV_CHECK(f.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", f.threads);
   PCPKV_CHECK(f.topk_width >= 0, "--topk-width: must be >= 0, got {}", f.topk_width);
+  (void)parse_topk_fill(f.topk_fill, "--topk-fill");
   PCPKV_CHECK(f.guard_bytes >= 0, "--guard-bytes: must be >= 0, got {}", f.guard_bytes);
   PCPKV_CHECK(f.base_offset >= 0, "--base-offset: must be >= 0, got {}", f.base_offset);
   PCPKV_CHECK((f.guard_bytes + f.base_offset) % 16 == 0,
@@ -124,7 +125,7 @@ void add_mp_publish_command(CLI::App& app) {
                   "prints the floor received bytes / link bandwidth of the P2P stores")
       ->capture_default_str();
   sub->add_flag("--md-rows", f->md_rows, "Also print markdown table rows prefixed 'md|' (for docs/perf.md)");
-  add_batch_flags(sub, *f, {F::kThreads, F::kTopkWidth}, {{F::kThreads, "CPU threads per rank process"}});
+  add_batch_flags(sub, *f, {F::kThreads, F::kTopkWidth, F::kTopkFill}, {{F::kThreads, "CPU threads per rank process"}});
   sub->add_option("--guard-bytes", f->guard_bytes, "Guard bytes (0xA5) before and after each cache")
       ->capture_default_str();
   sub->add_option("--base-offset", f->base_offset, "Offset of the cache inside its allocation")->capture_default_str();

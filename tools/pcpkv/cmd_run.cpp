@@ -123,7 +123,12 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--save", o->save,
                   "Write inputs, the plan's slot mapping and rank 0's MLA and indexer-K caches to a safetensors file");
   sub->add_flag("--json", o->json, "Print the result as JSON on stdout (everything else goes to stderr)");
-  sub->add_flag("--topk-fill", o->topk_fill, "Also fill the top-k index buffer [T, index_topk] with -1 and check it");
+  sub->add_option("--topk-fill", o->topk_fill,
+                  "Also fill the top-k index buffer [T, index_topk] with -1 and check it: full (every row, what "
+                  "engines do; the flag alone), tail (only the padding rows past each rank's local tokens: pcpkv's "
+                  "indexer top-k writes the rest) or none; the rows not filled must stay untouched")
+      ->expected(0, 1)
+      ->default_str("full");
   sub->add_flag("--allow-nonfinite", o->allow_nonfinite, "Publish inputs that hold NaN or inf (refused otherwise)");
   sub->add_option("--memory-limit-gb", o->memory_limit_gb,
                   "Refuse runs whose estimated peak host memory exceeds this many GB (0: the memory this machine "

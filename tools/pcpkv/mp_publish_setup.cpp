@@ -265,6 +265,7 @@ void setup_mp_job(const MpPublishFlags& f, Bootstrap& world, MpJob& job) {
   setup.alloc.guard_bytes = f.guard_bytes;
   setup.alloc.base_offset = f.base_offset;
   setup.topk_width = f.topk_width;
+  setup.topk_fill_mode = parse_topk_fill(f.topk_fill, "--topk-fill");
   setup.repeats = f.repeats;
 
   std::string& backend_name = job.backend_name;

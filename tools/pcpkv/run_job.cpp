@@ -243,6 +243,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   auto given = [&](const char* flag) {
     return std::find(o.flags_given.begin(), o.flags_given.end(), flag) != o.flags_given.end();
   };
+  if (!o.topk_fill.empty()) p.topk_fill = parse_topk_fill(o.topk_fill, "--topk-fill");
   if (given("--topk-fill") && !p.fmt.has_indexer) {
     p.notes_text.push_back("--topk-fill: not used: a shared layer (--layer shared) has no indexer, so no top-k buffer");
   }
@@ -307,7 +308,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   Footprint fp(o.block_size);
   fp.pcp = o.pcp;
   fp.q_lora_rank = p.model.q_lora_rank;
-  fp.index_topk = o.topk_fill && p.fmt.has_indexer ? p.model.index_topk : 0;
+  fp.index_topk = !o.topk_fill.empty() && p.fmt.has_indexer ? p.model.index_topk : 0;
   fp.fmt = p.fmt;
   auto uses = [&](Transport t) { return std::find(p.transports.begin(), p.transports.end(), t) != p.transports.end(); };
   fp.collect = uses(Transport::kCollect);
@@ -444,12 +445,13 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     ref_backend = cpu_ref.get();
   }
 
-  const int64_t topk_width = prep.opts.topk_fill && prep.fmt.has_indexer ? prep.model.index_topk : 0;
+  const int64_t topk_width = !prep.opts.topk_fill.empty() && prep.fmt.has_indexer ? prep.model.index_topk : 0;
   PublishSetup setup;
   setup.model = &prep.model;
   setup.plan = &prep.plan;
   setup.fmt = prep.fmt;
   setup.topk_width = topk_width;
+  setup.topk_fill_mode = prep.topk_fill;
   setup.materialize_q = true;
   setup.repeats = prep.opts.repeats;
   PublishSetup ref_setup = setup;
@@ -477,6 +479,7 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     pc.inputs = &prep.inputs;
     pc.fmt = prep.fmt;
     pc.topk_width = topk_width;
+    pc.topk_fill = prep.topk_fill;
     for (Check& c : check_publication(run.result, run.reference, pc, [&](const std::string& what) {
            step(progress, fmt::format("verifying {}: {}", name, what));
          }))

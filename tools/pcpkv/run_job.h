@@ -27,6 +27,7 @@ struct RunOptions : BatchFlags {
     decodes = 4;     // decode requests, each with its own context
     // decode_context: context of decode i: this value, or (-1) 1000 * (i + 1) + 7 * i
     // threads: CPU backend threads (0: all cores)
+    topk_fill = "";  // --topk-fill [full|tail|none]: "" = no top-k buffer; the flag alone = full
   }
   bool model_given = false;  // --model on the command line (else --config picks by model_type)
   std::vector<std::string> flags_given;  // long flags on the command line ("--k-scale"), for ignored-flag notes
@@ -34,7 +35,6 @@ struct RunOptions : BatchFlags {
   std::string inputs;  // --inputs FILE.safetensors
   std::string save;    // --save FILE.safetensors
   bool json = false;
-  bool topk_fill = false;
   bool allow_nonfinite = false;
   double memory_limit_gb = 0;  // refuse runs whose estimated peak exceeds this (0: available memory only)
   std::string inject_fault;  // testing aid (hidden flag): "row" or "guard" flips a byte of the last
@@ -44,6 +44,7 @@ struct RunOptions : BatchFlags {
 /// Everything decided before the first byte is published.
 struct PreparedRun {
   RunOptions opts;
+  TopkFill topk_fill = TopkFill::kFull;  // parsed --topk-fill (when given)
   ModelConfig model;
   ConfigNotes notes;
   CacheFormat fmt;
