@@ -218,7 +218,8 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
     for (int64_t tokens : o.single_rank_tokens) {
       const PcpPlan plan = one_prefill_plan(1, tokens, o.block_size, o.seed);
       const GlobalInputs in = generate_inputs(model, plan, true, o.seed);
-      const PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      setup.topk_fill_mode = o.topk_fill;
       auto pub = make_publisher(setup, in, PublisherOptions{}, rep.l2_bytes);
       for (DispatchVariant v : single_variants)
         for (bool fused : {true, false}) {
@@ -233,6 +234,7 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
           s.tokens = tokens;
           s.variant = cuda_detail::to_string(v);
           s.fused_topk = fused;
+          s.topk_fill = o.topk_fill;
           // Dispatch (+ the separate fill): the fence of a one-rank "direct" is not part of the work.
           for (const BenchStage& st : t.stages)
             if (st.name == "dispatch" || st.name == "topk-fill") {
@@ -260,7 +262,8 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
     for (const std::string& name : o.models) {
       const ModelConfig model = preset(name);
       const GlobalInputs in = generate_inputs(model, plan, true, o.seed);
-      const PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      setup.topk_fill_mode = o.topk_fill;  // staging / direct: the bench's --topk-fill
       auto pub = make_publisher(setup, in, PublisherOptions{}, rep.l2_bytes);
       std::vector<std::string> seen;
       for (PublishVariant v : layer_variants) {
@@ -313,6 +316,7 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
               t == Transport::kCollect ? std::vector<PublishVariant>{cuda_detail::collect_baseline_variant()} : layer_variants;
           for (const PublishVariant& v : variants) {
             pub->set_variant(v);
+            pub->set_topk_fill(t == Transport::kCollect ? TopkFill::kFull : o.topk_fill);
             const Timed timed = time_transport(*pub, t, o);
             BenchRun run;
             run.model = name;
@@ -322,6 +326,7 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
             run.tokens = o.tokens;
             run.transport = t;
             run.variant = v.name();
+            run.topk_fill = pub->topk_fill();
             run.stages = timed.stages;
             run.total_ms = timed.total_ms;
             for (const BenchStage& s : run.stages) run.bytes += s.bytes;
@@ -344,7 +349,8 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
       PCPKV_CHECK(tokens >= 1, "--pdl-tokens: {} must be >= 1", tokens);
       const PcpPlan plan = one_prefill_plan(o.pdl_pcp, tokens, o.block_size, o.seed);
       const GlobalInputs in = generate_inputs(model, plan, true, o.seed);
-      const PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      PublishSetup setup = make_setup(model, plan, ds_mla, o.topk_width);
+      setup.topk_fill_mode = o.topk_fill;
       auto pub = make_publisher(setup, in, PublisherOptions{}, rep.l2_bytes);
       for (Transport t : {Transport::kStaging, Transport::kDirect}) {
         BenchPdl row;

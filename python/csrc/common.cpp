@@ -206,6 +206,15 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     p.topk_fill = a.topk_fill->data_ptr<int32_t>();
     p.topk_width = a.topk_fill->size(1);
   }
+  TORCH_CHECK_VALUE(a.topk_fill_mode == "full" || a.topk_fill_mode == "tail" || a.topk_fill_mode == "none",
+                    "dispatch: topk_fill_mode = '", a.topk_fill_mode, "' must be 'full', 'tail' or 'none'");
+  p.topk_fill_mode = a.topk_fill_mode == "full" ? pcpkv::TopkFill::kFull
+                     : a.topk_fill_mode == "tail" ? pcpkv::TopkFill::kTail
+                                                  : pcpkv::TopkFill::kNone;
+  TORCH_CHECK_VALUE(p.topk_fill_mode != pcpkv::TopkFill::kTail || (a.topk_indexer_rows >= 0 && a.topk_indexer_rows <= T),
+                    "dispatch: topk_indexer_rows = ", a.topk_indexer_rows, " must be in [0, num_tokens = ", T,
+                    "] for topk_fill_mode 'tail'");
+  p.topk_indexer_rows = a.topk_indexer_rows;
   if (has(a.slot_mapping)) {
     check_vector(*a.slot_mapping, "dispatch: slot_mapping", T, at::kLong, dev);
     p.slot_mapping = a.slot_mapping->data_ptr<int64_t>();

@@ -84,6 +84,8 @@ struct DispatchArgs {
   bool has_indexer = true;
   double q_eps = 1e-6, kv_eps = 1e-6, index_eps = 1e-6;
   bool mla_rope_interleaved = true, index_rope_interleaved = false, index_hadamard = false;
+  std::string topk_fill_mode = "full";  // pcpkv::TopkFill: full | tail | none
+  int64_t topk_indexer_rows = 0;        // tail: rows [0, n) the indexer top-k writes
 };
 /// Checks every tensor of a dispatch (dtype, shape, device) and fills the contract (no tables yet).
 pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a);

@@ -14,13 +14,17 @@
 #include <chrono>
 #include <cstring>
 #include <new>
+#include <string>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "common.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/device/fence_kernel.h"
 #include "pcpkv/core/plan.h"
 #include "pcpkv/core/rope.h"
+#include "pcpkv/publish/transport_choice.h"
 
 // An importable module, so that `import pcpkv_torch._C` loads this library (and its registrations)
 // without pybind11: everything is reached through torch.ops.pcpkv.
@@ -83,11 +87,11 @@ at::Tensor to_tensor(const std::vector<T>& v, at::ScalarType dtype = at::kLong) 
 }
 
 using PlanTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                             at::Tensor, at::Tensor, int64_t>;
+                             at::Tensor, at::Tensor, int64_t, at::Tensor>;
 
 PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_decode, at::IntArrayRef num_new_tokens,
                     at::IntArrayRef context_lens, int64_t extra_blocks, bool reserve_null_block, bool shuffle_blocks,
-                    int64_t seed) {
+                    int64_t seed, c10::string_view local_order, c10::string_view decode_ownership) {
   TORCH_CHECK_VALUE(is_decode.size() == num_new_tokens.size() && context_lens.size() == num_new_tokens.size(),
                     "make_plan: is_decode (", is_decode.size(), "), num_new_tokens (", num_new_tokens.size(),
                     ") and context_lens (", context_lens.size(), ") must have one entry per request");
@@ -98,6 +102,10 @@ PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_de
   cfg.reserve_null_block = reserve_null_block;
   cfg.shuffle_blocks = shuffle_blocks;
   cfg.seed = static_cast<uint64_t>(seed);
+  translate_errors([&] {
+    cfg.local_order = pcpkv::parse_local_order(std::string(local_order), "local_order");
+    cfg.decode_ownership = pcpkv::parse_decode_ownership(std::string(decode_ownership), "decode_ownership");
+  });
   for (size_t i = 0; i < num_new_tokens.size(); ++i) {
     pcpkv::RequestSpec r;
     r.kind = is_decode[i] ? pcpkv::RequestKind::kDecode : pcpkv::RequestKind::kPrefill;
@@ -135,7 +143,8 @@ PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_de
           to_tensor(plan.global_slots),
           to_tensor(plan.global_request),
           tables,
-          plan.num_blocks};
+          plan.num_blocks,
+          to_tensor(plan.decode_owner)};
 }
 
 at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& index_ptrs, int64_t num_blocks,
@@ -188,12 +197,15 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
                   const std::optional<at::Tensor>& index_k_out, const std::optional<at::Tensor>& topk_fill,
                   at::TensorList /*written*/, c10::string_view kv_format, c10::string_view ds_mla_scale,
                   double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
-                  bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard) {
+                  bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard,
+                  c10::string_view topk_fill_mode, int64_t topk_indexer_rows) {
   DispatchArgs a{kv,          k_pe,     positions, kv_norm_w, rope_cos_sin, q_c,
                  q_norm_w,    index_k,  index_ln_w, index_ln_b, slot_mapping, q_c_out,
                  kv_c_out,    k_pe_out, index_k_out, topk_fill, std::string(kv_format), std::string(ds_mla_scale),
                  k_scale,     has_indexer, q_eps,   kv_eps,    index_eps,    mla_rope_interleaved,
                  index_rope_interleaved, index_hadamard};
+  a.topk_fill_mode = std::string(topk_fill_mode);
+  a.topk_indexer_rows = topk_indexer_rows;
   pcpkv::DispatchParams p = make_dispatch_params(a);
   std::vector<pcpkv::CacheTarget> tv;
   std::vector<uint8_t*> dv;
@@ -307,15 +319,36 @@ void fence_cpu(const at::Tensor& pad_table, const at::Tensor& epochs, const at::
 
 }  // namespace
 
+// transport "auto" (pcpkv::choose_transport): the decision stays in one C++ function for the CLI and Python.
+std::tuple<std::string, std::string> choose_transport(std::vector<std::string> hosts, const at::Tensor& peer_access,
+                                                      bool nccl_available) {
+  const auto P = static_cast<int64_t>(hosts.size());
+  TORCH_CHECK_VALUE(peer_access.dim() == 2 && peer_access.size(0) == P && peer_access.size(1) == P,
+                    "choose_transport: peer_access must be [", P, ", ", P, "] (one row per host entry), got ",
+                    describe(peer_access));
+  const at::Tensor a = peer_access.to(at::kCPU).to(at::kBool).contiguous();
+  pcpkv::Topology t;
+  t.hosts = std::move(hosts);
+  t.nccl_available = nccl_available;
+  const bool* p = a.data_ptr<bool>();
+  for (int64_t r = 0; r < P; ++r) t.peer_access.emplace_back(p + r * P, p + (r + 1) * P);
+  const pcpkv::TransportChoice c = translate_errors([&] { return pcpkv::choose_transport(t); });
+  return {pcpkv::to_string(c.transport), c.reason};
+}
+
 TORCH_LIBRARY(pcpkv, m) {
   m.def("rope_table(int num_positions, str scaling, float theta, float factor, int original_max_position_embeddings, "
         "float beta_fast, float beta_slow, float mscale, float mscale_all_dim) -> Tensor",
         &rope_table);
   m.def("make_plan(int pcp_world, int block_size, int[] is_decode, int[] num_new_tokens, int[] context_lens, "
-        "int extra_blocks, bool reserve_null_block, bool shuffle_blocks, int seed) -> (Tensor positions, "
+        "int extra_blocks, bool reserve_null_block, bool shuffle_blocks, int seed, str local_order=\"request\", "
+        "str decode_ownership=\"replicated\") -> (Tensor positions, "
         "Tensor slot_mapping, Tensor global_index, Tensor rank_counts, Tensor gathered_slot_mapping, "
-        "Tensor global_positions, Tensor global_slots, Tensor global_request, Tensor block_tables, int num_blocks)",
+        "Tensor global_positions, Tensor global_slots, Tensor global_request, Tensor block_tables, int num_blocks, "
+        "Tensor decode_owner)",
         &make_plan);
+  m.def("choose_transport(str[] hosts, Tensor peer_access, bool nccl_available) -> (str transport, str reason)",
+        &choose_transport);
   m.def("make_cache_targets(Tensor mla_ptrs, Tensor index_ptrs, int num_blocks, int block_size, int row_stride, "
         "int block_stride, int index_block_stride, str kv_format, bool has_indexer) -> Tensor",
         &make_cache_targets);
@@ -325,7 +358,7 @@ TORCH_LIBRARY(pcpkv, m) {
         "Tensor(a!)? q_c_out, Tensor(b!)? kv_c_out, Tensor(c!)? k_pe_out, Tensor(d!)? index_k_out, "
         "Tensor(e!)? topk_fill, Tensor(f!)[] written, str kv_format, str ds_mla_scale, float k_scale, "
         "bool has_indexer, float q_eps, float kv_eps, float index_eps, bool mla_rope_interleaved, "
-        "bool index_rope_interleaved, bool index_hadamard) -> ()");
+        "bool index_rope_interleaved, bool index_hadamard, str topk_fill_mode=\"full\", int topk_indexer_rows=0) -> ()");
   m.def("combine(Tensor rows, Tensor slot_mapping, Tensor(a!) mla_cache, Tensor(b!)? index_cache, str kv_format, "
         "str ds_mla_scale, float k_scale, bool has_indexer) -> ()");
   m.def("insert(Tensor kv_c, Tensor k_pe, Tensor? index_k, Tensor slot_mapping, Tensor(a!) mla_cache, "

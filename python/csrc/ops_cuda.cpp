@@ -55,7 +55,8 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
                    const std::optional<at::Tensor>& index_k_out, const std::optional<at::Tensor>& topk_fill,
                    at::TensorList /*written*/, c10::string_view kv_format, c10::string_view ds_mla_scale,
                    double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
-                   bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard) {
+                   bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard,
+                   c10::string_view topk_fill_mode, int64_t topk_indexer_rows) {
   TORCH_CHECK_VALUE(kv.defined() && kv.is_cuda(), "dispatch: kv: expected a CUDA tensor, got ", describe(kv));
   const c10::Device dev = kv.device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -64,6 +65,8 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
                  kv_c_out,    k_pe_out, index_k_out, topk_fill, std::string(kv_format), std::string(ds_mla_scale),
                  k_scale,     has_indexer, q_eps,   kv_eps,    index_eps,    mla_rope_interleaved,
                  index_rope_interleaved, index_hadamard};
+  a.topk_fill_mode = std::string(topk_fill_mode);
+  a.topk_indexer_rows = topk_indexer_rows;
   pcpkv::cuda_detail::DispatchJob job;
   job.params = make_dispatch_params(a);
   pcpkv::DispatchParams& p = job.params;

@@ -23,7 +23,8 @@ if _torch is not None:
                          dequantize_mla, indexer_cache_view, mla_cache_view)
     from .ops import combine, cuda_dispatch_impl, dispatch, fence, insert, rope_table, validate_slots
     from .consumers import indexer_topk, lse_merge, quantize_index_q, sparse_mla
-    from .plan import PcpPlan, Request, make_plan
+    from .plan import DECODE_OWNERSHIPS, LOCAL_ORDERS, PcpPlan, Request, make_plan
+    from .transport import choose_transport, resolve_transport
     from .tables import CacheTargets, FenceState, RowDests, allocate_fence_pads, peer_pointers, pointer_table
 
 __version__ = "0.1.0"

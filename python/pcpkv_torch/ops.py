@@ -55,10 +55,16 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
              index_k_out: Optional[Tensor] = None, topk_fill: Optional[Tensor] = None, q_eps: float = 1e-6,
              kv_eps: float = 1e-6, index_eps: float = 1e-6, mla_rope_interleaved: bool = True,
              index_rope_interleaved: bool = False, index_hadamard: bool = False,
-             written: Sequence[Tensor] = ()) -> None:
+             written: Sequence[Tensor] = (), topk_fill_mode: str = "full",
+             topk_indexer_rows: Optional[int] = None) -> None:
     """The fused dispatch (SPEC section 2) of T local tokens, dual-mode: any combination of
       * materialize: q_c_out [T, q_lora_rank] bf16 = RMSNorm(q_c); kv_c_out [T, 512], k_pe_out [T, 64],
-        index_k_out [T, 128] bf16 (normalized / roped, the "collect" path); topk_fill int32 [T, width] = -1;
+        index_k_out [T, 128] bf16 (normalized / roped, the "collect" path); topk_fill int32 [T, width] = -1
+        on the rows topk_fill_mode picks: "full" every row (what engines do, the default), "tail" only rows
+        t >= topk_indexer_rows, "none" no row (pcpkv/publish/dispatch.h TopkFill). tail is exact when pcpkv's
+        indexer_topk with topk = width then runs on rows [0, topk_indexer_rows) of the same buffer: it writes
+        every entry of every row it processes (its -1 tail and request -1 rows included), so only the rows
+        past the step's tokens are left to the fill;
       * cache writes ("direct"): every token with slot_mapping[t] >= 0 writes its fmt row into every replica
         of `targets` (CacheTargets; MLA row + indexer slot);
       * transport rows ("staging"): token t's packed row (fmt.row_bytes bytes) goes to every destination of
@@ -73,12 +79,24 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     place: interleaved output keeps the pair layout (HF transformers emits it de-interleaved, [even | odd]).
     `written`: extra tensors the caller wants declared as mutated (torch.compile ordering).
 
-    Raises ValueError (nothing written) for a wrong dtype/shape/device, q_c without q_c_out, a missing indexer
+    Raises ValueError (nothing written) for a bad topk_fill_mode, topk_fill_mode "tail" without
+    topk_indexer_rows in [0, T], a wrong dtype/shape/device, q_c without q_c_out, a missing indexer
     input, a bad format, a table whose geometry cannot hold fmt's rows, row_dests slots of another row size
     or too few rows, or device tables that do not match their host copies; on CPU also for a slot out of
     range or repeated, or a position outside the table."""
+    num_tokens = kv.shape[0] if isinstance(kv, Tensor) and kv.dim() >= 1 else 0
+    if topk_fill_mode not in ("full", "tail", "none"):
+        raise ValueError(f"dispatch: topk_fill_mode = {topk_fill_mode!r} must be 'full', 'tail' or 'none'")
+    if topk_fill_mode == "tail":
+        if isinstance(topk_indexer_rows, bool) or not isinstance(topk_indexer_rows, int) or \
+                not 0 <= topk_indexer_rows <= num_tokens:
+            raise ValueError(f"dispatch: topk_indexer_rows = {topk_indexer_rows!r} must be an int in [0, num_tokens = "
+                             f"{num_tokens}] for topk_fill_mode 'tail' (the rows the indexer top-k writes)")
+    elif topk_indexer_rows is not None:
+        raise ValueError(f"dispatch: topk_indexer_rows = {topk_indexer_rows!r} is only used by topk_fill_mode "
+                         f"'tail', not {topk_fill_mode!r}")
     if row_dests is not None:
-        row_dests.check_capacity(fmt.row_bytes, kv.shape[0] if kv.dim() >= 1 else 0)
+        row_dests.check_capacity(fmt.row_bytes, num_tokens)
     torch.ops.pcpkv.dispatch(
         kv, k_pe, positions, _f32(kv_norm_w), rope_cos_sin, q_c, _f32(q_norm_w), index_k, _f32(index_ln_w),
         _f32(index_ln_b), slot_mapping,
@@ -88,7 +106,8 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
         list(written) + (targets.tensors if targets is not None else []) +
         (row_dests.tensors if row_dests is not None else []),
         fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale, fmt.has_indexer, q_eps, kv_eps, index_eps,
-        mla_rope_interleaved, index_rope_interleaved, index_hadamard)
+        mla_rope_interleaved, index_rope_interleaved, index_hadamard, topk_fill_mode,
+        topk_indexer_rows if topk_indexer_rows is not None else 0)
 
 
 def combine(rows: Tensor, slot_mapping: Tensor, mla_cache: Tensor, index_cache: Optional[Tensor], *,

@@ -7,7 +7,14 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Request", "PcpPlan", "make_plan"]
+__all__ = ["Request", "PcpPlan", "make_plan", "LOCAL_ORDERS", "DECODE_OWNERSHIPS"]
+
+# SPEC section 4.1. local_order: "request" (a rank's rows in request order) or "local" (vLLM's PCPManager: the
+# segments that start at position 0, fresh prefills' head chunks, last; stable). decode_ownership: "replicated"
+# (every rank holds every decode, rank 0 writes it) or "round_robin" (vLLM #52162: decode i of the batch's decodes
+# is held, computed and written by rank i % pcp_world only).
+LOCAL_ORDERS = ("request", "local")
+DECODE_OWNERSHIPS = ("replicated", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -23,11 +30,12 @@ class Request:
 @dataclass
 class PcpPlan:
     """Per-rank local views (every [P, M] row padded to max_local_tokens M; padded rows have slot -1):
-      positions [P, M] int64, slot_mapping [P, M] int64 (-1: padding or a decode copy on a rank > 0),
+      positions [P, M] int64, slot_mapping [P, M] int64 (-1: padding or a decode copy another rank writes),
       global_index [P, M] int64 (-1 padding), num_local_tokens / num_prefill_tokens / num_decode_tokens [P],
       gathered_slot_mapping [P * M] (rank-major: row r*M + i of a staging buffer lands in this slot),
       global_positions / global_slots / global_request [N] (global token order), block_tables [R, max] int32
-      padded with -1, num_blocks (cache blocks incl. the null block 0 when reserved)."""
+      padded with -1, num_blocks (cache blocks incl. the null block 0 when reserved), decode_owner [R] int64 (the
+      rank that writes each decode, -1 for a prefill), local_order / decode_ownership (the modes it was built with)."""
 
     pcp_world: int
     block_size: int
@@ -43,6 +51,9 @@ class PcpPlan:
     global_slots: torch.Tensor
     global_request: torch.Tensor
     block_tables: torch.Tensor
+    decode_owner: torch.Tensor
+    local_order: str = "request"
+    decode_ownership: str = "replicated"
 
     @property
     def max_local_tokens(self) -> int:
@@ -55,10 +66,13 @@ class PcpPlan:
 
 def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 64, extra_blocks: int = 0,
               reserve_null_block: bool = True, shuffle_blocks: bool = True, seed: int = 0,
-              max_position_embeddings: int | None = None) -> PcpPlan:
-    """DualChunkSwap prefill split over pcp_world ranks, decodes replicated (only rank 0 writes), seeded block
-    tables (pcpkv::make_plan). Tensors are on the CPU. Raises ValueError naming the field (pcp_world < 1,
-    block_size not a power of two, an empty request, a decode with num_new_tokens != 1, ...).
+              max_position_embeddings: int | None = None, local_order: str = "request",
+              decode_ownership: str = "replicated") -> PcpPlan:
+    """DualChunkSwap prefill split over pcp_world ranks, decodes replicated (only rank 0 writes) or owned
+    round-robin, rows in request or vLLM's local order (LOCAL_ORDERS, DECODE_OWNERSHIPS; SPEC section 4.1), seeded
+    block tables (pcpkv::make_plan). Tensors are on the CPU. Raises ValueError naming the field (pcp_world < 1,
+    block_size not a power of two, an empty request, a decode with num_new_tokens != 1, an unknown local_order or
+    decode_ownership, ...).
 
     max_position_embeddings: the model's (ModelSpec.max_position_embeddings, HF config); when given, a request
     whose positions reach it raises ValueError naming the request and the position (as pcpkv's publication
@@ -67,14 +81,26 @@ def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 
             isinstance(max_position_embeddings, bool) or not isinstance(max_position_embeddings, int)
             or max_position_embeddings < 1):
         raise ValueError(f"max_position_embeddings = {max_position_embeddings!r} must be an int >= 1")
+    check_plan_modes(local_order, decode_ownership)
     r = torch.ops.pcpkv.make_plan(pcp_world, block_size, [int(q.decode) for q in requests],
                                   [q.num_new_tokens for q in requests], [q.context_len for q in requests],
-                                  extra_blocks, reserve_null_block, shuffle_blocks, seed)
-    positions, slots, gidx, counts, gathered, gpos, gslots, greq, tables, num_blocks = r
+                                  extra_blocks, reserve_null_block, shuffle_blocks, seed, local_order,
+                                  decode_ownership)
+    positions, slots, gidx, counts, gathered, gpos, gslots, greq, tables, num_blocks, owner = r
     if max_position_embeddings is not None:
         _check_positions(requests, max_position_embeddings)
     return PcpPlan(pcp_world, block_size, int(num_blocks), positions, slots, gidx, counts[:, 0].clone(),
-                   counts[:, 1].clone(), counts[:, 2].clone(), gathered, gpos, gslots, greq, tables)
+                   counts[:, 1].clone(), counts[:, 2].clone(), gathered, gpos, gslots, greq, tables, owner,
+                   local_order, decode_ownership)
+
+
+def check_plan_modes(local_order, decode_ownership) -> None:
+    """Raises ValueError naming the argument for a local_order not in LOCAL_ORDERS or a decode_ownership not in
+    DECODE_OWNERSHIPS."""
+    if not isinstance(local_order, str) or local_order not in LOCAL_ORDERS:
+        raise ValueError(f"local_order = {local_order!r}; expected one of {LOCAL_ORDERS}")
+    if not isinstance(decode_ownership, str) or decode_ownership not in DECODE_OWNERSHIPS:
+        raise ValueError(f"decode_ownership = {decode_ownership!r}; expected one of {DECODE_OWNERSHIPS}")
 
 
 def _check_positions(requests: Sequence[Request], max_positions: int) -> None:

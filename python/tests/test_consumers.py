@@ -520,3 +520,62 @@ def test_consumers_opcheck_and_compile(device):
     eager = layer(qi, inp["weights"])
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")(qi, inp["weights"])
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def _dispatch_topk(w, topk, mode, rows, seed=23):
+    """The dispatch of T seeded rows (materializing index_k, no cache write) whose only other output is the
+    poisoned top-k buffer `topk` [T, width]: fill mode `mode` (topk_indexer_rows = rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, dev = topk.shape[0], w.device
+    max_pos = w.rope_cos_sin.shape[0]
+    positions = (torch.arange(T) * 7 % max_pos).long().to(dev)
+    kw = dict(topk_fill_mode=mode) if mode is not None else {}
+    if rows is not None:
+        kw["topk_indexer_rows"] = rows
+    pk.dispatch(llm_like(gen, T, 512).to(dev), llm_like(gen, T, 64).to(dev), positions, w.weights["kv_norm_w"],
+                w.rope_cos_sin, fmt=w.fmt, index_k=llm_like(gen, T, 128).to(dev), index_ln_w=w.weights["index_ln_w"],
+                index_ln_b=w.weights["index_ln_b"],
+                index_k_out=torch.empty(T, 128, dtype=torch.bfloat16, device=dev), topk_fill=topk, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_topk_fill_tail_then_indexer_equals_full(device):
+    """Issue 17 item 1: dispatch(topk_fill_mode='tail', topk_indexer_rows=n) + indexer_topk over rows [0, n) of
+    the same poisoned buffer == full fill + indexer_topk, byte for byte (rows of requests shorter and longer than
+    topk, a request -1 row, padding rows past the step's tokens; the C++ tests add decodes); each mode writes
+    exactly its rows."""
+    w = published(pk.CacheFormat("fp8_ds_mla"), device, seed=21)
+    inp = index_inputs(w, 8, seed=22, pad=True)  # the plan's tokens (short and long requests, decodes) + a -1 row
+    n, topk = inp["positions"].numel(), 24
+    assert (inp["positions"] + 1 < topk).any() and (inp["positions"] + 1 > topk).any()
+    T = n + 5  # padding rows no indexer visits
+
+    def run(mode, rows, indexer=True):
+        buf = torch.full((T, topk), POISON_I32, dtype=torch.int32, device=w.device)
+        _dispatch_topk(w, buf, mode, rows)
+        if indexer:
+            assert pk.indexer_topk(**inp, topk=topk, out=buf[:n]).data_ptr() == buf.data_ptr()
+        return buf.cpu()
+
+    full = run(None, None)  # the default is full
+    assert torch.equal(full, run("full", None))
+    assert torch.equal(full, run("tail", n)), "tail + indexer differs from full + indexer"
+    assert (full[n:] == -1).all() and (full[:n] >= 0).any() and (full[:n] == -1).any()
+    fill = run("tail", n, indexer=False)
+    assert (fill[:n] == POISON_I32).all() and (fill[n:] == -1).all()
+    assert (run("tail", 0, indexer=False) == -1).all()
+    assert (run("none", None, indexer=False) == POISON_I32).all()
+    assert not torch.equal(full, run("none", None)), "none leaves the padding rows to nobody"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_topk_fill_errors_name_the_argument(device):
+    w = World(plan_of(), pk.CacheFormat("fp8_ds_mla"), device, seed=3)
+    buf = torch.full((6, 8), POISON_I32, dtype=torch.int32, device=w.device)
+    for mode, rows, part in [("Tail", None, "topk_fill_mode = 'Tail'"), ("tail", None, "topk_indexer_rows = None"),
+                             ("tail", 7, "topk_indexer_rows = 7 must be an int in [0, num_tokens = 6]"),
+                             ("tail", -1, "topk_indexer_rows = -1"), ("tail", 2.0, "topk_indexer_rows = 2.0"),
+                             ("full", 3, "only used by topk_fill_mode 'tail'")]:
+        with pytest.raises(ValueError, match=part.replace("[", r"\[").replace("(", r"\(")):
+            _dispatch_topk(w, buf, mode, rows)
+        assert (buf == POISON_I32).all(), f"{mode} {rows}: written before the error"

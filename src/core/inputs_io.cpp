@@ -170,8 +170,8 @@ InputsBatch read_inputs_batch(const std::string& path) {
 
 namespace {
 
-// Rewrites the plan's slots from `slots` (global order): global_slots, each rank's slot_mapping (decode
-// copies on ranks > 0 stay -1, padding stays -1) and the gathered mapping.
+// Rewrites the plan's slots from `slots` (global order): global_slots, each rank's slot_mapping (rows without a
+// slot stay -1: padding, decode copies another rank writes) and the gathered mapping.
 void set_slots(PcpPlan& plan, const std::vector<int64_t>& slots) {
   plan.global_slots = slots;
   for (int32_t r = 0; r < plan.pcp_world; ++r) {
@@ -179,7 +179,7 @@ void set_slots(PcpPlan& plan, const std::vector<int64_t>& slots) {
     for (size_t i = 0; i < rp.slot_mapping.size(); ++i) {
       const int64_t g = rp.global_index[i];
       if (g < 0) continue;  // padding stays -1
-      const bool decode_copy = plan.requests[plan.global_request[g]].kind == RequestKind::kDecode && r != 0;
+      const bool decode_copy = rp.slot_mapping[i] < 0;  // the plan gave this row no slot: another rank writes it
       rp.slot_mapping[i] = decode_copy ? -1 : slots[g];
       plan.gathered_slot_mapping[r * plan.max_local_tokens + static_cast<int64_t>(i)] = rp.slot_mapping[i];
     }

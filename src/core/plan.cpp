@@ -1,4 +1,5 @@
-// PCP batch plan (SPEC section 4): DualChunkSwap split, decode replication, padding, slot mappings.
+// PCP batch plan (SPEC section 4): DualChunkSwap split, decode replication or ownership, local order, padding,
+// slot mappings.
 #include "pcpkv/core/plan.h"
 
 #include <algorithm>
@@ -24,19 +25,43 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-std::vector<int64_t> dual_chunk_swap_tokens(int64_t L, int32_t P, int32_t r) {
+std::vector<std::pair<int64_t, int64_t>> dual_chunk_swap_chunks(int64_t L, int32_t P, int32_t r) {
   PCPKV_CHECK(P >= 1, "pcp_world = {} must be >= 1", P);
   PCPKV_CHECK(r >= 0 && r < P, "pcp rank {} is out of range [0, {})", r, P);
   PCPKV_CHECK(L >= 0, "prefill length {} must be >= 0", L);
-  std::vector<int64_t> out;
+  std::vector<std::pair<int64_t, int64_t>> out;
   if (L == 0) return out;
   const int64_t chunk = ceil_div(L, 2 * int64_t{P});
   for (int64_t idx : {int64_t{r}, int64_t{2 * P - 1 - r}}) {
     const int64_t begin = idx * chunk;
     const int64_t end = std::min((idx + 1) * chunk, L);
-    for (int64_t t = begin; t < end; ++t) out.push_back(t);
+    if (begin < end) out.emplace_back(begin, end);
   }
   return out;
+}
+
+std::vector<int64_t> dual_chunk_swap_tokens(int64_t L, int32_t P, int32_t r) {
+  std::vector<int64_t> out;
+  for (const auto& [begin, end] : dual_chunk_swap_chunks(L, P, r))
+    for (int64_t t = begin; t < end; ++t) out.push_back(t);
+  return out;
+}
+
+const char* to_string(LocalOrder o) { return o == LocalOrder::kLocal ? "local" : "request"; }
+const char* to_string(DecodeOwnership o) {
+  return o == DecodeOwnership::kRoundRobin ? "round_robin" : "replicated";
+}
+
+LocalOrder parse_local_order(const std::string& s, const std::string& field) {
+  if (s == "request") return LocalOrder::kRequest;
+  if (s == "local") return LocalOrder::kLocal;
+  PCPKV_FAIL("{}: unknown local order '{}'; expected request or local", field, s);
+}
+
+DecodeOwnership parse_decode_ownership(const std::string& s, const std::string& field) {
+  if (s == "replicated") return DecodeOwnership::kReplicated;
+  if (s == "round_robin") return DecodeOwnership::kRoundRobin;
+  PCPKV_FAIL("{}: unknown decode ownership '{}'; expected replicated or round_robin", field, s);
 }
 
 int64_t PcpPlan::num_written_slots() const {
@@ -110,27 +135,58 @@ PcpPlan make_plan(const PlanConfig& c) {
     }
   }
 
-  // Local order per rank: requests in order; a decode's token on every rank (slot only on rank 0);
-  // a prefill's DualChunkSwap tokens of this rank.
+  // Decode owners: rank 0 (replicated) or decode i -> rank i % P (round robin), i counted among decodes.
+  p.local_order = c.local_order;
+  p.decode_ownership = c.decode_ownership;
+  p.decode_owner.assign(c.requests.size(), -1);
+  int64_t decode_idx = 0;
+  for (size_t i = 0; i < c.requests.size(); ++i) {
+    if (c.requests[i].kind != RequestKind::kDecode) continue;
+    p.decode_owner[i] = c.decode_ownership == DecodeOwnership::kRoundRobin
+                            ? static_cast<int32_t>(decode_idx % c.pcp_world)
+                            : 0;
+    ++decode_idx;
+  }
+
+  // Each rank's segments in request order (SPEC section 4.1): a decode's token (every rank, or its owner only),
+  // a prefill's DualChunkSwap tokens of this rank as runs of consecutive offsets.
+  struct Segment {
+    size_t request;
+    int64_t begin, end;  // token offsets within the request
+    bool decode;
+  };
   p.ranks.resize(static_cast<size_t>(c.pcp_world));
   for (int32_t r = 0; r < c.pcp_world; ++r) {
-    RankPlan& rp = p.ranks[static_cast<size_t>(r)];
+    std::vector<Segment> segs;
     for (size_t i = 0; i < c.requests.size(); ++i) {
       const RequestSpec& q = c.requests[i];
       if (q.kind == RequestKind::kDecode) {
-        const int64_t g = request_start[i];
+        if (c.decode_ownership == DecodeOwnership::kReplicated || p.decode_owner[i] == r)
+          segs.push_back({i, 0, 1, true});
+        continue;
+      }
+      for (const auto& [begin, end] : dual_chunk_swap_chunks(q.num_new_tokens, c.pcp_world, r)) {
+        if (!segs.empty() && segs.back().request == i && segs.back().end == begin)
+          segs.back().end = end;  // adjacent chunks (P = 1) are one run
+        else
+          segs.push_back({i, begin, end, false});
+      }
+    }
+    if (c.local_order == LocalOrder::kLocal) {
+      // vLLM's PCPManager moves "pure prefill" segments, those of a prefill starting at position 0, last.
+      std::stable_partition(segs.begin(), segs.end(), [&](const Segment& s) {
+        return s.decode || c.requests[s.request].context_len + s.begin != 0;
+      });
+    }
+    RankPlan& rp = p.ranks[static_cast<size_t>(r)];
+    for (const Segment& s : segs) {
+      for (int64_t t = s.begin; t < s.end; ++t) {
+        const int64_t g = request_start[s.request] + t;
         rp.global_index.push_back(g);
         rp.positions.push_back(p.global_positions[static_cast<size_t>(g)]);
-        rp.slot_mapping.push_back(r == 0 ? p.global_slots[static_cast<size_t>(g)] : -1);
-        ++rp.num_decode_tokens;
-      } else {
-        for (int64_t t : dual_chunk_swap_tokens(q.num_new_tokens, c.pcp_world, r)) {
-          const int64_t g = request_start[i] + t;
-          rp.global_index.push_back(g);
-          rp.positions.push_back(p.global_positions[static_cast<size_t>(g)]);
-          rp.slot_mapping.push_back(p.global_slots[static_cast<size_t>(g)]);
-          ++rp.num_prefill_tokens;
-        }
+        const bool writes = !s.decode || p.decode_owner[s.request] == r;
+        rp.slot_mapping.push_back(writes ? p.global_slots[static_cast<size_t>(g)] : -1);
+        ++(s.decode ? rp.num_decode_tokens : rp.num_prefill_tokens);
       }
     }
     rp.num_local_tokens = static_cast<int64_t>(rp.global_index.size());
@@ -204,6 +260,27 @@ void validate_plan(const PcpPlan& p) {
       PCPKV_CHECK(p.gathered_slot_mapping[static_cast<size_t>(r) * M + i] == s,
                   "plan: gathered_slot_mapping[{}] = {} != rank {} slot_mapping[{}] = {}", static_cast<size_t>(r) * M + i,
                   p.gathered_slot_mapping[static_cast<size_t>(r) * M + i], r, i, s);
+    }
+  }
+  // A decode's row has a slot only on its owner (empty decode_owner: a plan built by hand, owners unchecked).
+  if (!p.decode_owner.empty()) {
+    PCPKV_CHECK(p.decode_owner.size() == p.requests.size(), "plan: decode_owner has {} entries for {} requests",
+                p.decode_owner.size(), p.requests.size());
+    for (size_t i = 0; i < p.requests.size(); ++i) {
+      const bool decode = p.requests[i].kind == RequestKind::kDecode;
+      PCPKV_CHECK(decode ? (p.decode_owner[i] >= 0 && p.decode_owner[i] < p.pcp_world) : p.decode_owner[i] == -1,
+                  "plan: decode_owner[{}] = {} for a {} (expected {})", i, p.decode_owner[i],
+                  decode ? "decode" : "prefill", decode ? fmt::format("a rank in [0, {})", p.pcp_world) : "-1");
+    }
+    for (int32_t r = 0; r < p.pcp_world; ++r) {
+      const RankPlan& rp = p.ranks[static_cast<size_t>(r)];
+      for (int64_t i = 0; i < rp.num_local_tokens; ++i) {
+        const int32_t q = p.global_request[static_cast<size_t>(rp.global_index[static_cast<size_t>(i)])];
+        if (q < 0 || static_cast<size_t>(q) >= p.requests.size() || p.decode_owner[q] < 0) continue;
+        PCPKV_CHECK((rp.slot_mapping[static_cast<size_t>(i)] >= 0) == (p.decode_owner[q] == r),
+                    "plan: rank {} row {} (decode request {}, owner rank {}) has slot {}", r, i, q, p.decode_owner[q],
+                    rp.slot_mapping[static_cast<size_t>(i)]);
+      }
     }
   }
   // Every global slot written exactly once over the gathered mapping.

@@ -100,6 +100,9 @@ PcpPlan single_rank_plan(const PcpPlan& plan) {
   const int64_t n = plan.num_global_tokens();
   s.pcp_world = 1;
   s.max_local_tokens = n;
+  s.local_order = LocalOrder::kRequest;  // global order on the one rank, which writes every decode
+  s.decode_ownership = DecodeOwnership::kReplicated;
+  for (int32_t& o : s.decode_owner) o = o >= 0 ? 0 : -1;
   RankPlan r;
   r.num_local_tokens = n;
   for (int64_t g = 0; g < n; ++g) {
@@ -319,14 +322,20 @@ Check check_bound(const PublishResult& r, const GlobalInputs& in, const PcpPlan&
   return c;
 }
 
-Check check_topk_filled(const PublishResult& r, const PcpPlan& plan, int64_t width) {
-  Check c = make_check("top-k buffer filled with -1", to_string(r.transport));
+Check check_topk_filled(const PublishResult& r, const PcpPlan& plan, int64_t width, TopkFill mode) {
+  const char* what = mode == TopkFill::kFull   ? "top-k buffer filled with -1 (full)"
+                     : mode == TopkFill::kTail ? "top-k buffer: padding rows -1, local tokens' rows untouched (tail)"
+                                               : "top-k buffer untouched (none)";
+  Check c = make_check(what, to_string(r.transport));
   ByteTally t;
+  const int64_t M = plan.max_local_tokens;
   for (int32_t rank = 0; rank < plan.pcp_world && rank < static_cast<int32_t>(r.topk.size()); ++rank) {
-    const int64_t n = plan.ranks[rank].num_local_tokens * width;
+    const int64_t n = M * width;
+    const int64_t first = topk_fill_first_row(mode, plan.ranks[rank].num_local_tokens, M);
     const auto* p = reinterpret_cast<const uint8_t*>(r.topk[rank].data());
     std::vector<uint8_t> got(p, p + std::min<int64_t>(n, static_cast<int64_t>(r.topk[rank].size())) * 4);
     std::vector<uint8_t> want(static_cast<size_t>(n * 4), 0xFF);
+    std::fill(want.begin(), want.begin() + first * width * 4, kGuardByte);
     t.add(got, want, fmt::format("rank {} top-k", rank),
           [&](int64_t o) { return fmt::format("token {}, entry {}", o / (4 * width), (o % (4 * width)) / 4); });
   }
@@ -334,7 +343,7 @@ Check check_topk_filled(const PublishResult& r, const PcpPlan& plan, int64_t wid
     c.detail = "the backend returned no top-k buffer";
     return c;
   }
-  t.fill(c, fmt::format("{} int32 per local token on all ranks", width));
+  t.fill(c, fmt::format("{} int32 per row, {} rows per rank", width, M));
   return c;
 }
 
@@ -353,7 +362,7 @@ std::vector<Check> check_publication(const PublishResult& result, const PublishR
   out.push_back(check_guards(result, *pc.plan, pc.fmt));
   say("dequantized cache vs fp64");
   out.push_back(check_bound(result, *pc.inputs, *pc.plan, *pc.model, pc.fmt));
-  if (pc.topk_width > 0) out.push_back(check_topk_filled(result, *pc.plan, pc.topk_width));
+  if (pc.topk_width > 0) out.push_back(check_topk_filled(result, *pc.plan, pc.topk_width, pc.topk_fill));
   return out;
 }
 

@@ -31,6 +31,9 @@ void validate_publish_setup(const PublishSetup& s) {
   PCPKV_CHECK(a.mla_block_pad >= 0, "alloc: mla_block_pad = {} must be >= 0", a.mla_block_pad);
   PCPKV_CHECK(a.index_block_pad >= 0, "alloc: index_block_pad = {} must be >= 0", a.index_block_pad);
   PCPKV_CHECK(s.topk_width >= 0, "publish: topk_width = {} must be >= 0", s.topk_width);
+  PCPKV_CHECK(s.topk_fill_mode == TopkFill::kFull || s.topk_fill_mode == TopkFill::kTail ||
+                  s.topk_fill_mode == TopkFill::kNone,
+              "publish: topk_fill_mode = {} is not a TopkFill", static_cast<int>(s.topk_fill_mode));
   PCPKV_CHECK(s.num_ubatches >= 1, "publish: num_ubatches = {} must be >= 1", s.num_ubatches);
   PCPKV_CHECK(s.layer_idx >= 0, "publish: layer_idx = {} must be >= 0", s.layer_idx);
   PCPKV_CHECK(s.repeats >= 1, "publish: repeats = {} must be >= 1", s.repeats);
@@ -107,8 +110,16 @@ DispatchParams base_dispatch_params(const PublishSetup& s, const PublishLayout& 
   if (l.fill_topk) {
     d.topk_fill = in.topk;
     d.topk_width = s.topk_width;
+    d.topk_fill_mode = s.topk_fill_mode;
+    d.topk_indexer_rows = in.topk_indexer_rows;
   }
   return d;
+}
+
+int64_t topk_first_row(const PublishSetup& s, int32_t rank) {
+  const PcpPlan& plan = *s.plan;
+  return topk_fill_first_row(s.topk_fill_mode, plan.ranks[static_cast<size_t>(rank)].num_local_tokens,
+                             plan.max_local_tokens);
 }
 
 std::string describe_rank(int32_t pcp_rank, const std::vector<int32_t>& global_ranks, const std::vector<int64_t>& pids) {

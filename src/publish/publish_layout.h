@@ -51,9 +51,14 @@ struct DispatchInputs {
   int64_t rope_num_positions = 0;
   uint16_t* q_c_out = nullptr;
   int32_t* topk = nullptr;
+  int64_t topk_indexer_rows = 0;  // the rank's num_local_tokens (setup.topk_fill_mode = kTail)
 };
 /// DispatchParams for M = max_local_tokens rows with the model's eps and rope styles, no transport set.
 DispatchParams base_dispatch_params(const PublishSetup& s, const PublishLayout& l, const DispatchInputs& in);
+
+/// First row of rank r's top-k buffer that the publication fills (rows [first, max_local_tokens) get -1):
+/// topk_fill_first_row of setup.topk_fill_mode with the rank's num_local_tokens as the indexer's rows.
+int64_t topk_first_row(const PublishSetup& s, int32_t rank);
 
 /// "rank 2 (global rank 6, pid 4711)" for messages.
 std::string describe_rank(int32_t pcp_rank, const std::vector<int32_t>& global_ranks, const std::vector<int64_t>& pids);

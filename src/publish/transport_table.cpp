@@ -102,8 +102,10 @@ ByteModel make_byte_model(const PublishSetup& s, const PublishLayout& l, bool fu
   m.mla_bytes = l.row.mla_bytes;
   m.index_slot_bytes = idx * kIndexerSlotBytes;
   m.transport_row_bytes = l.row.row_bytes;
-  for (const RankPlan& rp : plan.ranks) {
-    m.topk_rows.push_back(l.fill_topk ? m.rows : 0);  // every row of the buffer, padding included
+  for (int32_t r = 0; r < m.world; ++r) {
+    const RankPlan& rp = plan.ranks[static_cast<size_t>(r)];
+    // rows [topk_first_row, M) of the buffer (setup.topk_fill_mode; full: every row, padding included)
+    m.topk_rows.push_back(l.fill_topk ? m.rows - topk_first_row(s, r) : 0);
     m.written.push_back(std::count_if(rp.slot_mapping.begin(), rp.slot_mapping.end(), [](int64_t x) { return x >= 0; }));
     m.written_all += m.written.back();
   }

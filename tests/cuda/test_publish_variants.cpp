@@ -99,6 +99,14 @@ std::vector<VariantCase> variant_cases() {
     c.spec.fmt.has_indexer = false;
     v.push_back(c);
   }
+  // The top-k fill modes (pcpkv/publish/dispatch.h TopkFill) in every variant, fused and separate: tail fills only
+  // each rank's padding rows (uneven ranks have some), none nothing; the CPU backend is the oracle.
+  for (TopkFill f : {TopkFill::kTail, TopkFill::kNone}) {
+    VariantCase c = v[0];
+    c.name += std::string("_topk_") + to_string(f);
+    c.spec.topk_fill = f;
+    v.push_back(c);
+  }
   // Rows whose norms overflow fp32: the guard's rescaled path must give the CPU's bytes in every
   // kernel (CTA and warp, Q / KV / indexer reductions), mixed with ordinary rows.
   for (VariantCase c : {v[0], v[2]}) {

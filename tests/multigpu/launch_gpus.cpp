@@ -65,6 +65,26 @@ TEST_P(PublishAcrossGpus, EveryTransportMatchesTheCpuReferenceByteForByte) {
   EXPECT_NE(r.output.find("verdict: PASS"), std::string::npos) << r.output;
 }
 
+// --transport auto across GPUs (SPEC section 5.1): direct when every pair of the GPUs has CUDA P2P access (NVLink),
+// else collect over NCCL; either way the reason is printed and the bytes match the CPU reference. Round-robin
+// decodes and vLLM's local order ride along (SPEC section 4.1).
+TEST_P(PublishAcrossGpus, AutoTransportSaysWhatItChoseAndPasses) {
+  const int p = GetParam();
+  SKIP_WITHOUT_GPUS(p);
+  const auto r = run_program({"launch", "--nproc", std::to_string(p), "--gpus", gpu_list(p), "--output", "rank0", "--",
+                              "mp-publish", "--backend", "cuda", "--tokens", std::to_string(12 * p), "--decodes",
+                              std::to_string(p + 1), "--block-size", "16", "--transport", "auto", "--local-order",
+                              "local", "--decode-ownership", "round_robin"},
+                             300, clean_env());
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const std::string want_direct = "--transport auto: direct: all " + std::to_string(p) + " ranks";
+  const bool direct = r.output.find(want_direct) != std::string::npos;
+  const bool collect = r.output.find("--transport auto: collect over NCCL: rank ") != std::string::npos;
+  EXPECT_TRUE(direct != collect) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "replicas == single-process CPU reference: PASS"), 1) << r.output;
+  EXPECT_NE(r.output.find("verdict: PASS"), std::string::npos) << r.output;
+}
+
 TEST_P(PublishAcrossGpus, ASharedLayerAtThirtyTwoKTokens) {
   // A realistic size once per world (GLM-5 dims, fp8, IndexShare shared layer: MLA cache only).
   const int p = GetParam();

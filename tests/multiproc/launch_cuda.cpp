@@ -58,6 +58,21 @@ TEST_P(LaunchCudaOneGpu, ThirteenTokensPerRankByteIdenticalWithGraphReplays) {
 }
 INSTANTIATE_TEST_SUITE_P(Procs, LaunchCudaOneGpu, ::testing::Values(2, 4, 8));
 
+// Plan modes (SPEC section 4.1) and --transport auto (5.1) with CUDA ranks on one GPU: every rank reaches every
+// replica (one device), so auto picks direct and says why; vLLM's local order and round-robin decodes (rank 2
+// owns none of the 2 decodes) publish the single-process CPU reference's bytes.
+TEST(LaunchCuda, PlanModesAndAutoTransportOnOneGpu) {
+  SKIP_WITHOUT_GPU();
+  const auto r = run_program({"launch", "--nproc", "3", "--gpus", "0", "--", "mp-publish", "--backend", "cuda",
+                              "--tokens", "61", "--decodes", "2", "--block-size", "16", "--transport", "auto",
+                              "--local-order", "local", "--decode-ownership", "round_robin"},
+                             600, clean_env());
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.output.find("--transport auto: direct: all 3 ranks on host"), std::string::npos) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "replicas == single-process CPU reference: PASS"), 1) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "guard bytes untouched: PASS"), 1) << r.output;
+}
+
 TEST(LaunchCuda, Tp2Pcp2OnOneGpu) {
   SKIP_WITHOUT_GPU();
   const auto r = run_program({"launch", "--nproc", "4", "--gpus", "0", "--", "mp-publish", "--backend", "cuda",

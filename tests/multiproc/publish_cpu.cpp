@@ -23,9 +23,12 @@ using test::run_ranks;
 
 // A batch with uneven local counts: a prefill of 13 * P + 3 tokens (13 or 14 per rank), a short prefill that
 // leaves some ranks empty, and two decodes (rank 0 writes them).
-PcpPlan make_test_plan(int32_t pcp) {
+PcpPlan make_test_plan(int32_t pcp, LocalOrder order = LocalOrder::kRequest,
+                       DecodeOwnership own = DecodeOwnership::kReplicated) {
   PlanConfig c;
   c.pcp_world = pcp;
+  c.local_order = order;
+  c.decode_ownership = own;
   c.block_size = 16;
   c.requests = {{RequestKind::kPrefill, 13 * pcp + 3, 0},
                 {RequestKind::kPrefill, 5, 100},
@@ -45,10 +48,11 @@ struct Job {
 
 // `variant` 0: glm-5 fp8_ds_mla indexer layer with padded strides; 1: deepseek-v3.2 static fp8, shared
 // layer (no indexer); 2: glm-5 bf16.
-std::unique_ptr<Job> make_job(int32_t pcp, int variant, uint64_t seed) {
+std::unique_ptr<Job> make_job(int32_t pcp, int variant, uint64_t seed, LocalOrder order = LocalOrder::kRequest,
+                              DecodeOwnership own = DecodeOwnership::kReplicated) {
   auto j = std::make_unique<Job>();
   j->model = preset(variant == 1 ? "deepseek-v3.2" : "glm-5");
-  j->plan = make_test_plan(pcp);
+  j->plan = make_test_plan(pcp, order, own);
   j->setup.model = &j->model;
   j->setup.plan = &j->plan;
   j->setup.fmt.kv_format = variant == 0 ? KvFormat::kFp8DsMla : (variant == 1 ? KvFormat::kFp8 : KvFormat::kBf16);
@@ -153,6 +157,22 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, Transport::kStaging, 1}, Case{4, Transport::kDirect, 1}, Case{4, Transport::kCollect, 1},
                       Case{2, Transport::kDirect, 2}, Case{2, Transport::kStaging, 2}),
     case_name);
+
+// Plan modes (SPEC section 4.1) with one process per rank: vLLM's local order and round-robin decode owners
+// (3 ranks, 2 decodes: rank 2 owns none) publish the bytes of the single-process reference of the same plan,
+// which tests/unit/test_plan_modes.cpp shows equal to the default modes' bytes.
+TEST(PublishCpuMultiproc, LocalOrderAndRoundRobinDecodes) {
+  for (Transport t : {Transport::kCollect, Transport::kStaging, Transport::kDirect}) {
+    const auto out = run_ranks(3, [t](const BootstrapConfig& bc) {
+      auto boot = Bootstrap::connect(bc);
+      auto job = make_job(bc.world_size, 0, 77, LocalOrder::kLocal, DecodeOwnership::kRoundRobin);
+      RANK_CHECK(job->plan.ranks[2].num_decode_tokens == 0 && job->plan.ranks[1].num_decode_tokens == 1,
+                 "round robin: decode counts per rank");
+      return publish_and_check(*boot, *job, t, {});
+    });
+    EXPECT_TRUE(test::all_ok(out)) << to_string(t) << ": " << test::describe(out);
+  }
+}
 
 TEST(PublishCpuMultiproc, RepeatedPublicationsReuseSymmetricMemory) {
   // Several publications (every transport, then again, with repeats) on one publisher: each starts from

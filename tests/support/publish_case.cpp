@@ -18,6 +18,8 @@ std::unique_ptr<PublishCase> make_case(const CaseSpec& spec) {
   pc.requests = spec.requests;
   pc.extra_blocks = spec.extra_blocks;
   pc.seed = spec.seed;
+  pc.local_order = spec.local_order;
+  pc.decode_ownership = spec.decode_ownership;
   c->plan = make_plan(pc);
   c->inputs = generate_inputs(c->model, c->plan, spec.fmt.has_indexer, spec.seed);
   c->setup.model = &c->model;
@@ -25,6 +27,7 @@ std::unique_ptr<PublishCase> make_case(const CaseSpec& spec) {
   c->setup.fmt = spec.fmt;
   c->setup.alloc = spec.alloc;
   c->setup.topk_width = spec.topk_width;
+  c->setup.topk_fill_mode = spec.topk_fill;
   return c;
 }
 

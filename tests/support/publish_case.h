@@ -23,7 +23,10 @@ struct CaseSpec {
   CacheFormat fmt;                  // default: fp8_ds_mla pow2 with an indexer
   AllocationOptions alloc;
   int64_t topk_width = 0;
+  TopkFill topk_fill = TopkFill::kFull;  // PublishSetup::topk_fill_mode
   uint64_t seed = 1;                // plan and inputs
+  LocalOrder local_order = LocalOrder::kRequest;
+  DecodeOwnership decode_ownership = DecodeOwnership::kReplicated;
 };
 
 /// Owns everything a PublishSetup points to (so it is neither copied nor moved).

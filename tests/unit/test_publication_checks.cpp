@@ -63,7 +63,7 @@ TEST(PublicationChecks, PassOnACorrectPublicationInOrder) {
   EXPECT_EQ(names(checks), (std::vector<std::string>{"replicas identical", "== single-rank reference",
                                                      "guard/untouched bytes intact",
                                                      "dequantized vs fp64 within the FP8 bound",
-                                                     "top-k buffer filled with -1"}));
+                                                     "top-k buffer filled with -1 (full)"}));
   EXPECT_EQ(steps, (std::vector<std::string>{"replicas", "single-rank reference", "guard bytes",
                                              "dequantized cache vs fp64"}));
   for (const Check& c : checks) {

@@ -37,6 +37,13 @@ const Row kRows[] = {
      }},
     {BatchFlag::kBlockSize, "Tokens per cache block (power of two)",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--block-size", f.block_size, h); }},
+    {BatchFlag::kLocalOrder, "Order of a rank's rows: request | local (vLLM's: segments starting at position 0 last)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--local-order", f.local_order, h); }},
+    {BatchFlag::kDecodeOwnership,
+     "replicated (every rank holds each decode, rank 0 writes it) | round_robin (decode i on rank i % P only)",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) {
+       return s->add_option("--decode-ownership", f.decode_ownership, h);
+     }},
     {BatchFlag::kKvFormat, "MLA cache format: fp8_ds_mla | fp8 | bf16",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--kv-format", f.kv_format, h); }},
     {BatchFlag::kDsMlaScale, "fp8_ds_mla tile scales: pow2 | raw",
@@ -64,6 +71,10 @@ const Row kRows[] = {
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--repeats", f.repeats, h); }},
     {BatchFlag::kTopkWidth, "Fill a top-k buffer [T, width] with -1 (indexer layers; 0: off)",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--topk-width", f.topk_width, h); }},
+    {BatchFlag::kTopkFill,
+     "Which top-k rows get -1: full (every row, what engines do), tail (only the padding rows past each rank's local "
+     "tokens: pcpkv's indexer top-k writes the rest) or none",
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--topk-fill", f.topk_fill, h); }},
 };
 
 }  // namespace
@@ -76,7 +87,8 @@ std::vector<Transport> parse_transport_list(const std::string& s) {
     const size_t comma = s.find(',', start);
     const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     PCPKV_CHECK(item == "collect" || item == "staging" || item == "direct",
-                "--transport: unknown transport '{}' in '{}'; use all or a comma list of collect, staging, direct",
+                "--transport: unknown transport '{}' in '{}'; use all, auto or a comma list of collect, staging, "
+                "direct",
                 item, s);
     const Transport t = parse_transport(item);
     PCPKV_CHECK(std::find(out.begin(), out.end(), t) == out.end(), "--transport: '{}' is listed twice in '{}'", item,

@@ -27,22 +27,25 @@ struct BatchFlags {
   int32_t decodes = 0;               // --decodes: decode requests
   int64_t decode_context = -1;       // --decode-context (meaning per command: its help)
   int32_t block_size = 64;           // --block-size: tokens per cache block
+  std::string local_order = "request";         // --local-order: request | local (SPEC section 4.1)
+  std::string decode_ownership = "replicated";  // --decode-ownership: replicated | round_robin
   std::string kv_format = "fp8_ds_mla";
   std::string ds_mla_scale = "pow2";
   double k_scale = 1.0;              // --k-scale: static fp8 per-tensor scale
   std::string k_scale_text;          // --k-scale as typed (for messages), "" when not given
   std::string layer = "indexer";     // --layer: indexer | shared
-  std::string transport = "all";     // --transport
+  std::string transport = "all";     // --transport (run, mp-publish: also auto)
   std::string backend = "auto";      // --backend
   int32_t threads = 0;               // --threads: CPU threads
   uint64_t seed = 0;                 // --seed
   int32_t repeats = 1;               // --repeats
   int64_t topk_width = 0;            // --topk-width: top-k buffer width filled with -1
+  std::string topk_fill = "full";    // --topk-fill: full | tail | none (pcpkv/publish/dispatch.h TopkFill)
 };
 
 enum class BatchFlag {
-  kModel, kConfig, kTokens, kDecodes, kDecodeContext, kBlockSize, kKvFormat, kDsMlaScale, kKScale, kLayer,
-  kTransport, kBackend, kThreads, kSeed, kRepeats, kTopkWidth,
+  kModel, kConfig, kTokens, kDecodes, kDecodeContext, kBlockSize, kLocalOrder, kDecodeOwnership, kKvFormat, kDsMlaScale, kKScale, kLayer,
+  kTransport, kBackend, kThreads, kSeed, kRepeats, kTopkWidth, kTopkFill,
 };
 
 /// A command's own help text for a flag, where it means something narrower than the shared text.
@@ -51,8 +54,8 @@ struct FlagHelp {
   const char* help;
 };
 
-/// --transport: "all" or a comma list of collect, staging, direct, each at most once. Throws pcpkv::Error
-/// naming the flag and the value.
+/// --transport: "all" or a comma list of collect, staging, direct, each at most once ("auto" is decided by
+/// the command before: transport_choice.h). Throws pcpkv::Error naming the flag and the value.
 std::vector<Transport> parse_transport_list(const std::string& s);
 
 /// --kv-format, --ds-mla-scale, --k-scale (positive, finite, and a float32: the cache stores it as fp32)

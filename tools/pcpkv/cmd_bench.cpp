@@ -117,6 +117,7 @@ struct CheckedBench {
   std::vector<Transport> transports;
   std::vector<int64_t> single_rank_tokens, pdl_tokens;
   std::vector<std::string> variants, layer_variants;
+  TopkFill topk_fill = TopkFill::kFull;
 };
 
 CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_given) {
@@ -143,6 +144,7 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
   PCPKV_CHECK(a.layer == "indexer" || a.layer == "shared", "--layer: '{}' is not indexer or shared", a.layer);
   PCPKV_CHECK(a.tokens >= 1, "--tokens: must be >= 1, got {}", a.tokens);
   PCPKV_CHECK(a.topk_width >= 0, "--topk-width: must be >= 0, got {}", a.topk_width);
+  c.topk_fill = parse_topk_fill(a.topk_fill, "--topk-fill");
   check_block_size_flag(a.block_size);
   PCPKV_CHECK(a.iters >= 1, "--iters: must be >= 1, got {}", a.iters);
   PCPKV_CHECK(a.warmup >= 0, "--warmup: must be >= 0, got {}", a.warmup);
@@ -194,6 +196,16 @@ std::string run_key(const cuda::BenchRun& r) {
   return fmt::format("{}|{}|{}", r.model, r.pcp, static_cast<int>(r.kv_format));
 }
 
+// "fused" / "separate", with the fill mode when it is not the engines' full fill.
+std::string fill_label(bool fused, TopkFill f) {
+  const std::string where = fused ? "fused" : "separate";
+  return f == TopkFill::kFull ? where : fmt::format("{}, {}", where, to_string(f));
+}
+// The variant column: the variant, and the fill mode when it is not full (collect always runs full).
+std::string shown_variant(const cuda::BenchRun& r) {
+  return r.topk_fill == TopkFill::kFull ? r.variant : fmt::format("{} (fill {})", r.variant, to_string(r.topk_fill));
+}
+
 void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string& command) {
   using nlohmann::json;
   std::map<std::string, double> collect_ms, collect_graph_ms;
@@ -208,6 +220,8 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
                     "copy of {:.2f} GiB, read + write, same run)\n\ncommand: `{}`\n\n",
                     rep.device, rep.num_sms, rep.l2_bytes >> 20, rep.copy_gbps,
                     static_cast<double>(rep.copy_bytes) / (1 << 30), command);
+  md += fmt::format("top-k fill: staging, direct and the single-rank dispatch `{}`; collect `full` (as engines do)\n\n",
+                    a.topk_fill);
   md += "## dispatch kernels (registers, shared memory, spills, occupancy)\n\n";
   for (const std::string& k : rep.kernels) md += "- " + k + "\n";
 
@@ -228,13 +242,14 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
       const Derived d = derive(s.ms, s.bytes, rep.copy_gbps);
       const auto v = kVllm.find(s.tokens);
       md += fmt::format("| {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {} |\n", s.tokens, s.variant,
-                        s.fused_topk ? "fused" : "separate", s.ms * 1e3, s.bytes / 1e6, d.floor_ms * 1e3, d.ratio,
+                        fill_label(s.fused_topk, s.topk_fill), s.ms * 1e3, s.bytes / 1e6, d.floor_ms * 1e3, d.ratio,
                         v == kVllm.end() ? std::string("-") : fmt::format("{:.2f}", v->second.ratio));
       js.push_back({{"model", s.model},
                     {"kv_format", to_string(s.kv_format)},
                     {"tokens", s.tokens},
                     {"variant", s.variant},
                     {"fused_topk", s.fused_topk},
+                    {"topk_fill", to_string(s.topk_fill)},
                     {"ms", s.ms},
                     {"bytes", s.bytes},
                     {"gbps", d.gbps},
@@ -283,7 +298,7 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
     for (const cuda::BenchStage& s : r.stages) {
       const Derived d = derive(s.ms, s.bytes, rep.copy_gbps);
       md += fmt::format("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.1f} | {:.0f} | {:.0f} |\n", r.model, r.pcp,
-                        to_string(r.kv_format), to_string(r.transport), r.variant, s.name, s.ms, s.bytes / 1e6,
+                        to_string(r.kv_format), to_string(r.transport), shown_variant(r), s.name, s.ms, s.bytes / 1e6,
                         d.gbps, 100 * d.frac);
       stages.push_back({{"name", s.name}, {"ms", s.ms}, {"bytes", s.bytes}, {"gbps", d.gbps}, {"fraction_of_copy", d.frac}});
     }
@@ -297,6 +312,7 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
                  {"tokens", r.tokens},
                  {"transport", to_string(r.transport)},
                  {"variant", r.variant},
+                 {"topk_fill", to_string(r.topk_fill)},
                  {"stages", stages},
                  {"total_ms", r.total_ms},
                  {"bytes", r.bytes},
@@ -344,7 +360,7 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
       const Derived d = derive(r.total_ms, r.bytes, rep.copy_gbps);
       const auto c = collect_ms.find(run_key(r));
       summary += fmt::format("| {} | {} | {} | {} | {} | {:.3f} | {} | {} | {:.0f} | {:.0f} | {:.3f} | {:.2f} | {} |\n",
-                             r.model, r.pcp, to_string(r.kv_format), to_string(r.transport), r.variant, r.total_ms,
+                             r.model, r.pcp, to_string(r.kv_format), to_string(r.transport), shown_variant(r), r.total_ms,
                              r.graph_ms >= 0 ? fmt::format("{:.3f}", r.graph_ms) : std::string("-"), fmt_bytes_gb(r.bytes),
                              d.gbps, 100 * d.frac, d.floor_ms, d.ratio,
                              c != collect_ms.end() && r.total_ms > 0 ? fmt::format("{:.2f}x", c->second / r.total_ms)
@@ -362,7 +378,7 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
       const Derived d = derive(s->ms, s->bytes, rep.copy_gbps);
       const auto v = kVllm.find(tokens);
       summary += fmt::format("| {} | {} | {} | {:.1f} | {:.2f} | {} |\n", tokens, s->variant,
-                             s->fused_topk ? "fused" : "separate", s->ms * 1e3, d.ratio,
+                             fill_label(s->fused_topk, s->topk_fill), s->ms * 1e3, d.ratio,
                              v == kVllm.end() ? std::string("-") : fmt::format("{:.2f}", v->second.ratio));
     }
   }
@@ -388,7 +404,7 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
       const Derived d = derive(r.total_ms, r.bytes, rep.copy_gbps);
       const auto c = collect_ms.find(run_key(r));
       summary += fmt::format("| {} | {} | {} | {} | {} | {:.3f} | {:.2f} | {} |\n", r.model, r.pcp, to_string(r.kv_format),
-                             to_string(r.transport), r.variant, r.total_ms, d.ratio,
+                             to_string(r.transport), shown_variant(r), r.total_ms, d.ratio,
                              c != collect_ms.end() && r.total_ms > 0 ? fmt::format("{:.2f}x", c->second / r.total_ms)
                                                                      : std::string("-"));
     }
@@ -420,6 +436,7 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
   o.indexer_layer = a.layer == "indexer";
   o.tokens = a.tokens;
   o.topk_width = a.topk_width;
+  o.topk_fill = c.topk_fill;
   o.block_size = a.block_size;
   o.iters = a.iters;
   o.warmup = a.warmup;
@@ -478,9 +495,12 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--kv-formats", a->kv_formats, "comma-separated: fp8, fp8_ds_mla, bf16")->capture_default_str();
   sub->add_option("--transports", a->transports, "comma-separated: collect, staging, direct")->capture_default_str();
   using F = BatchFlag;
-  add_batch_flags(sub, *a, {F::kTokens, F::kLayer, F::kTopkWidth, F::kBlockSize},
+  add_batch_flags(sub, *a, {F::kTokens, F::kLayer, F::kTopkWidth, F::kTopkFill, F::kBlockSize},
                   {{F::kTokens, "tokens of the one prefill request"}, {F::kLayer, "indexer | shared"},
-                   {F::kTopkWidth, "top-k buffer width filled with -1 on indexer layers (0: none)"}});
+                   {F::kTopkWidth, "top-k buffer width filled with -1 on indexer layers (0: none)"},
+                   {F::kTopkFill, "top-k rows staging, direct and the single-rank dispatch fill: full (every row), "
+                                  "tail (only the padding rows past each rank's local tokens: pcpkv's indexer top-k "
+                                  "writes the rest) or none; collect always fills every row, as engines do"}});
   sub->add_option("--iters", a->iters, "timed runs per case (median)")->capture_default_str();
   sub->add_option("--warmup", a->warmup, "untimed runs first")->capture_default_str();
   sub->add_flag("--no-graph", a->no_graph, "skip the CUDA-graph capture and replay");
@@ -519,10 +539,11 @@ void add_bench_command(CLI::App& app) {
     const std::string command =
         a->quick ? std::string("pcpkv bench --quick")
                  : fmt::format("pcpkv bench --models {} --pcp {} --kv-formats {} --transports {} --tokens {} --layer {} "
-                               "--topk-width {} --block-size {} --iters {} --warmup {} --single-rank-tokens {} "
+                               "--topk-width {} --topk-fill {} --block-size {} --iters {} --warmup {} --single-rank-tokens {} "
                                "--variants {} --layer-variants {} --pdl-tokens {} --pdl-pcp {} --pdl-layers {} "
                                "--per-gpu-pcp {} --per-gpu-tokens {} --copy-gib {}{}",
                                a->models, a->pcp, a->kv_formats, a->transports, a->tokens, a->layer, a->topk_width,
+                               a->topk_fill,
                                a->block_size, a->iters, a->warmup, a->single, a->variants, a->layer_variants,
                                a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->per_gpu_pcp, a->per_gpu_tokens,
                                a->copy_gib, a->no_graph ? " --no-graph" : "");

@@ -53,6 +53,7 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(f.threads >= 1, "--threads: must be >= 1, got {}", f.threads);
   PCPKV_CHECK(f.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", f.threads);
   PCPKV_CHECK(f.topk_width >= 0, "--topk-width: must be >= 0, got {}", f.topk_width);
+  (void)parse_topk_fill(f.topk_fill, "--topk-fill");
   PCPKV_CHECK(f.guard_bytes >= 0, "--guard-bytes: must be >= 0, got {}", f.guard_bytes);
   PCPKV_CHECK(f.base_offset >= 0, "--base-offset: must be >= 0, got {}", f.base_offset);
   PCPKV_CHECK((f.guard_bytes + f.base_offset) % 16 == 0,
@@ -71,7 +72,9 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(f.collect_via == "auto" || f.collect_via == "nccl" || f.collect_via == "p2p",
               "--collect-via: '{}' is not auto, nccl or p2p", f.collect_via);
   (void)parse_format_flags(f);
-  (void)parse_transport_list(f.transport);
+  (void)parse_local_order(f.local_order, "--local-order");
+  (void)parse_decode_ownership(f.decode_ownership, "--decode-ownership");
+  (void)candidate_transports(f.transport);
   if (f.config.empty()) (void)preset(f.model);
 }
 
@@ -99,9 +102,12 @@ void add_mp_publish_command(CLI::App& app) {
       "group's rank 0 checks every replica against the single-process CPU reference)");
   using F = BatchFlag;
   add_batch_flags(sub, *f,
-                  {F::kModel, F::kConfig, F::kTokens, F::kDecodes, F::kBlockSize, F::kKvFormat, F::kDsMlaScale,
-                   F::kKScale, F::kLayer, F::kTransport, F::kBackend},
-                  {{F::kDecodes, "Decode requests (rank 0 writes them)"},
+                  {F::kModel, F::kConfig, F::kTokens, F::kDecodes, F::kBlockSize, F::kLocalOrder,
+                   F::kDecodeOwnership, F::kKvFormat, F::kDsMlaScale, F::kKScale, F::kLayer, F::kTransport,
+                   F::kBackend},
+                  {{F::kDecodes, "Decode requests (see --decode-ownership)"},
+                   {F::kTransport, "all | comma list of collect, staging, direct | auto (direct when every peer is "
+                                   "reachable by peer stores, else collect over NCCL; says why)"},
                    {F::kBackend, "auto | cpu | cuda (GPU: local rank % visible GPUs, or PCPKV_DEVICE)"}});
   sub->add_option("--tp", f->tp, "TP size: the world splits into this many PCP groups of contiguous ranks")
       ->capture_default_str();
@@ -119,7 +125,7 @@ void add_mp_publish_command(CLI::App& app) {
                   "prints the floor received bytes / link bandwidth of the P2P stores")
       ->capture_default_str();
   sub->add_flag("--md-rows", f->md_rows, "Also print markdown table rows prefixed 'md|' (for docs/perf.md)");
-  add_batch_flags(sub, *f, {F::kThreads, F::kTopkWidth}, {{F::kThreads, "CPU threads per rank process"}});
+  add_batch_flags(sub, *f, {F::kThreads, F::kTopkWidth, F::kTopkFill}, {{F::kThreads, "CPU threads per rank process"}});
   sub->add_option("--guard-bytes", f->guard_bytes, "Guard bytes (0xA5) before and after each cache")
       ->capture_default_str();
   sub->add_option("--base-offset", f->base_offset, "Offset of the cache inside its allocation")->capture_default_str();

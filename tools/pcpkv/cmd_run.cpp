@@ -66,6 +66,8 @@ int run_command(const RunOptions& o) {
   std::FILE* human = o.json ? stderr : stdout;
   Progress progress(true);
   const PreparedRun prep = prepare_run(o, &progress);
+  // The choice of --transport auto on stderr too, so that it shows beside a --json result.
+  if (!prep.transport_reason.empty()) fmt::print(stderr, "pcpkv run: {}\n", prep.transport_reason);
   const RunOutcome out = execute_run(prep, &progress);
   progress.finish();
   const double elapsed = progress.elapsed_s();
@@ -108,17 +110,25 @@ void add_run_command(CLI::App& app) {
                   {{F::kConfig, "HF config.json overriding the preset (chosen by its model_type unless --model is given)"}});
   sub->add_option("--pcp", o->pcp, "PCP world size P (ranks, each with its own cache replica)")->capture_default_str();
   add_batch_flags(sub, *o,
-                  {F::kTokens, F::kDecodes, F::kDecodeContext, F::kBlockSize, F::kKvFormat, F::kDsMlaScale, F::kKScale,
-                   F::kLayer, F::kTransport, F::kBackend, F::kThreads, F::kSeed},
-                  {{F::kDecodes, "Decode requests (1 token each), replicated on every rank"},
-                   {F::kDecodeContext, "Context length of every decode request (-1: 1000*(i+1)+7*i for decode i)"}});
+                  {F::kTokens, F::kDecodes, F::kDecodeContext, F::kBlockSize, F::kLocalOrder, F::kDecodeOwnership,
+                   F::kKvFormat, F::kDsMlaScale, F::kKScale, F::kLayer, F::kTransport, F::kBackend, F::kThreads,
+                   F::kSeed},
+                  {{F::kDecodes, "Decode requests (1 token each); see --decode-ownership"},
+                   {F::kDecodeContext, "Context length of every decode request (-1: 1000*(i+1)+7*i for decode i)"},
+                   {F::kTransport, "all | comma list of collect, staging, direct | auto (direct when peer stores "
+                                   "reach every replica, else collect; says why)"}});
   sub->add_option("--inputs", o->inputs,
                   "Load activations from a safetensors file (q_c, kv, k_pe, index_k, positions, norm weights; "
                   "optional requests and slot_mapping)");
   sub->add_option("--save", o->save,
                   "Write inputs, the plan's slot mapping and rank 0's MLA and indexer-K caches to a safetensors file");
   sub->add_flag("--json", o->json, "Print the result as JSON on stdout (everything else goes to stderr)");
-  sub->add_flag("--topk-fill", o->topk_fill, "Also fill the top-k index buffer [T, index_topk] with -1 and check it");
+  sub->add_option("--topk-fill", o->topk_fill,
+                  "Also fill the top-k index buffer [T, index_topk] with -1 and check it: full (every row, what "
+                  "engines do; the flag alone), tail (only the padding rows past each rank's local tokens: pcpkv's "
+                  "indexer top-k writes the rest) or none; the rows not filled must stay untouched")
+      ->expected(0, 1)
+      ->default_str("full");
   sub->add_flag("--allow-nonfinite", o->allow_nonfinite, "Publish inputs that hold NaN or inf (refused otherwise)");
   sub->add_option("--memory-limit-gb", o->memory_limit_gb,
                   "Refuse runs whose estimated peak host memory exceeds this many GB (0: the memory this machine "

@@ -46,6 +46,10 @@ struct MpPublishFlags : BatchFlags {
   bool ds_mla_scale_given = false, k_scale_given = false;  // for the notes on flags the format ignores
 };
 
+/// --transport as the flag checks and the memory estimate see it: parse_transport_list, and for "auto" what
+/// it may pick (collect or direct; setup_mp_job decides after the rendezvous). mp_publish_setup.cpp.
+std::vector<Transport> candidate_transports(const std::string& transport);
+
 /// Every flag that needs no world, cheapest first (cmd_mp_publish.cpp).
 void check_flags(const MpPublishFlags& f);
 
@@ -60,7 +64,8 @@ struct MpJob {
   ModelConfig model;
   PcpPlan plan;
   CacheFormat fmt;
-  std::vector<Transport> transports;
+  std::vector<Transport> transports;  // --transport auto: the one chosen after the rendezvous (auto_transport)
+  std::string transport_reason;       // --transport auto: "--transport auto: direct: ..." ("" otherwise)
   uint64_t group_seed = 0;  // each PCP group publishes its own inputs
   GlobalInputs inputs;
   PublishSetup setup;

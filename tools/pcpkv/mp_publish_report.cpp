@@ -179,6 +179,10 @@ bool report_mp(const MpPublishFlags& f, const Bootstrap& world, const MpJob& job
       j["tp"] = layout.tp_size;
       j["pcp"] = layout.pcp_size;
       j["pcp_group"] = group_idx;
+      if (!job.transport_reason.empty())
+        j["transport_choice"] = {{"transport", to_string(job.transports.front())}, {"reason", job.transport_reason}};
+      j["local_order"] = to_string(plan.local_order);
+      j["decode_ownership"] = to_string(plan.decode_ownership);
       j["backend"] = backend_name;
       j["device"] = loop.device;
       j["ok"] = ok;

@@ -2,7 +2,11 @@
 // before the rendezvous, device memory agreed by every rank), then plan, inputs, group and options.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <optional>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -11,8 +15,10 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/transport_choice.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
+#include "pcpkv/ranks/cuda.h"
 #endif
 
 namespace pcpkv::cli {
@@ -64,7 +70,7 @@ MpShape mp_shape(const MpPublishFlags& f, const ModelConfig& model, int64_t grou
   // Two allocations (MLA, indexer), each with guards on both sides and the base offset, 2 MiB rounding.
   s.alloc_extra = 2 * (2.0L * static_cast<long double>(f.guard_bytes) + static_cast<long double>(f.base_offset)) +
                   (2 << 20);
-  for (Transport t : parse_transport_list(f.transport)) {
+  for (Transport t : candidate_transports(f.transport)) {
     s.staging = s.staging || t == Transport::kStaging;
     s.collect = s.collect || t == Transport::kCollect;
   }
@@ -119,10 +125,45 @@ std::string mp_sizing_flags(const MpPublishFlags& f, int64_t world, int64_t loca
                      world == 1 ? "" : "s", local);
 }
 
+// --transport auto: the PCP group's topology (every rank's host name, and its row of peer access: shared
+// memory within a host on the CPU, the same GPU or CUDA P2P access on CUDA), gathered over the group so that
+// every rank decides the same.
+TransportChoice auto_transport(Bootstrap& group, const std::string& backend) {
+  constexpr size_t kHost = 64;
+  const auto W = static_cast<size_t>(group.world_size());
+  char host[kHost] = {};
+  if (::gethostname(host, kHost - 1) != 0 || host[0] == '\0') std::snprintf(host, kHost, "localhost");
+  std::vector<char> hosts(kHost * W);
+  group.all_gather(host, kHost, hosts.data());
+  Topology t;
+  for (size_t r = 0; r < W; ++r) t.hosts.emplace_back(&hosts[kHost * r], ::strnlen(&hosts[kHost * r], kHost - 1));
+  const auto me = static_cast<size_t>(group.rank());
+  std::vector<uint8_t> row(W);
+  for (size_t b = 0; b < W; ++b) row[b] = t.hosts[b] == t.hosts[me] ? 1 : 0;
+#if defined(PCPKV_HAVE_CUDA)
+  if (backend == "cuda") {
+    const std::vector<bool> p2p = cuda::peer_access_row(group);
+    for (size_t b = 0; b < W; ++b) row[b] = row[b] && p2p[b] ? 1 : 0;
+    t.nccl_available = cuda::have_nccl();
+  }
+#else
+  (void)backend;
+#endif
+  std::vector<uint8_t> all(W * W);
+  group.all_gather(row.data(), W, all.data());
+  for (size_t a = 0; a < W; ++a) t.peer_access.emplace_back(all.begin() + a * W, all.begin() + (a + 1) * W);
+  return choose_transport(t);
+}
+
 // Refuses, in every rank before the rendezvous, a job whose ranks on this host need more host memory than
 // it has: each rank computes the same sum from the same flags and environment, so all refuse together and
 // none waits for a peer. The world size comes from the launcher's environment (a world of one without it).
 }  // namespace
+
+std::vector<Transport> candidate_transports(const std::string& transport) {
+  if (transport == "auto") return {Transport::kCollect, Transport::kDirect};
+  return parse_transport_list(transport);
+}
 
 void check_mp_host_memory(const MpPublishFlags& f) {
   std::optional<BootstrapConfig> cfg;
@@ -204,13 +245,15 @@ void setup_mp_job(const MpPublishFlags& f, Bootstrap& world, MpJob& job) {
   pc.pcp_rank_base = group_idx * layout.pcp_size;
   pc.block_size = f.block_size;
   pc.seed = f.seed;
+  pc.local_order = parse_local_order(f.local_order, "--local-order");
+  pc.decode_ownership = parse_decode_ownership(f.decode_ownership, "--decode-ownership");
   if (f.tokens > 0) pc.requests.push_back({RequestKind::kPrefill, f.tokens, 0});
   for (int32_t i = 0; i < f.decodes; ++i) pc.requests.push_back({RequestKind::kDecode, 1, 1000 * int64_t{i + 1} + 7 * i});
   PCPKV_CHECK(!pc.requests.empty(), "--tokens 0 --decodes 0: the batch is empty");
   job.plan = make_plan(pc);
   job.fmt = parse_format_flags(f);
   const CacheFormat& fmt = job.fmt;
-  job.transports = parse_transport_list(f.transport);
+  job.transports = candidate_transports(f.transport);  // "auto": decided after the rendezvous
   // Each PCP group publishes its own inputs: the checks then catch a write that crossed groups.
   job.group_seed = f.seed + 1000003ull * static_cast<uint64_t>(group_idx);
   job.inputs = generate_inputs(job.model, job.plan, fmt.has_indexer, job.group_seed);
@@ -222,6 +265,7 @@ void setup_mp_job(const MpPublishFlags& f, Bootstrap& world, MpJob& job) {
   setup.alloc.guard_bytes = f.guard_bytes;
   setup.alloc.base_offset = f.base_offset;
   setup.topk_width = f.topk_width;
+  setup.topk_fill_mode = parse_topk_fill(f.topk_fill, "--topk-fill");
   setup.repeats = f.repeats;
 
   std::string& backend_name = job.backend_name;
@@ -234,6 +278,13 @@ void setup_mp_job(const MpPublishFlags& f, Bootstrap& world, MpJob& job) {
   }
 #endif
   job.group = make_pcp_group(world, layout);
+  if (f.transport == "auto") {
+    const TransportChoice choice = auto_transport(*job.group, backend_name);
+    job.transports = {choice.transport};
+    job.transport_reason = "--transport auto: " + choice.reason;
+    if (job.group->rank() == 0)
+      fmt::print(stderr, "pcpkv mp-publish: PCP group {}: {}\n", group_idx, job.transport_reason);
+  }
   RankPublishOptions& opt = job.opt;
   opt.fence_timeout_ms = f.fence_timeout_ms;
   opt.num_threads = f.threads;

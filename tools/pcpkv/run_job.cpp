@@ -24,6 +24,7 @@
 #include "pcpkv/core/safetensors.h"
 #include "pcpkv/publish/checks.h"
 #include "footprint.h"
+#include "pcpkv/publish/transport_choice.h"
 #include "progress.h"
 
 namespace pcpkv::cli {
@@ -193,6 +194,17 @@ void check_save_target(const std::string& path) {
 
 bool RunOutcome::ok() const { return all_pass(checks); }
 
+Topology one_process_topology(int32_t pcp) {
+  // `pcpkv run`'s P logical ranks live in one process on one device (the CPU or one GPU): every rank's replica
+  // is plain memory of that device to every other rank.
+  char host[256] = {};
+  const std::string name = ::gethostname(host, sizeof(host) - 1) == 0 && host[0] ? host : "localhost";
+  Topology t;
+  t.hosts.assign(static_cast<size_t>(std::max(pcp, 1)), name);
+  t.peer_access.assign(t.hosts.size(), std::vector<bool>(t.hosts.size(), true));
+  return t;
+}
+
 PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   PreparedRun p;
   p.opts = o;
@@ -203,6 +215,8 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   check_block_size_flag(o.block_size);
   PCPKV_CHECK(o.tokens >= 0, "--tokens: must be >= 0, got {}", o.tokens);
   PCPKV_CHECK(o.decodes >= 0, "--decodes: must be >= 0, got {}", o.decodes);
+  const LocalOrder local_order = parse_local_order(o.local_order, "--local-order");
+  const DecodeOwnership decode_ownership = parse_decode_ownership(o.decode_ownership, "--decode-ownership");
   PCPKV_CHECK(o.decode_context >= -1,
               "--decode-context: must be >= -1 (-1: context 1000*(i+1)+7*i for decode i; >= 0: that context for "
               "every decode), got {}",
@@ -217,11 +231,19 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   PCPKV_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
               "--backend: unknown backend '{}'; known: auto, cpu, cuda", o.backend);
   p.fmt = parse_format_flags(o);
-  p.transports = parse_transport_list(o.transport);
+  if (o.transport == "auto") {
+    const TransportChoice choice = choose_transport(one_process_topology(o.pcp));
+    p.transports = {choice.transport};
+    p.transport_reason = "--transport auto: " + choice.reason;
+    p.notes_text.push_back(p.transport_reason);
+  } else {
+    p.transports = parse_transport_list(o.transport);
+  }
   // Flags that do not apply to this format or layer: say so rather than ignore them silently.
   auto given = [&](const char* flag) {
     return std::find(o.flags_given.begin(), o.flags_given.end(), flag) != o.flags_given.end();
   };
+  if (!o.topk_fill.empty()) p.topk_fill = parse_topk_fill(o.topk_fill, "--topk-fill");
   if (given("--topk-fill") && !p.fmt.has_indexer) {
     p.notes_text.push_back("--topk-fill: not used: a shared layer (--layer shared) has no indexer, so no top-k buffer");
   }
@@ -269,6 +291,8 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   pc.pcp_world = o.pcp;
   pc.block_size = o.block_size;
   pc.seed = o.seed;
+  pc.local_order = local_order;
+  pc.decode_ownership = decode_ownership;
   InputsBatch batch;
   if (!o.inputs.empty()) {
     batch = read_inputs_batch(o.inputs);
@@ -284,7 +308,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   Footprint fp(o.block_size);
   fp.pcp = o.pcp;
   fp.q_lora_rank = p.model.q_lora_rank;
-  fp.index_topk = o.topk_fill && p.fmt.has_indexer ? p.model.index_topk : 0;
+  fp.index_topk = !o.topk_fill.empty() && p.fmt.has_indexer ? p.model.index_topk : 0;
   fp.fmt = p.fmt;
   auto uses = [&](Transport t) { return std::find(p.transports.begin(), p.transports.end(), t) != p.transports.end(); };
   fp.collect = uses(Transport::kCollect);
@@ -421,12 +445,13 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     ref_backend = cpu_ref.get();
   }
 
-  const int64_t topk_width = prep.opts.topk_fill && prep.fmt.has_indexer ? prep.model.index_topk : 0;
+  const int64_t topk_width = !prep.opts.topk_fill.empty() && prep.fmt.has_indexer ? prep.model.index_topk : 0;
   PublishSetup setup;
   setup.model = &prep.model;
   setup.plan = &prep.plan;
   setup.fmt = prep.fmt;
   setup.topk_width = topk_width;
+  setup.topk_fill_mode = prep.topk_fill;
   setup.materialize_q = true;
   setup.repeats = prep.opts.repeats;
   PublishSetup ref_setup = setup;
@@ -454,6 +479,7 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     pc.inputs = &prep.inputs;
     pc.fmt = prep.fmt;
     pc.topk_width = topk_width;
+    pc.topk_fill = prep.topk_fill;
     for (Check& c : check_publication(run.result, run.reference, pc, [&](const std::string& what) {
            step(progress, fmt::format("verifying {}: {}", name, what));
          }))

@@ -14,6 +14,7 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
 #include "batch_flags.h"
+#include "pcpkv/publish/transport_choice.h"
 
 namespace pcpkv::cli {
 
@@ -26,6 +27,7 @@ struct RunOptions : BatchFlags {
     decodes = 4;     // decode requests, each with its own context
     // decode_context: context of decode i: this value, or (-1) 1000 * (i + 1) + 7 * i
     // threads: CPU backend threads (0: all cores)
+    topk_fill = "";  // --topk-fill [full|tail|none]: "" = no top-k buffer; the flag alone = full
   }
   bool model_given = false;  // --model on the command line (else --config picks by model_type)
   std::vector<std::string> flags_given;  // long flags on the command line ("--k-scale"), for ignored-flag notes
@@ -33,7 +35,6 @@ struct RunOptions : BatchFlags {
   std::string inputs;  // --inputs FILE.safetensors
   std::string save;    // --save FILE.safetensors
   bool json = false;
-  bool topk_fill = false;
   bool allow_nonfinite = false;
   double memory_limit_gb = 0;  // refuse runs whose estimated peak exceeds this (0: available memory only)
   std::string inject_fault;  // testing aid (hidden flag): "row" or "guard" flips a byte of the last
@@ -43,10 +44,12 @@ struct RunOptions : BatchFlags {
 /// Everything decided before the first byte is published.
 struct PreparedRun {
   RunOptions opts;
+  TopkFill topk_fill = TopkFill::kFull;  // parsed --topk-fill (when given)
   ModelConfig model;
   ConfigNotes notes;
   CacheFormat fmt;
   std::vector<Transport> transports;
+  std::string transport_reason;  // --transport auto: "--transport auto: direct: ..." (what it chose and why)
   PcpPlan plan;      // PCP-P plan
   PcpPlan ref_plan;  // PCP-1 plan: same requests, block tables and slots
   GlobalInputs inputs;
@@ -80,5 +83,8 @@ struct RunOutcome {
 /// Publishes with every requested transport on the chosen backend, runs the single-rank references on
 /// the CPU backend, and performs every check (check_publication, pcpkv/publish/checks.h).
 RunOutcome execute_run(const PreparedRun& prep, Progress* progress);
+
+/// The topology of `pcpkv run`'s pcp logical ranks (one process, one device, this host), for --transport auto.
+Topology one_process_topology(int32_t pcp);
 
 }  // namespace pcpkv::cli

@@ -80,6 +80,8 @@ std::string format_plan(const PreparedRun& prep) {
     if (rp.num_decode_tokens) per_rank += fmt::format("+{}", rp.num_decode_tokens);
   }
   line("tokens per rank", per_rank + (s.num_decode ? "  (prefill+decode)" : "  (prefill)"));
+  line("plan modes", fmt::format("local order {}, decodes {}", to_string(plan.local_order),
+                                 to_string(plan.decode_ownership)));
   line("max_local_tokens", fmt::format("{} (shorter ranks padded with slot -1)", plan.max_local_tokens));
   line("blocks", fmt::format("{} x {} slots{}; {} slots written", plan.num_blocks, plan.block_size,
                              plan.reserve_null_block ? " (block 0 = null block)" : "", plan.num_written_slots()));
@@ -184,6 +186,8 @@ nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, 
                {"requests", requests},
                {"prefill_tokens_per_rank", prefill},
                {"decode_tokens_per_rank", decode},
+               {"local_order", to_string(plan.local_order)},
+               {"decode_ownership", to_string(plan.decode_ownership)},
                {"max_local_tokens", plan.max_local_tokens},
                {"transport_row_bytes", row.row_bytes},
                {"mla_row_bytes", mla_row_bytes(prep.fmt.kv_format)},
@@ -213,6 +217,8 @@ nlohmann::ordered_json run_json(const PreparedRun& prep, const RunOutcome& out, 
                           {"total_bytes", run.result.profile.total_bytes()}});
   }
   j["transports"] = transports;
+  if (!prep.transport_reason.empty())
+    j["transport_choice"] = {{"transport", to_string(prep.transports.front())}, {"reason", prep.transport_reason}};
   j["checks"] = json::parse(checks_json(out.checks));
   j["saved"] = saved.empty() ? json(nullptr) : json(saved);
   j["save_error"] = save_error.empty() ? json(nullptr) : json(save_error);

@@ -2,11 +2,14 @@
 //
 // A batch is a list of requests in global order. Prefill requests are split across the PCP world by
 // DualChunkSwap (head-tail balance); decode requests are replicated on every rank and only rank 0's copy
-// writes KV. Local buffers are padded to max_local_tokens; padded rows have slot -1.
+// writes KV (or, DecodeOwnership::kRoundRobin, held and written by one owner rank each). A rank's local rows
+// follow the request order (or LocalOrder::kLocal, vLLM's). Local buffers are padded to max_local_tokens;
+// padded rows have slot -1.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pcpkv {
@@ -19,6 +22,30 @@ struct RequestSpec {
   int64_t context_len = 0;     // tokens already cached; the first new token has position context_len
 };
 
+/// Order of a rank's local rows (SPEC section 4.1). The rows are grouped in segments: a segment is a maximal
+/// run of consecutive positions of one request on one rank (a decode's token; a DualChunkSwap chunk).
+enum class LocalOrder : uint8_t {
+  kRequest,  // segments in request order, a request's segments by position (the default)
+  kLocal,    // vLLM's PCPManager: a stable partition of the request order; the segments that start at position
+             // 0 (fresh prefills' head chunks) last, every other segment (decodes, continued prefills, the
+             // other chunks of fresh prefills) first
+};
+
+/// Which rank holds and writes a decode's row (SPEC section 4.1).
+enum class DecodeOwnership : uint8_t {
+  kReplicated,  // every rank holds every decode; only rank 0's row has a slot (the default)
+  kRoundRobin,  // vLLM #52162: decode i (0-based, in request order among the batch's decodes) is held, computed
+                // and written by rank i % pcp_world only; the other ranks have no row for it
+};
+
+const char* to_string(LocalOrder o);        // "request" | "local"
+const char* to_string(DecodeOwnership o);   // "replicated" | "round_robin"
+/// Parses "request" | "local". `field` names the flag or argument in the message, e.g. pcpkv::Error("--local-order:
+/// unknown local order 'fifo'; expected request or local").
+LocalOrder parse_local_order(const std::string& s, const std::string& field = "local_order");
+/// Parses "replicated" | "round_robin"; errors as parse_local_order.
+DecodeOwnership parse_decode_ownership(const std::string& s, const std::string& field = "decode_ownership");
+
 struct PlanConfig {
   int32_t pcp_world = 1;       // P >= 1
   int32_t pcp_rank_base = 0;   // global rank of PCP rank 0 (for TP x PCP subgroups); informational
@@ -28,6 +55,8 @@ struct PlanConfig {
   bool reserve_null_block = true;  // block 0 is vLLM's null block: never written
   bool shuffle_blocks = true;      // block ids drawn as a seeded permutation (non-contiguous tables)
   uint64_t seed = 0;
+  LocalOrder local_order = LocalOrder::kRequest;
+  DecodeOwnership decode_ownership = DecodeOwnership::kReplicated;
 };
 
 /// One rank's local view. Every vector has max_local_tokens entries.
@@ -36,7 +65,7 @@ struct RankPlan {
   int64_t num_prefill_tokens = 0;
   int64_t num_decode_tokens = 0;
   std::vector<int64_t> positions;      // [max_local_tokens], global positions; 0 for padding
-  std::vector<int64_t> slot_mapping;   // [max_local_tokens], -1: padding or a decode copy on rank > 0
+  std::vector<int64_t> slot_mapping;   // [max_local_tokens], -1: padding or a decode copy another rank writes
   std::vector<int64_t> global_index;   // [max_local_tokens], index into the global token order; -1 padding
 };
 
@@ -45,7 +74,11 @@ struct PcpPlan {
   int32_t block_size = 0;
   int64_t num_blocks = 0;              // cache blocks, including the null block when reserved
   bool reserve_null_block = true;
+  LocalOrder local_order = LocalOrder::kRequest;
+  DecodeOwnership decode_ownership = DecodeOwnership::kReplicated;
   std::vector<RequestSpec> requests;
+  /// [num_requests] the rank whose row writes each decode (0 when replicated), -1 for a prefill.
+  std::vector<int32_t> decode_owner;
   std::vector<std::vector<int32_t>> block_tables;  // [num_requests][blocks of that request]
   // Global token order: requests in order, tokens of one request contiguous.
   std::vector<int64_t> global_positions;  // [num_global_tokens]
@@ -67,6 +100,9 @@ struct PcpPlan {
 /// r and 2P-1-r; chunk idx covers [idx*chunk, min((idx+1)*chunk, L)), empty chunks dropped.
 /// Returns the token offsets (within the request, in local order) rank r owns.
 std::vector<int64_t> dual_chunk_swap_tokens(int64_t L, int32_t P, int32_t r);
+
+/// The same split as half-open offset ranges [begin, end): chunk r, then chunk 2P-1-r, empty ones dropped.
+std::vector<std::pair<int64_t, int64_t>> dual_chunk_swap_chunks(int64_t L, int32_t P, int32_t r);
 
 /// Builds and validates the plan. Throws pcpkv::Error naming the field and value (pcp_world < 1,
 /// block_size not a power of two, a request with no tokens, a decode with num_new_tokens != 1, ...).

@@ -14,6 +14,7 @@
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
+#include "pcpkv/publish/dispatch.h"
 
 namespace pcpkv {
 
@@ -45,6 +46,10 @@ struct PublishSetup {
   CacheFormat fmt;
   AllocationOptions alloc;
   int64_t topk_width = 0;         // > 0: dispatch fills topk [T, topk_width] with -1 (indexer layers)
+  TopkFill topk_fill_mode = TopkFill::kFull;  // kTail: only each rank's padding rows [num_local_tokens, T)
+                                              // (the indexer top-k runs on its real tokens and writes the
+                                              // rest: pcpkv/publish/dispatch.h TopkFill); kNone: no fill. The rows
+                                              // not filled keep kGuardByte.
   bool materialize_q = true;      // produce q_c_out on every rank
   int32_t num_ubatches = 1;       // staging workspace micro-batches
   int32_t layer_idx = 0;          // selects the staging double-buffer half (layer_idx & 1)

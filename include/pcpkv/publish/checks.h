@@ -140,8 +140,10 @@ Check check_same_fingerprint(std::string name, uint64_t a, uint64_t b);
 Check check_bound(const PublishResult& r, const GlobalInputs& in, const PcpPlan& plan, const ModelConfig& model,
                   const CacheFormat& fmt);
 
-/// Every rank's top-k buffer holds width int32 -1 per local token. Check "top-k buffer filled with -1".
-Check check_topk_filled(const PublishResult& r, const PcpPlan& plan, int64_t width);
+/// Every row of every rank's top-k buffer [max_local_tokens, width] (padding rows too): int32 -1 from
+/// topk_fill_first_row(mode, the rank's num_local_tokens, M) on, the backend's poison kGuardByte before it
+/// (the rows `mode` must not write). Check "top-k buffer filled with -1 (full)" / "... (tail)" / "... (none)".
+Check check_topk_filled(const PublishResult& r, const PcpPlan& plan, int64_t width, TopkFill mode = TopkFill::kFull);
 
 /// What a publication is checked against in `pcpkv run`.
 struct PublicationCase {
@@ -150,6 +152,7 @@ struct PublicationCase {
   const GlobalInputs* inputs = nullptr;
   CacheFormat fmt;
   int64_t topk_width = 0;  // > 0: the top-k buffer must be filled
+  TopkFill topk_fill = TopkFill::kFull;  // which of its rows (PublishSetup::topk_fill_mode)
 };
 
 /// The checks of one transport's publication, in this order: replicas identical, == single-rank reference,

@@ -29,6 +29,9 @@ struct BenchOptions {
   int64_t tokens = 32768;          // one prefill request of this many tokens
   bool indexer_layer = true;       // false: an IndexShare "shared" layer (no indexer K, no top-k fill)
   int64_t topk_width = 2048;       // top-k buffer width filled with -1 (indexer layers); 0: none
+  /// Which top-k rows staging / direct and the single-rank dispatch fill (pcpkv/publish/dispatch.h TopkFill; kTail:
+  /// each rank's padding rows only). collect always runs kFull, as engines do.
+  TopkFill topk_fill = TopkFill::kFull;
   int32_t block_size = 64;
   int iters = 20;
   int warmup = 5;
@@ -73,6 +76,7 @@ struct BenchRun {
   int64_t tokens = 0;
   Transport transport = Transport::kDirect;
   std::string variant;      // PublishVariant name the run used (collect: its pinned baseline)
+  TopkFill topk_fill = TopkFill::kFull;  // the fill it ran (collect: always kFull)
   std::vector<BenchStage> stages;
   double total_ms = 0.0;   // median of the per-run sums of the stages
   int64_t bytes = 0;       // sum over the stages
@@ -87,6 +91,7 @@ struct BenchSingle {
   int64_t tokens = 0;
   std::string variant;      // dispatch kernel variant ("simple", "prefetch")
   bool fused_topk = true;   // top-k fill inside the dispatch kernel (else a separate byte fill, timed with it)
+  TopkFill topk_fill = TopkFill::kFull;  // which rows it filled
   double ms = 0.0;          // median
   double ms_min = 0.0;
   int64_t bytes = 0;

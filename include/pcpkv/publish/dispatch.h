@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "pcpkv/core/layout.h"
 
@@ -23,6 +24,24 @@ struct CacheTarget {
   uint8_t* index_base = nullptr;        // first byte of block 0 of the indexer-K cache (indexer layers)
   IndexerCacheGeometry index;
 };
+
+/// Which entries of the top-k buffer [T, topk_width] the dispatch sets to -1 (docs/spec.md section 2.1).
+/// pcpkv's indexer top-k (pcpkv/consumers/indexer.h) writes every entry of every row it processes, its -1 tail and
+/// padding tokens (request_idx -1) included; so after the dispatch and that indexer over rows
+/// [0, topk_indexer_rows) of the same buffer (indexer topk == topk_width), kTail gives the same bytes as kFull.
+enum class TopkFill : uint8_t {
+  kFull = 0,  // every row (what engines do; the default)
+  kTail = 1,  // only the rows the indexer never visits: t >= topk_indexer_rows (the padding past the step's tokens)
+  kNone = 2,  // nothing (the caller's indexer writes every row)
+};
+const char* to_string(TopkFill f);  // "full" | "tail" | "none"
+/// "full" | "tail" | "none" -> TopkFill; throws pcpkv::Error naming `what` (e.g. "--topk-fill") and the value.
+TopkFill parse_topk_fill(const std::string& s, const std::string& what);
+/// First row the dispatch fills: rows [topk_fill_first_row, T) get -1 in all topk_width entries, rows before it
+/// are not touched (kFull: 0, kTail: indexer_rows, kNone: T). The one rule every dispatch path follows.
+inline int64_t topk_fill_first_row(TopkFill mode, int64_t indexer_rows, int64_t num_tokens) {
+  return mode == TopkFill::kFull ? 0 : mode == TopkFill::kTail ? indexer_rows : num_tokens;
+}
 
 /// Fused dispatch over num_tokens local tokens (SPEC section 2). Modes combine freely:
 ///  * materialize: each non-null *_out pointer receives that tensor (bf16);
@@ -63,8 +82,11 @@ struct DispatchParams {
   uint16_t* kv_c_out = nullptr;           // [T, 512] bf16 normalized kv_c
   uint16_t* k_pe_out = nullptr;           // [T, 64] bf16 roped k_pe
   uint16_t* index_k_out = nullptr;        // [T, 128] bf16 normalized + roped indexer K
-  int32_t* topk_fill = nullptr;           // [T, topk_width] int32, filled with -1 (indexer layers)
-  int64_t topk_width = 0;
+  int32_t* topk_fill = nullptr;           // [T, topk_width] int32: rows topk_fill_first_row(..).. T-1 := -1
+  int64_t topk_width = 0;                 //   (indexer layers); >= 1 when topk_fill is set
+  TopkFill topk_fill_mode = TopkFill::kFull;  // which rows (TopkFill); full unless the indexer writes the rest
+  int64_t topk_indexer_rows = 0;          // kTail: rows [0, n) the indexer top-k writes (its num_tokens: the
+                                          //   step's real tokens); in [0, T]. 0 = fill every row (= kFull)
   // ---- cache writes ----
   const int64_t* slot_mapping = nullptr;  // [T], -1 = no cache row
   const CacheTarget* targets = nullptr;   // [num_targets] (a device table on the GPU)

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "pcpkv/ranks/symmetric.h"
 
@@ -59,5 +60,11 @@ int64_t device_free_bytes();
 
 /// Whether pcpkv_cuda was built with NCCL.
 bool have_nccl();
+
+/// This rank's row of its group's peer-access matrix (transport "auto", pcpkv/publish/transport_choice.h):
+/// row[b] is true when rank b uses this rank's current GPU (same UUID) or a GPU this one has CUDA peer access
+/// to (cudaDeviceCanAccessPeer; the peer's GPU found by its PCI bus id, false when this process cannot see
+/// it). Collective over group (one all-gather).
+std::vector<bool> peer_access_row(Bootstrap& group);
 
 }  // namespace pcpkv::cuda

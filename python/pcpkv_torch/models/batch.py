@@ -1,7 +1,8 @@
 """One forward step's PCP batch over persistent paged block tables (SPEC section 4).
 
-pcpkv_torch.make_plan splits the step (DualChunkSwap prefill, replicated decodes, rank 0 writing them) and gives
-each rank its local rows; the slots come from block tables that live as long as their request, as an engine's
+pcpkv_torch.make_plan splits the step (DualChunkSwap prefill; decodes replicated with rank 0 writing them, or owned
+round-robin; rows in request or vLLM's local order, SPEC section 4.1) and gives each rank its local rows; the
+slots come from block tables that live as long as their request, as an engine's
 block manager keeps them, so a chunked prefill's new tokens and later decodes land beside the cached context.
 """
 
@@ -12,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from ..plan import Request, make_plan
+from ..plan import Request, check_plan_modes, make_plan
 
 __all__ = ["BlockTables", "StepRequest", "StepBatch"]
 
@@ -84,7 +85,8 @@ class BlockTables:
 class StepRequest:
     """One request of a step: `token_ids` (integer [n], n >= 1) are new tokens whose first has position
     context_len, which must equal the tokens of this request already cached (0 for a new request).
-    decode: a 1-token decode (replicated on every rank, rank 0 writes it)."""
+    decode: a 1-token decode (replicated on every rank with rank 0 writing it, or held by its round-robin owner:
+    StepBatch's decode_ownership)."""
 
     request_id: object
     token_ids: torch.Tensor
@@ -97,13 +99,17 @@ class StepBatch:
     contiguous. Per rank r (M = max_local_tokens rows, padding rows at the end of a rank's list):
       global_index[r]  int64 [M]  global token of local row i, -1 padding
       positions[r]     int64 [M]  position (0 for padding)
-      slot_mapping[r]  int64 [M]  slot written by this rank, -1 padding or a decode copy on rank > 0
+      slot_mapping[r]  int64 [M]  slot written by this rank, -1 padding or a decode copy another rank writes
       request_idx[r]   int32 [M]  row of block_tables, -1 padding
       owner[r]         bool [M]   rows whose output this rank returns (each global token exactly once)
     gathered_slot_mapping int64 [W * M] (rank-major, the all-gather / staging order); block_tables int32 [R, S];
-    input_ids / global_positions int64 [N]; global_slots int64 [N]."""
+    input_ids / global_positions int64 [N]; global_slots int64 [N].
+    local_order / decode_ownership: the plan modes (pcpkv_torch.LOCAL_ORDERS, DECODE_OWNERSHIPS); ValueError for
+    another value."""
 
-    def __init__(self, pcp_world: int, requests: Sequence[StepRequest], blocks: BlockTables, device=None):
+    def __init__(self, pcp_world: int, requests: Sequence[StepRequest], blocks: BlockTables, device=None, *,
+                 local_order: str = "request", decode_ownership: str = "replicated"):
+        check_plan_modes(local_order, decode_ownership)
         if not requests:
             raise ValueError("requests: a step needs at least one request")
         ids = [q.request_id for q in requests]
@@ -131,7 +137,8 @@ class StepBatch:
         for q in requests:
             blocks.reserve(q.request_id, q.context_len + int(q.token_ids.numel()))
         plan = make_plan(pcp_world, [Request(int(q.token_ids.numel()), q.context_len, q.decode) for q in requests],
-                         block_size=blocks.block_size, shuffle_blocks=False)
+                         block_size=blocks.block_size, shuffle_blocks=False, local_order=local_order,
+                         decode_ownership=decode_ownership)
         self.pcp_world, self.block_size = pcp_world, blocks.block_size
         self.num_slots = blocks.num_slots
         self.requests = list(requests)

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..model import ModelSpec
+from ..plan import check_plan_modes
 from .attention import PcpAttention, PcpRuntime
 from .batch import BlockTables, StepBatch, StepRequest
 from .world import TRANSPORTS, PcpWorld
@@ -31,7 +32,9 @@ class _NoMask(defaultdict):
 
 class PcpModel:
     """hf_model (GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM, eval, any dtype; its weights are used in place)
-    prefilled under PCP over pcp_world logical ranks of one device. kv_format: "fp8_ds_mla" | "fp8" | "bf16"
+    prefilled under PCP over pcp_world logical ranks of one device (transport: collect | staging | direct | auto;
+    auto picks direct here, the ranks sharing one device, and sets transport_reason). kv_format: "fp8_ds_mla" |
+    "fp8" | "bf16"
     (the MLA cache row; the indexer cache is FP8 always, SPEC section 3). num_blocks x block_size slots per
     replica (block 0 is the null block); max_positions: the RoPE table (default: the config's
     max_position_embeddings, capped at what the blocks can hold). step() runs one forward step of any mix of
@@ -42,7 +45,8 @@ class PcpModel:
     poison: fill outputs with NaN before the dispatch writes them (tests). check_replicas: the run-time replica
     check after every layer's publication (models/replica_check.py; None: PCPKV_CHECK_REPLICAS=1 turns it on).
     make_world: the world's class (default PcpWorld: pcp_world logical ranks here; DistPcpModel passes
-    DistPcpWorld, one rank per process).
+    DistPcpWorld, one rank per process). local_order / decode_ownership: the plan modes of every step (SPEC
+    section 4.1; pcpkv_torch.LOCAL_ORDERS, DECODE_OWNERSHIPS); logits and cache bytes do not depend on them.
     Raises ValueError for a config pcpkv cannot serve (kv_lora_rank != 512, ...), a bad transport, or a step
     that needs more blocks than are free."""
 
@@ -50,9 +54,12 @@ class PcpModel:
                  kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", transport: str = "direct",
                  max_positions: Optional[int] = None, row_chunk: Optional[int] = 64, seed: int = 0,
                  timing: bool = False, record_topk: bool = False, scale_read: str = "fp32", poison: bool = False,
-                 check_replicas: Optional[bool] = None, make_world=None):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS}")
+                 check_replicas: Optional[bool] = None, make_world=None, local_order: str = "request",
+                 decode_ownership: str = "replicated"):
+        check_plan_modes(local_order, decode_ownership)
+        self.local_order, self.decode_ownership = local_order, decode_ownership
+        if transport not in TRANSPORTS + ("auto",):
+            raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS} or 'auto'")
         if not isinstance(pcp_world, int) or pcp_world < 1:
             raise ValueError(f"pcp_world = {pcp_world!r} must be an int >= 1")
         if row_chunk is not None and (not isinstance(row_chunk, int) or row_chunk < 1):
@@ -74,6 +81,8 @@ class PcpModel:
         self.world = (make_world or PcpWorld)(self.spec, pcp_world, len(layers), num_blocks, block_size,
                                               kv_format=kv_format, ds_mla_scale=ds_mla_scale,
                                               max_positions=max_positions, device=device, check_replicas=check_replicas)
+        # "auto": decided once here; transport_reason says why (also logged on the "pcpkv_torch" logger).
+        transport, self.transport_reason = self.world.resolve_transport(transport)
         self.runtime = PcpRuntime(self.world, transport=transport, row_chunk=row_chunk, timing=timing,
                                   record_topk=record_topk, scale_read=scale_read, poison=poison)
         self.transport = transport
@@ -123,8 +132,8 @@ class PcpModel:
         the last one after the final norm), N = all new tokens of the step, requests in order."""
         if self._restored:
             raise RuntimeError("PcpModel.step: restore() already put HF's attention back; build a new PcpModel")
-        if transport is not None and transport not in TRANSPORTS:
-            raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS}")
+        if transport is not None:
+            transport, _ = self.world.resolve_transport(transport)
         vocab = int(self.hf.config.vocab_size)
         for i, q in enumerate(requests):
             t = q.token_ids
@@ -132,7 +141,8 @@ class PcpModel:
                 raise ValueError(f"requests[{i}] ({q.request_id!r}).token_ids: ids must be in [0, {vocab}), got "
                                  f"[{int(t.min())}, {int(t.max())}]")
         device = self.world.device
-        batch = StepBatch(self.world.W, requests, self.blocks, device)
+        batch = StepBatch(self.world.W, requests, self.blocks, device, local_order=self.local_order,
+                          decode_ownership=self.decode_ownership)
         self.runtime.step = batch
         self.runtime.transport = transport or self.transport
         out = self.hf(input_ids=batch.input_ids.to(device)[None],

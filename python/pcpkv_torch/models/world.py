@@ -21,11 +21,10 @@ from ..layout import allocate_indexer_cache, allocate_mla_cache, allocate_stagin
 from ..model import CacheFormat, ModelSpec
 from ..ops import combine, dispatch, fence, insert, rope_table
 from ..tables import CacheTargets, FenceState, RowDests, allocate_fence_pads
+from ..transport import TRANSPORTS, one_process_topology, resolve_transport
 from .replica_check import ReplicaCheck
 
 __all__ = ["TRANSPORTS", "LocalInputs", "PcpWorld"]
-
-TRANSPORTS = ("collect", "staging", "direct")
 
 
 @dataclass
@@ -71,6 +70,11 @@ class PcpWorld:
         self.local_ranks = range(pcp_world)  # the ranks this process computes: all of them
         self.replica_check = ReplicaCheck(check_replicas)
 
+    def resolve_transport(self, transport: str) -> tuple[str, str]:
+        """(transport, reason) for a name of TRANSPORTS or "auto" (pcpkv_torch.transport.resolve_transport over
+        this world's topology: W logical ranks in one process on one device); ValueError for another name."""
+        return resolve_transport(transport, one_process_topology(self.W))
+
     def _staging_for(self, fmt: CacheFormat, rows: int):
         have = self._staging.get(fmt.row_bytes)
         if have is None or have[0] < rows:
@@ -85,9 +89,9 @@ class PcpWorld:
         """Publishes layer layer_idx's rows of every rank of local_ranks into every replica with `transport` and
         writes each such rank's normalized q_c (RMSNorm, SPEC section 2.1) into q_c_out[r] bf16 [M, q_lora_rank].
         step: the StepBatch (positions, slot mappings); weights: q_norm_w, kv_norm_w, index_ln_w, index_ln_b.
+        transport "auto": resolve_transport() (direct here: the W ranks share one process and device).
         Raises ValueError for an unknown transport or positions past the RoPE table."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS}")
+        transport, _ = self.resolve_transport(transport)
         if step.max_position >= self.max_positions:
             raise ValueError(f"position {step.max_position} is past the RoPE table of max_positions = "
                              f"{self.max_positions}")

@@ -184,7 +184,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
   std::atomic<bool> failed{false};
   std::vector<std::exception_ptr> errors(static_cast<size_t>(W));
 
-  auto base_dispatch = [&](RankState& st, const RankScratch& sc) {
+  auto base_dispatch = [&](int32_t r, RankState& st, const RankScratch& sc) {
     mp::DispatchInputs di;
     di.q_c = sc.in.q_c.data();
     di.kv = sc.in.kv.data();
@@ -199,6 +199,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     di.rope_num_positions = rope->num_positions;
     di.q_c_out = st.q_out.data();
     di.topk = kFuseTopk ? st.topk.data() : nullptr;
+    di.topk_indexer_rows = plan.ranks[static_cast<size_t>(r)].num_local_tokens;  // fused fill: setup.topk_fill_mode
     DispatchParams d = mp::base_dispatch_params(setup, layout, di);
     if (!kFuseTopk) {
       d.topk_fill = nullptr;  // the topk-fill step
@@ -214,9 +215,11 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     RankState& st = ranks[static_cast<size_t>(r)];
     RankScratch& sc = scratch_[static_cast<size_t>(r)];
     switch (step.op) {
-      case mp::Op::kTopkFill: std::fill(st.topk.begin(), st.topk.end(), -1); break;
+      case mp::Op::kTopkFill:  // rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison
+        std::fill(st.topk.begin() + mp::topk_first_row(setup, r) * setup.topk_width, st.topk.end(), -1);
+        break;
       case mp::Op::kDispatchMaterialize: {
-        DispatchParams d = base_dispatch(st, sc);
+        DispatchParams d = base_dispatch(r, st, sc);
         d.kv_c_out = sc.kv_c_out.data();
         d.k_pe_out = sc.k_pe_out.data();
         d.index_k_out = fmt.has_indexer ? sc.index_k_out.data() : nullptr;
@@ -225,7 +228,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
       }
       case mp::Op::kDispatchStage: {
         // Rank r's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank r][0].
-        DispatchParams d = base_dispatch(st, sc);
+        DispatchParams d = base_dispatch(r, st, sc);
         uint8_t** dests = row_dests_storage.data() + static_cast<size_t>(r) * W;
         for (int32_t peer = 0; peer < W; ++peer)
           dests[peer] = scratch_[static_cast<size_t>(peer)].staging.get() + sg.row_offset(buffer_idx, 0, r, 0);
@@ -236,7 +239,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         break;
       }
       case mp::Op::kDispatchDirect: {
-        DispatchParams d = base_dispatch(st, sc);
+        DispatchParams d = base_dispatch(r, st, sc);
         d.slot_mapping = sc.in.slot_mapping.data();
         d.targets = targets.data();
         d.num_targets = W;

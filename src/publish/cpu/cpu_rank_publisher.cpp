@@ -230,7 +230,9 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   // One small function per Op of the transport table.
   auto run_step = [&](const mp::Step& step) {
     switch (step.op) {
-      case mp::Op::kTopkFill: std::fill(topk.begin(), topk.end(), -1); break;
+      case mp::Op::kTopkFill:  // rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison
+        std::fill(topk.begin() + mp::topk_first_row(setup_, me) * setup_.topk_width, topk.end(), -1);
+        break;
       case mp::Op::kDispatchMaterialize: {
         DispatchParams d = dispatch_params();
         uint8_t* mine = collect_->local();

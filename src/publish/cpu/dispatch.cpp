@@ -118,6 +118,7 @@ void compute_token(const DispatchParams& p, int64_t t, TokenValues& v) {
 PCPKV_ALWAYS_INLINE void dispatch_range_body(const DispatchParams& p, int64_t begin, int64_t end) {
   const TransportRowLayout layout = transport_row_layout(p.fmt);
   const bool need_kv = p.kv_c_out || p.k_pe_out || p.index_k_out || p.num_targets > 0 || p.num_row_dests > 0;
+  const int64_t topk_first = topk_fill_first_row(p.topk_fill_mode, p.topk_indexer_rows, p.num_tokens);
   float q[4096];
   TokenValues v;
   alignas(16) uint8_t row[kMaxRowBytes];
@@ -129,7 +130,7 @@ PCPKV_ALWAYS_INLINE void dispatch_range_body(const DispatchParams& p, int64_t be
       uint16_t* out = p.q_c_out + t * p.q_lora_rank;
       for (int i = 0; i < n; ++i) out[i] = codec::float_to_bf16(q[i]);
     }
-    if (p.topk_fill) {
+    if (p.topk_fill && t >= topk_first) {
       int32_t* out = p.topk_fill + t * p.topk_width;
       for (int64_t i = 0; i < p.topk_width; ++i) out[i] = -1;
     }

@@ -86,6 +86,13 @@ void validate_dispatch_shape(const DispatchParams& p) {
   }
   if (p.topk_fill != nullptr)
     PCPKV_CHECK(p.topk_width >= 1, "dispatch: topk_width = {} must be >= 1 when topk_fill is set", p.topk_width);
+  PCPKV_CHECK(p.topk_fill_mode == TopkFill::kFull || p.topk_fill_mode == TopkFill::kTail ||
+                  p.topk_fill_mode == TopkFill::kNone,
+              "dispatch: topk_fill_mode = {} is not a TopkFill", static_cast<int>(p.topk_fill_mode));
+  if (p.topk_fill_mode == TopkFill::kTail)
+    PCPKV_CHECK(p.topk_indexer_rows >= 0 && p.topk_indexer_rows <= T,
+                "dispatch: topk_indexer_rows = {} must be in [0, num_tokens = {}] for topk_fill_mode = tail",
+                p.topk_indexer_rows, T);
   PCPKV_CHECK(p.num_targets >= 0, "dispatch: num_targets = {} must be >= 0", p.num_targets);
   if (p.num_targets > 0) {
     PCPKV_CHECK(p.targets != nullptr, "dispatch: targets is null for num_targets = {}", p.num_targets);

@@ -106,6 +106,39 @@ __device__ __forceinline__ void sumsq_parts(const TokenRegs<QL>& v, bool do_q, b
   }
 }
 
+struct GuardTotals {
+  float q_total, kv_total;
+  bool q_big, kv_big;
+};
+
+/// The overflow guard's cold half (token_math.h; SPEC 2.1, 2.2), called by the whole CTA when a sum of
+/// squares is not finite: the rescaled sums of the rows that overflowed, from a reload of token g (L1 / L2
+/// hits; the same bits the hot path read), through s_big and one barrier. Not inlined, and reading no
+/// register of the hot path, so the ordinary path keeps its registers and code (docs/perf.md section 12).
+/// s_big is read only between this barrier and the next token's first one.
+template <int QL, bool kAligned>
+__device__ __noinline__ GuardTotals overflow_guard(const DispatchArgs& a, int64_t g, float q_total, float kv_total,
+                                                   float* s_big) {
+  TokenRegs<QL> v;
+  load_token<QL, kAligned>(a, g, v);
+  const RankArgs& ra = a.r[find_rank(a, g)];
+  const bool redo_q = ra.do_q && !math::finite(q_total), redo_kv = ra.need_kv && !math::finite(kv_total);
+  sumsq_parts<QL, true>(v, redo_q, redo_kv, s_big);
+  __syncthreads();
+  GuardTotals out{q_total, kv_total, false, false};
+  if (redo_q) {
+    const float t2 = fp32::add(fp32::add(s_big[0], s_big[1]), fp32::add(s_big[2], s_big[3]));
+    out.q_big = math::use_rescaled(q_total, t2);
+    if (out.q_big) out.q_total = t2;
+  }
+  if (redo_kv) {
+    const float t2 = fp32::add(s_big[4], s_big[5]);
+    out.kv_big = math::use_rescaled(kv_total, t2);
+    if (out.kv_big) out.kv_total = t2;
+  }
+  return out;
+}
+
 template <KvFormat F, int QL, bool kAligned>
 __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, const TokenRegs<QL>& v,
                                               const TargetLite* s_targets, uint8_t* const* s_dests,
@@ -117,7 +150,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   const int sa = kAligned ? 16 : c.store_align;
 
   // Top-k fill first: plain stores that need nothing else.
-  if (ra.topk_fill != nullptr) {
+  if (ra.topk_fill != nullptr && t >= ra.topk_first_row) {
     int32_t* row = ra.topk_fill + t * c.topk_width;
     if (c.topk_vec) {
       for (int64_t i = 4 * tid; i < c.topk_width; i += 4 * kThreads)
@@ -135,23 +168,15 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   __syncthreads();
   float q_total = ra.do_q ? fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3])) : 0.0f;
   float kv_total = ra.need_kv ? fp32::add(red[4], red[5]) : 0.0f;
-  // Overflow guard (token_math.h; SPEC 2.1, 2.2): every thread read the same sums, so the branch (and its
-  // barrier) is CTA-uniform. s_big is read only between this barrier and the next token's first one.
+  // Overflow guard (token_math.h; SPEC 2.1, 2.2): every thread read the same sums, so the branch (and the
+  // barrier inside the cold function) is CTA-uniform.
   bool q_big = false, kv_big = false;
   if (!math::finite(q_total) || !math::finite(kv_total)) {
-    const bool redo_q = !math::finite(q_total), redo_kv = !math::finite(kv_total);
-    sumsq_parts<QL, true>(v, redo_q, redo_kv, s_big);
-    __syncthreads();
-    if (redo_q) {
-      const float t2 = fp32::add(fp32::add(s_big[0], s_big[1]), fp32::add(s_big[2], s_big[3]));
-      q_big = math::use_rescaled(q_total, t2);
-      if (q_big) q_total = t2;
-    }
-    if (redo_kv) {
-      const float t2 = fp32::add(s_big[4], s_big[5]);
-      kv_big = math::use_rescaled(kv_total, t2);
-      if (kv_big) kv_total = t2;
-    }
+    const GuardTotals gt = overflow_guard<QL, kAligned>(a, g, q_total, kv_total, s_big);
+    q_total = gt.q_total;
+    kv_total = gt.kv_total;
+    q_big = gt.q_big;
+    kv_big = gt.kv_big;
   }
 
   // ---- Q output ----
@@ -268,7 +293,8 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       float rc[8] = {}, rs[8] = {};
       if (lane < 8) load_rope(c.rope_cos_sin + v.pos * kRopeDims, lane, c.index_rope_interleaved, rc, rs);
       float x[8];
-      const float r = index_ln_center(v.x, x, 0xffffu, c.index_eps);
+      const float r = index_ln_center<false>(v.x, ra.index_k + t * ra.index_k_stride + 8 * lane,
+                                             kAligned ? 16 : c.load_align, x, 0xffffu, c.index_eps);
       const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane));
       const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane + 4));
       const float4 b0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_b + 8 * lane));
@@ -458,7 +484,8 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
     r.kv_c_out = p.kv_c_out;
     r.k_pe_out = p.k_pe_out;
     r.index_k_out = p.index_k_out;
-    r.topk_fill = p.topk_fill;
+    r.topk_first_row = topk_fill_first_row(p.topk_fill_mode, p.topk_indexer_rows, p.num_tokens);
+    r.topk_fill = r.topk_first_row < p.num_tokens ? p.topk_fill : nullptr;
     r.targets = p.targets;
     r.row_dests = p.row_dests;
     r.token_begin = begin;
@@ -485,7 +512,7 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
       if (p.fmt.has_indexer) store_bits |= addr(t.index_base) | static_cast<uint64_t>(t.index.block_stride);
     }
     for (uint8_t* d : jobs[i].host_row_dests) store_bits |= addr(d) | static_cast<uint64_t>(p.row_bytes);
-    if (p.topk_fill) topk_bits |= addr(p.topk_fill) | static_cast<uint64_t>(p.topk_width * 4);
+    if (r.topk_fill) topk_bits |= addr(p.topk_fill) | static_cast<uint64_t>(p.topk_width * 4);
   }
   a.num_ranks = n;
   a.total_targets = target_base;

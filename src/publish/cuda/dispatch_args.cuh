@@ -43,7 +43,8 @@ struct RankArgs {
   uint16_t* kv_c_out;
   uint16_t* k_pe_out;
   uint16_t* index_k_out;
-  int32_t* topk_fill;
+  int32_t* topk_fill;           // null: no fill (none, or no buffer)
+  int64_t topk_first_row;       // rows [topk_first_row, num_tokens) are filled (pcpkv/publish/dispatch.h topk_fill_first_row)
   const CacheTarget* targets;   // device table
   uint8_t* const* row_dests;    // device table
   int64_t token_begin;          // first work index of this rank in the launch
@@ -208,21 +209,43 @@ __device__ __forceinline__ float index_ln_stats(const float (&x)[8], unsigned ma
   return lanes_sum<16>(math::leaf_sumsq(v), mask);
 }
 
+/// The overflow guard's cold half for the indexer-K LayerNorm: the stats of this lane's leaf times 2^-72,
+/// reloaded from the row (`src`: the leaf's 8 bf16, `align`: its alignment; the bits the hot path read).
+/// Not inlined, and reloading instead of reading the hot path's registers, so the ordinary path keeps its
+/// registers and code (docs/perf.md section 12). Every lane of `mask` calls it. Returns (mean, sumsq).
+__device__ __noinline__ inline float2 rescaled_index_ln_stats(const uint16_t* src, int align, unsigned mask) {
+  float x[8];
+  unpack_bf16x8(load16_ro(src, align), x);
+  float mu;
+  const float var = index_ln_stats<true>(x, mask, mu);
+  return make_float2(mu, var);
+}
+
 /// Indexer-K LayerNorm centring: x = the leaf of `raw` minus the row mean; returns r = 1 / sqrt(var + eps)
-/// (every lane of `mask` the same). Overflow guard (token_math.h): a row whose sums are not finite is centred
-/// from x * 2^-72 with eps * 2^-144 when that is finite (a lane-uniform branch).
-__device__ __forceinline__ float index_ln_center(const uint4& raw, float (&x)[8], unsigned mask, float eps) {
+/// (every lane of `mask` the same). `src` / `align`: where `raw` was loaded from (for the guard's reload).
+/// Overflow guard (token_math.h): a row whose sums are not finite is centred from x * 2^-72 with
+/// eps * 2^-144 when that is finite (a lane-uniform branch). kColdCall: the rescaled stats come from the cold
+/// call rescaled_index_ln_stats (the warp kernel); else inline from x (the CTA kernel: a call there, in one
+/// warp's branch, made ptxas keep the prefetched next token's registers in local memory, on the hot path
+/// too; docs/perf.md section 12).
+template <bool kColdCall>
+__device__ __forceinline__ float index_ln_center(const uint4& raw, const uint16_t* src, int align, float (&x)[8],
+                                                 unsigned mask, float eps) {
   unpack_bf16x8(raw, x);
   float mu;
   float var = index_ln_stats<false>(x, mask, mu);
-  bool big = false;
   if (!math::finite(var)) {
-    float mu2;
-    const float v2 = index_ln_stats<true>(x, mask, mu2);
-    big = math::use_rescaled(var, v2);
-    if (big) var = v2, mu = mu2, eps = math::rescaled_eps(eps);
+    float2 big;
+    if constexpr (kColdCall) {
+      big = rescaled_index_ln_stats(src, align, mask);
+    } else {
+      big.y = index_ln_stats<true>(x, mask, big.x);
+    }
+    if (math::use_rescaled(var, big.y)) {
+      var = big.y, mu = big.x, eps = math::rescaled_eps(eps);
+      math::rescale_leaf(x);
+    }
   }
-  if (big) math::rescale_leaf(x);
 #pragma unroll
   for (int k = 0; k < 8; ++k) x[k] = fp32::sub(x[k], mu);
   return math::rms_inv(var, static_cast<int>(kIndexHeadDim), eps);

@@ -105,6 +105,17 @@ __device__ __noinline__ float rescaled_q_total(const uint16_t* row, int num_q_le
   return warp_total8(part, lane);
 }
 
+/// The overflow guard's KV total (token_math.h): the canonical sum of squares of the rescaled leaves lane and
+/// lane + 32 of the kv row, in warp_total2's order, reloaded like rescaled_q_total (the ordinary path keeps
+/// its registers and code: docs/perf.md section 12). Every lane returns the total.
+__device__ __noinline__ float rescaled_kv_total(const uint16_t* row, int lane) {
+  float a[8], b[8];
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(row + 8 * lane), a);
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(row + 8 * (lane + 32)), b);
+  const float part[2] = {math::leaf_sumsq_rescaled(a), math::leaf_sumsq_rescaled(b)};
+  return warp_total2(part, lane);
+}
+
 /// Bulk prefetch of [p, p + bytes) into L2 (sm_90 copy engine; p and bytes multiples of 16). A hint: no
 /// data reaches registers, nothing is written.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
@@ -139,9 +150,10 @@ __device__ __forceinline__ void store16_cs(void* p, const uint32_t* w) { stg16_c
 
 /// kv_c: RMSNorm of leaves lane / lane + 32, the bf16 copy, and the encoded kv_c part of the MLA row
 /// (ya / yb are the normalized values; words are the bytes of each leaf in the row, scale_bits the fp8_ds_mla
-/// tile scales of lane 0: tiles 0..3).
+/// tile scales of lane 0: tiles 0..3). kv_row: where raw was loaded from (the overflow guard reloads it).
 template <KvFormat F>
-__device__ __forceinline__ void encode_kv(const CommonArgs& c, const float* kv_w, const uint4 (&raw)[2], int lane, uint32_t (&wa)[4],
+__device__ __forceinline__ void encode_kv(const CommonArgs& c, const float* kv_w, const uint4 (&raw)[2],
+                                          const uint16_t* kv_row, int lane, uint32_t (&wa)[4],
                                           uint32_t (&wb)[4], uint32_t (&scales)[4], float (&ya)[8], float (&yb)[8]) {
   unpack_bf16x8(raw[0], ya);
   unpack_bf16x8(raw[1], yb);
@@ -149,8 +161,7 @@ __device__ __forceinline__ void encode_kv(const CommonArgs& c, const float* kv_w
   float total = warp_total2(part, lane);
   float eps = c.kv_eps;
   if (!math::finite(total)) {  // overflow guard (token_math.h; SPEC 2.2), warp-uniform
-    const float part2[2] = {math::leaf_sumsq_rescaled(ya), math::leaf_sumsq_rescaled(yb)};
-    const float t2 = warp_total2(part2, lane);
+    const float t2 = rescaled_kv_total(kv_row, lane);
     if (math::use_rescaled(total, t2)) {
       total = t2;
       eps = math::rescaled_eps(eps);
@@ -274,7 +285,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
     }
 
     // ---- top-k fill: stores that need nothing, issued while the loads are in flight ----
-    if (ra.topk_fill != nullptr) {
+    if (ra.topk_fill != nullptr && t >= ra.topk_first_row) {
       int32_t* row = ra.topk_fill + t * c.topk_width;
       if (c.topk_vec) {
 #pragma unroll 4
@@ -324,7 +335,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
     {
       uint32_t wa[4], wb[4], scales[4] = {0u, 0u, 0u, 0u};
       float ya[8], yb[8];
-      encode_kv<F>(c, s_w + kWKv, kv, lane, wa, wb, scales, ya, yb);
+      encode_kv<F>(c, s_w + kWKv, kv, ra.kv + t * ra.kv_stride, lane, wa, wb, scales, ya, yb);
       if (ra.kv_c_out != nullptr) {
         uint32_t p[4];
         uint16_t* out = ra.kv_c_out + t * kKvLoraRank;
@@ -375,7 +386,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
       float rc[8] = {}, rs[8] = {};
       if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
       float xf[8];
-      const float r = index_ln_center(x, xf, kHalf, c.index_eps);
+      const float r = index_ln_center<true>(x, ra.index_k + t * ra.index_k_stride + 8 * leaf, 16, xf, kHalf, c.index_eps);
       float w[8], b[8];
       load_w8(s_w + kWLnW + 8 * leaf, w);
       load_w8(s_w + kWLnB + 8 * leaf, b);

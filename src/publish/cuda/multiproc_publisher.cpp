@@ -259,8 +259,12 @@ class CudaRankPublisher final : public RankPublisher {
   void run_step(mp::Op op, cudaStream_t s) {
     switch (op) {
       case mp::Op::kTopkFill:
-        launch_fill_minus_one(topk_.as<int32_t>(), setup_.plan->max_local_tokens * setup_.topk_width, s);
+      {  // rows [topk_first_row, M) (setup.topk_fill_mode: kTail / kNone leave the indexer's rows alone)
+        const int64_t first = mp::topk_first_row(setup_, group_.rank());
+        launch_fill_minus_one(topk_.as<int32_t>() + first * setup_.topk_width,
+                              (setup_.plan->max_local_tokens - first) * setup_.topk_width, s);
         return;
+      }
       case mp::Op::kDispatchMaterialize:
       case mp::Op::kDispatchStage:
       case mp::Op::kDispatchDirect: return enqueue_dispatch(op, s);
@@ -287,6 +291,7 @@ class CudaRankPublisher final : public RankPublisher {
     in.rope_num_positions = rope_num_positions_;
     in.q_c_out = q_out_.as<uint16_t>();
     in.topk = topk_.as<int32_t>();
+    in.topk_indexer_rows = setup_.plan->ranks[static_cast<size_t>(group_.rank())].num_local_tokens;
     DispatchJob job;
     job.params = mp::base_dispatch_params(setup_, layout_, in);
     DispatchParams& d = job.params;

@@ -123,6 +123,14 @@ std::vector<uint8_t> download_range(const DeviceBuffer& b, int64_t offset, int64
   return v;
 }
 
+// The topk-fill step of one rank: rows [topk_first_row, M) of its buffer `rank_topk` [M, topk_width]
+// (setup.topk_fill_mode; kTail / kNone leave the rows the indexer writes alone).
+void fill_rank_topk(const PublishSetup& setup, int32_t rank, int32_t* rank_topk, cudaStream_t stream) {
+  const int64_t first = mp::topk_first_row(setup, rank);
+  launch_fill_minus_one(rank_topk + first * setup.topk_width,
+                        (setup.plan->max_local_tokens - first) * setup.topk_width, stream);
+}
+
 void poison_buffer(const DeviceBuffer& b) {
   if (b.bytes() > 0) PCPKV_CUDA_CHECK(cudaMemset(b.data(), kGuardByte, static_cast<size_t>(b.bytes())));
 }
@@ -236,6 +244,7 @@ DispatchJob Publisher::dispatch_job(int32_t rank, mp::Op op, const InputSet& set
   in.rope_num_positions = rope_num_positions_;
   in.q_c_out = set.q_out.as<uint16_t>();
   in.topk = set.topk;
+  in.topk_indexer_rows = setup_.plan->ranks[static_cast<size_t>(rank)].num_local_tokens;
   DispatchJob job;
   job.params = mp::base_dispatch_params(setup_, layout_, in);
   DispatchParams& d = job.params;
@@ -284,7 +293,7 @@ void Publisher::enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStr
   const InputSet& set = ranks_[static_cast<size_t>(rank)]->sets[static_cast<size_t>(s)];
   for (const mp::Step& step : mp::steps(transport, layout_, v.fuse_topk)) {
     if (step.op == mp::Op::kTopkFill) {
-      launch_fill_minus_one(set.topk, max_local_tokens_ * setup_.topk_width, stream);
+      fill_rank_topk(setup_, rank, set.topk, stream);
     } else if (step.op == mp::Op::kDispatchMaterialize || step.op == mp::Op::kDispatchStage ||
                step.op == mp::Op::kDispatchDirect) {
       const DispatchJob job = dispatch_job(rank, step.op, set);
@@ -298,8 +307,13 @@ void Publisher::enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStr
 void Publisher::run_step(mp::Op op, int set, cudaStream_t stream, bool pdl) {
   switch (op) {
     case mp::Op::kTopkFill:
-      launch_fill_minus_one(topk_sets_[static_cast<size_t>(set)].as<int32_t>(),
-                            world_ * max_local_tokens_ * setup_.topk_width, stream);
+      if (setup_.topk_fill_mode == TopkFill::kFull) {  // every rank's buffer: one byte fill
+        launch_fill_minus_one(topk_sets_[static_cast<size_t>(set)].as<int32_t>(),
+                              world_ * max_local_tokens_ * setup_.topk_width, stream);
+      } else {
+        for (int32_t r = 0; r < world_; ++r)
+          fill_rank_topk(setup_, r, ranks_[static_cast<size_t>(r)]->sets[static_cast<size_t>(set)].topk, stream);
+      }
       return;
     case mp::Op::kDispatchMaterialize:
     case mp::Op::kDispatchStage:

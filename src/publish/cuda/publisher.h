@@ -88,6 +88,10 @@ class Publisher {
   /// Switches kernels / fill / PDL for the following runs (no reallocation).
   void set_variant(const PublishVariant& v) { options_.variant = v; }
   const PublishVariant& variant() const { return options_.variant; }
+  /// Switches the top-k fill mode (PublishSetup::topk_fill_mode) for the following runs; the bench runs
+  /// collect with kFull (as engines do) and staging / direct with its --topk-fill.
+  void set_topk_fill(TopkFill f) { setup_.topk_fill_mode = f; }
+  TopkFill topk_fill() const { return setup_.topk_fill_mode; }
   /// Restores every cache, output and workspace byte to kGuardByte (synchronous).
   void poison();
   /// After the stream synchronized: throws pcpkv::FenceTimeout when a fence timed out.

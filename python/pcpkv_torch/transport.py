@@ -1,0 +1,47 @@
+"""transport="auto" (SPEC section 5.1): `direct` when every PCP peer is reachable by peer stores (one host, and the
+same device, CUDA P2P access or shared memory between every pair of ranks), `collect` over NCCL otherwise. The
+decision is pcpkv::choose_transport (one C++ function, shared with the CLI's --transport auto)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Sequence
+
+import torch
+
+__all__ = ["TRANSPORTS", "choose_transport", "resolve_transport", "one_process_topology"]
+
+TRANSPORTS = ("collect", "staging", "direct")
+
+logger = logging.getLogger("pcpkv_torch")
+
+
+def choose_transport(hosts: Sequence[str], peer_access, nccl_available: bool = False) -> tuple[str, str]:
+    """The transport for a PCP group described by hosts (one name per rank, equal within a host), peer_access
+    ([P, P] bools, row a column b: rank a can store into rank b's memory; a nested list or a bool tensor; the
+    diagonal is not read) and nccl_available. Returns (transport, reason), reason a one-line why. Raises
+    ValueError naming the field for a malformed topology, and when the peers are unreachable without NCCL."""
+    if isinstance(hosts, str) or not all(isinstance(h, str) for h in hosts):
+        raise ValueError(f"hosts = {hosts!r}: expected a sequence of host names (str), one per rank")
+    access = peer_access if isinstance(peer_access, torch.Tensor) else torch.tensor(peer_access, dtype=torch.bool)
+    return tuple(torch.ops.pcpkv.choose_transport(list(hosts), access, bool(nccl_available)))
+
+
+def one_process_topology(pcp_world: int) -> dict:
+    """The topology of pcp_world logical ranks in one process on one device (PcpWorld): one host, and every
+    replica plain memory of that device to every rank."""
+    return {"hosts": [socket.gethostname() or "localhost"] * pcp_world,
+            "peer_access": torch.ones((pcp_world, pcp_world), dtype=torch.bool), "nccl_available": False}
+
+
+def resolve_transport(transport: str, topology: dict) -> tuple[str, str]:
+    """(transport, reason): transport itself for one of TRANSPORTS (reason ""), choose_transport(**topology) for
+    "auto" (the reason logged on the "pcpkv_torch" logger at INFO). Raises ValueError for another name."""
+    if transport in TRANSPORTS:
+        return transport, ""
+    if transport != "auto":
+        raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS} or 'auto'")
+    chosen, reason = choose_transport(**topology)
+    logger.info("transport auto: %s", reason)
+    return chosen, reason
