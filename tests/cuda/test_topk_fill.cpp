@@ -12,7 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "core/cuda/buffers.h"
-#include "publish/cuda/launch.h"
+#include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 #include "support/gpu.h"
 #include "support/topk_fill_case.h"
@@ -76,10 +76,10 @@ std::vector<int32_t> run_gpu(TopkFillCase& c, DeviceCase& d, DispatchVariant v, 
 std::vector<int32_t> run_cpu(TopkFillCase& c, TopkFill mode, bool with_indexer) {
   std::vector<int32_t> topk = TopkFillCase::poisoned();
   std::vector<uint16_t> out(kT * 128);
-  cpu_dispatch(c.dispatch(mode, kN, topk.data(), c.kv.data(), c.k_pe.data(), c.index_k.data(), c.positions.data(),
+  dispatch_reference(c.dispatch(mode, kN, topk.data(), c.kv.data(), c.k_pe.data(), c.index_k.data(), c.positions.data(),
                           c.kv_w.data(), c.ln_w.data(), c.ln_b.data(), c.rope.cos_sin.data(), out.data()),
                2);
-  if (with_indexer) indexer_cpu(c.indexer(topk.data()));
+  if (with_indexer) indexer_reference(c.indexer(topk.data()));
   return topk;
 }
 

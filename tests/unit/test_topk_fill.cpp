@@ -24,7 +24,7 @@ constexpr int64_t kN = TopkFillCase::kIndexerRows, kT = TopkFillCase::kRows, kK 
 std::vector<int32_t> run_dispatch(TopkFillCase& c, TopkFill mode, int64_t indexer_rows) {
   std::vector<int32_t> topk = TopkFillCase::poisoned();
   std::vector<uint16_t> index_k_out(kT * 128, 0xA5A5);
-  cpu_dispatch(c.dispatch(mode, indexer_rows, topk.data(), c.kv.data(), c.k_pe.data(), c.index_k.data(),
+  dispatch_reference(c.dispatch(mode, indexer_rows, topk.data(), c.kv.data(), c.k_pe.data(), c.index_k.data(),
                           c.positions.data(), c.kv_w.data(), c.ln_w.data(), c.ln_b.data(), c.rope.cos_sin.data(),
                           index_k_out.data()),
                2);
@@ -59,9 +59,9 @@ TEST(TopkFill, EachModeWritesExactlyItsRows) {
 TEST(TopkFill, TailPlusIndexerEqualsFullPlusIndexer) {
   TopkFillCase c;
   std::vector<int32_t> full = run_dispatch(c, TopkFill::kFull, kN);
-  indexer_cpu(c.indexer(full.data()));
+  indexer_reference(c.indexer(full.data()));
   std::vector<int32_t> tail = run_dispatch(c, TopkFill::kTail, kN);
-  indexer_cpu(c.indexer(tail.data()));
+  indexer_reference(c.indexer(tail.data()));
   ASSERT_EQ(0, std::memcmp(full.data(), tail.data(), full.size() * 4)) << "tail + indexer differs from full + indexer";
   // The case means something: the indexer wrote slots and -1 tails, and the padding rows are the fill's.
   int64_t slots = 0, minus_one = 0;
@@ -72,7 +72,7 @@ TEST(TopkFill, TailPlusIndexerEqualsFullPlusIndexer) {
   for (int64_t i = kN * kK; i < kT * kK; ++i) ASSERT_EQ(full[static_cast<size_t>(i)], -1);
   // none leaves the padding rows to nobody: not exact here (the test can tell the modes apart).
   std::vector<int32_t> none = run_dispatch(c, TopkFill::kNone, kN);
-  indexer_cpu(c.indexer(none.data()));
+  indexer_reference(c.indexer(none.data()));
   EXPECT_NE(0, std::memcmp(full.data(), none.data(), full.size() * 4));
   EXPECT_EQ(0, std::memcmp(full.data(), none.data(), kN * kK * 4)) << "the indexer's rows do not depend on the fill";
 }
@@ -87,7 +87,7 @@ TEST(TopkFill, BadParametersAreRefusedBeforeAnyWrite) {
   };
   auto expect_error = [&](const DispatchParams& p, const std::string& part) {
     try {
-      cpu_dispatch(p);
+      dispatch_reference(p);
       ADD_FAILURE() << "accepted: " << part;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
@@ -99,7 +99,7 @@ TEST(TopkFill, BadParametersAreRefusedBeforeAnyWrite) {
   EXPECT_TRUE(filled_from(topk, kT, "after the refused calls"));
   for (uint16_t v : out) ASSERT_EQ(v, 0xA5A5);
   // A mode other than tail ignores topk_indexer_rows.
-  EXPECT_NO_THROW(cpu_dispatch(params(TopkFill::kFull, -5)));
+  EXPECT_NO_THROW(dispatch_reference(params(TopkFill::kFull, -5)));
 
   EXPECT_EQ(parse_topk_fill("tail", "--topk-fill"), TopkFill::kTail);
   EXPECT_EQ(parse_topk_fill("full", "x"), TopkFill::kFull);
