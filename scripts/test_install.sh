@@ -33,6 +33,8 @@ cmake -S "$root/tests/install_consumer" -B "$work/consumer" -G Ninja -DCMAKE_BUI
 cmake --build "$work/consumer" "${jobs[@]}"
 env -u PCPKV_CONFIG_DIR "$work/consumer/pcpkv_install_consumer" "$prefix/share/pcpkv/configs"
 env -u PCPKV_CONFIG_DIR "$work/consumer/publish_one_layer" --pcp 2 --tokens 64
-env -u PCPKV_CONFIG_DIR "$prefix/bin/pcpkv" info | grep -q "configs in $prefix/share/pcpkv/configs" \
-  || { echo "test_install: the installed CLI does not read the installed configs" >&2; exit 1; }
+# Captured first: `pcpkv info | grep -q` would fail under pipefail when grep stops reading early (SIGPIPE).
+info="$(env -u PCPKV_CONFIG_DIR "$prefix/bin/pcpkv" info)"
+grep -q "configs in $prefix/share/pcpkv/configs" <<<"$info" \
+  || { echo "test_install: the installed CLI does not read the installed configs:" >&2; echo "$info" | head -5 >&2; exit 1; }
 echo "test_install: passed (prefix $prefix)"
