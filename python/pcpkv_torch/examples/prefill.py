@@ -217,13 +217,15 @@ def hf_check(model, make, ids, args, device) -> bool:
     return ok
 
 
-def _main() -> int:
+def run_cli(entry, who: str = "") -> int:
+    """Runs entry(); refused input (ValueError, exit 2) or a failed run (RuntimeError, MemoryError, exit 3) is
+    one line "pcpkv: error: <who><message>" on stderr, no traceback. Shared by the examples."""
     try:
-        return main()
-    except (ValueError, RuntimeError, MemoryError) as e:  # refused input or a failed run: one line, no traceback
-        print(f"pcpkv: error: {e}", file=sys.stderr)
+        return entry()
+    except (ValueError, RuntimeError, MemoryError) as e:
+        print(f"pcpkv: error: {who}{e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 3
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(run_cli(main))

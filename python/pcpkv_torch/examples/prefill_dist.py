@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 
 from ..models import TRANSPORTS, DistPcpModel, PcpModel, StepRequest, build_hf_model
-from .prefill import make_config
+from .prefill import make_config, run_cli
 
 
 def parse(argv):
@@ -41,7 +41,7 @@ def parse(argv):
                    help="real per-layer dims (default on CUDA) or a small config (default on CPU)")
     p.add_argument("--topk", type=int, default=None, help="index_topk (default: 2048 real, 64 small)")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--device", default="cpu", help="cpu or cuda (rank i on cuda:(LOCAL_RANK % GPUs))")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (rank i on cuda:(LOCAL_RANK %% GPUs))")
     p.add_argument("--row-chunk", type=int, default=None, help="rows per projection chunk (default 64 CPU, 1024 CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-replicas", action="store_true", help="the run-time replica check after every layer")
@@ -144,13 +144,5 @@ def run(args, dist, world, device, backend) -> int:
     return 0 if ok else 1
 
 
-def _main() -> int:
-    try:
-        return main()
-    except (ValueError, RuntimeError, MemoryError) as e:  # refused input or a failed run: one line, no traceback
-        print(f"pcpkv: error: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ValueError) else 3
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(run_cli(main, f"rank {os.environ.get('RANK', '?')}: "))
