@@ -72,7 +72,9 @@ class PcpWorld:
 
     def resolve_transport(self, transport: str) -> tuple[str, str]:
         """(transport, reason) for a name of TRANSPORTS or "auto" (pcpkv_torch.transport.resolve_transport over
-        this world's topology: W logical ranks in one process on one device); ValueError for another name."""
+        this world's topology: one host, every rank's replica reachable by every rank; true for W logical ranks
+        in one process and for DistPcpWorld, whose setup maps every peer or fails and refuses a group spanning
+        hosts); ValueError for another name."""
         return resolve_transport(transport, one_process_topology(self.W))
 
     def _staging_for(self, fmt: CacheFormat, rows: int):
