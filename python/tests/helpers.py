@@ -1,5 +1,8 @@
 """Test helpers: seeded LLM-like inputs and a W-logical-rank "world" that publishes one layer with the ops."""
 
+import contextlib
+import logging
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -139,3 +142,24 @@ def assert_bytes_equal(a, b, what):
     assert a.shape == b.shape, f"{what}: sizes {tuple(a.shape)} vs {tuple(b.shape)}"
     diff = (a != b).nonzero()
     assert diff.numel() == 0, f"{what}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
+
+
+@contextlib.contextmanager
+def captured_logs(logger="pcpkv_torch", level=logging.INFO):
+    """The messages `logger` emits at `level` or above inside the block, as a list of str. A handler of its
+    own, not pytest's caplog: the device runner (run_device_tests.sh) disables pytest's logging plugin."""
+    lines = []
+
+    class _Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log, handler = logging.getLogger(logger), _Lines(level)
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(level)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)

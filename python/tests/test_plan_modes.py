@@ -2,11 +2,10 @@
 mode, published bytes that do not depend on the modes (the ops on the CPU, every replica), the choice of the
 transport on faked topologies, and ValueErrors naming the argument."""
 
-import logging
 
 import pytest
 
-from helpers import DEVICES, World, assert_bytes_equal, pk, torch
+from helpers import DEVICES, World, assert_bytes_equal, captured_logs, pk, torch
 
 MODES = [(o, d) for o in pk.LOCAL_ORDERS for d in pk.DECODE_OWNERSHIPS]
 
@@ -128,27 +127,10 @@ def test_auto_transport_on_faked_topologies():
         pk.choose_transport("node-a", [[True]])
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def test_resolve_transport_logs_the_reason():
-    # A handler of its own, not pytest's caplog: the device runner disables pytest's logging plugin.
     assert pk.resolve_transport("staging", topo(2)) == ("staging", "")
-    log, records = logging.getLogger("pcpkv_torch"), _Records()
-    old_level = log.level
-    log.addHandler(records)
-    log.setLevel(logging.INFO)
-    try:
+    with captured_logs() as lines:
         name, reason = pk.resolve_transport("auto", topo(2))
-    finally:
-        log.removeHandler(records)
-        log.setLevel(old_level)
-    assert name == "direct" and reason and any(reason in line for line in records.lines)
+    assert name == "direct" and reason and any(reason in line for line in lines)
     with pytest.raises(ValueError, match="transport = 'p2p'"):
         pk.resolve_transport("p2p", topo(2))

@@ -106,39 +106,6 @@ __device__ __forceinline__ void sumsq_parts(const TokenRegs<QL>& v, bool do_q, b
   }
 }
 
-struct GuardTotals {
-  float q_total, kv_total;
-  bool q_big, kv_big;
-};
-
-/// The overflow guard's cold half (token_math.h; SPEC 2.1, 2.2), called by the whole CTA when a sum of
-/// squares is not finite: the rescaled sums of the rows that overflowed, from a reload of token g (L1 / L2
-/// hits; the same bits the hot path read), through s_big and one barrier. Not inlined, and reading no
-/// register of the hot path, so the ordinary path keeps its registers and code (docs/perf.md section 12).
-/// s_big is read only between this barrier and the next token's first one.
-template <int QL, bool kAligned>
-__device__ __noinline__ GuardTotals overflow_guard(const DispatchArgs& a, int64_t g, float q_total, float kv_total,
-                                                   float* s_big) {
-  TokenRegs<QL> v;
-  load_token<QL, kAligned>(a, g, v);
-  const RankArgs& ra = a.r[find_rank(a, g)];
-  const bool redo_q = ra.do_q && !math::finite(q_total), redo_kv = ra.need_kv && !math::finite(kv_total);
-  sumsq_parts<QL, true>(v, redo_q, redo_kv, s_big);
-  __syncthreads();
-  GuardTotals out{q_total, kv_total, false, false};
-  if (redo_q) {
-    const float t2 = fp32::add(fp32::add(s_big[0], s_big[1]), fp32::add(s_big[2], s_big[3]));
-    out.q_big = math::use_rescaled(q_total, t2);
-    if (out.q_big) out.q_total = t2;
-  }
-  if (redo_kv) {
-    const float t2 = fp32::add(s_big[4], s_big[5]);
-    out.kv_big = math::use_rescaled(kv_total, t2);
-    if (out.kv_big) out.kv_total = t2;
-  }
-  return out;
-}
-
 template <KvFormat F, int QL, bool kAligned>
 __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, const TokenRegs<QL>& v,
                                               const TargetLite* s_targets, uint8_t* const* s_dests,
@@ -168,15 +135,25 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   __syncthreads();
   float q_total = ra.do_q ? fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3])) : 0.0f;
   float kv_total = ra.need_kv ? fp32::add(red[4], red[5]) : 0.0f;
-  // Overflow guard (token_math.h; SPEC 2.1, 2.2): every thread read the same sums, so the branch (and the
-  // barrier inside the cold function) is CTA-uniform.
+  // Overflow guard (token_math.h; SPEC 2.1, 2.2): every thread read the same sums, so the branch (and its
+  // barrier) is CTA-uniform. s_big is read only between this barrier and the next token's first one. Inline,
+  // not a call: a call here left the prefetched next token's registers in local memory on the hot path and
+  // made this kernel 10-12% slower (docs/perf.md section 12a); the warp kernel's guard is a cold call.
   bool q_big = false, kv_big = false;
   if (!math::finite(q_total) || !math::finite(kv_total)) {
-    const GuardTotals gt = overflow_guard<QL, kAligned>(a, g, q_total, kv_total, s_big);
-    q_total = gt.q_total;
-    kv_total = gt.kv_total;
-    q_big = gt.q_big;
-    kv_big = gt.kv_big;
+    const bool redo_q = !math::finite(q_total), redo_kv = !math::finite(kv_total);
+    sumsq_parts<QL, true>(v, redo_q, redo_kv, s_big);
+    __syncthreads();
+    if (redo_q) {
+      const float t2 = fp32::add(fp32::add(s_big[0], s_big[1]), fp32::add(s_big[2], s_big[3]));
+      q_big = math::use_rescaled(q_total, t2);
+      if (q_big) q_total = t2;
+    }
+    if (redo_kv) {
+      const float t2 = fp32::add(s_big[4], s_big[5]);
+      kv_big = math::use_rescaled(kv_total, t2);
+      if (kv_big) kv_total = t2;
+    }
   }
 
   // ---- Q output ----
