@@ -1,5 +1,6 @@
 // Parameter checks of the kernel contracts (pcpkv/publish/dispatch.h), shared by the CPU reference and any launcher
 // that wants the same messages. Nothing here writes memory.
+#include <cstdint>
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -85,7 +86,8 @@ void validate_dispatch_shape(const DispatchParams& p) {
     PCPKV_CHECK(p.index_k_out == nullptr, "dispatch: index_k_out is set but fmt.has_indexer = false");
   }
   if (p.topk_fill != nullptr)
-    PCPKV_CHECK(p.topk_width >= 1, "dispatch: topk_width = {} must be >= 1 when topk_fill is set", p.topk_width);
+    PCPKV_CHECK(p.topk_width >= 1 && p.topk_width <= INT32_MAX,
+                "dispatch: topk_width = {} must be in [1, 2^31) when topk_fill is set", p.topk_width);
   PCPKV_CHECK(p.topk_fill_mode == TopkFill::kFull || p.topk_fill_mode == TopkFill::kTail ||
                   p.topk_fill_mode == TopkFill::kNone,
               "dispatch: topk_fill_mode = {} is not a TopkFill", static_cast<int>(p.topk_fill_mode));
