@@ -1,10 +1,9 @@
-// The checks that prove a published cache right (pcpkv/publish/checks.h): byte comparison, untouched bytes,
-// the FP8 bound against fp64 math of SPEC section 2, and a slot decoder.
+// The checks that prove a published cache right (pcpkv/publish/checks.h): untouched bytes, the FP8 bound
+// against fp64 math of SPEC section 2, and a slot decoder (byte comparisons: checks_bytes.cpp).
 #include "pcpkv/publish/checks.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/pack.h"
@@ -12,24 +11,6 @@
 #include "pcpkv/core/rope.h"
 
 namespace pcpkv {
-
-// ---- compare_bytes ---------------------------------------------------------------------------------
-
-ByteDiff compare_bytes(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  PCPKV_CHECK(a.size() == b.size(), "compare_bytes: sizes differ ({} B vs {} B)", a.size(), b.size());
-  ByteDiff d;
-  constexpr size_t kChunk = 4096;  // memcmp finds equal chunks fast; only differing ones are walked
-  for (size_t begin = 0; begin < a.size(); begin += kChunk) {
-    const size_t n = std::min(kChunk, a.size() - begin);
-    if (std::memcmp(a.data() + begin, b.data() + begin, n) == 0) continue;
-    for (size_t i = begin; i < begin + n; ++i)
-      if (a[i] != b[i]) {
-        if (d.first_diff < 0) d.first_diff = static_cast<int64_t>(i);
-        ++d.num_diff;
-      }
-  }
-  return d;
-}
 
 // ---- check_untouched -------------------------------------------------------------------------------
 
@@ -44,13 +25,14 @@ struct UntouchedScan {
   // Bytes [begin, end) must all be kGuardByte; `what` names the region for the first bad byte.
   template <class Describe>
   void expect_guard(int64_t begin, int64_t end, Describe what) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (buf[static_cast<size_t>(i)] == kGuardByte) continue;
-      if (report.num_bad == 0)
-        report.first = fmt::format("rank {} {} byte {} ({}) = 0x{:02x}, expected 0x{:02x}", rank, name, i,
-                                   what(i), buf[static_cast<size_t>(i)], kGuardByte);
-      ++report.num_bad;
-    }
+    if (end <= begin) return;
+    const ByteDiff d = compare_to_guard(buf.data() + begin, end - begin);
+    if (d.equal()) return;
+    const int64_t i = begin + d.first_diff;
+    if (report.num_bad == 0)
+      report.first = fmt::format("rank {} {} byte {} ({}) = 0x{:02x}, expected 0x{:02x}", rank, name, i, what(i),
+                                 buf[static_cast<size_t>(i)], kGuardByte);
+    report.num_bad += d.num_diff;
   }
 };
 

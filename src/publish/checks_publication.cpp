@@ -26,36 +26,7 @@ std::string rank_name(const std::vector<int32_t>& names, int32_t q) {
   return names.empty() ? fmt::format("rank {}", q) : fmt::format("global rank {}", names[static_cast<size_t>(q)]);
 }
 
-// Where byte `off` of an MLA allocation lies, for a first-difference message.
-std::string where_mla(const PublishResult& r, int64_t off) {
-  const MlaCacheGeometry& g = r.mla_geometry;
-  const int64_t rel = off - r.mla_cache_offset;
-  if (rel < 0) return fmt::format("byte {} (before the cache)", off);
-  if (rel >= g.bytes()) return fmt::format("byte {} (after the cache)", off);
-  const int64_t block = rel / g.block_stride, in_block = rel % g.block_stride;
-  const int64_t row = in_block / g.row_stride;
-  if (row >= g.block_size) return fmt::format("byte {} (block {} padding)", off, block);
-  return fmt::format("byte {} (slot {}, byte {} of its row)", off, block * g.block_size + row, in_block % g.row_stride);
-}
-
-std::string where_index(const PublishResult& r, int64_t off) {
-  const IndexerCacheGeometry& g = r.index_geometry;
-  const int64_t rel = off - r.index_cache_offset;
-  if (rel < 0) return fmt::format("byte {} (before the cache)", off);
-  if (rel >= g.bytes()) return fmt::format("byte {} (after the cache)", off);
-  const int64_t block = rel / g.block_stride, in_block = rel % g.block_stride;
-  const int64_t data_bytes = int64_t{g.block_size} * kIndexHeadDim;
-  if (in_block < data_bytes) {
-    return fmt::format("byte {} (slot {} data, byte {})", off, block * g.block_size + in_block / kIndexHeadDim,
-                       in_block % kIndexHeadDim);
-  }
-  if (in_block < data_bytes + int64_t{g.block_size} * 4) {
-    return fmt::format("byte {} (slot {} scale)", off, block * g.block_size + (in_block - data_bytes) / 4);
-  }
-  return fmt::format("byte {} (block {} padding)", off, block);
-}
-
-// Accumulates byte comparisons into one check; the first difference names its place.
+// Accumulates byte comparisons into one check; the first difference names its place and both byte values.
 struct ByteTally {
   int64_t bytes = 0, diff = 0;
   std::string first;
@@ -70,7 +41,9 @@ struct ByteTally {
     const ByteDiff d = compare_bytes(a, b);
     diff += d.num_diff;
     if (!d.equal() && first.empty()) {
-      first = fmt::format("{}: {} bytes differ, first at {}", label, d.num_diff, where(d.first_diff));
+      const auto i = static_cast<size_t>(d.first_diff);
+      first = fmt::format("{}: {} bytes differ, first at {}: 0x{:02x} vs 0x{:02x}", label, d.num_diff,
+                          where(d.first_diff), a[i], b[i]);
     }
   }
   void fill(Check& c, const std::string& ok_detail) const {
@@ -80,6 +53,13 @@ struct ByteTally {
     c.detail = c.pass ? ok_detail : first;
   }
 };
+
+std::function<std::string(int64_t)> mla_where(const PublishResult& r, const CacheFormat& fmt) {
+  return [&r, fmt](int64_t o) { return describe_mla_byte(r, fmt, o); };
+}
+std::function<std::string(int64_t)> index_where(const PublishResult& r) {
+  return [&r](int64_t o) { return describe_index_byte(r, o); };
+}
 
 template <class T>
 std::vector<uint8_t> as_bytes(const T* p, int64_t n) {
@@ -132,12 +112,9 @@ Check check_replicas_identical(const PublishResult& r, const CacheFormat& fmt) {
   Check c = make_check("replicas identical", to_string(r.transport));
   ByteTally t;
   for (int32_t rank = 1; rank < world; ++rank) {
-    t.add(r.mla_alloc[rank], r.mla_alloc[0], fmt::format("rank {} MLA vs rank 0", rank),
-          [&](int64_t o) { return where_mla(r, o); });
-    if (fmt.has_indexer) {
-      t.add(r.index_alloc[rank], r.index_alloc[0], fmt::format("rank {} indexer vs rank 0", rank),
-            [&](int64_t o) { return where_index(r, o); });
-    }
+    t.add(r.mla_alloc[rank], r.mla_alloc[0], fmt::format("rank {} MLA vs rank 0", rank), mla_where(r, fmt));
+    // A layer without an indexer: its guard-only allocation must be identical too (whole allocations).
+    t.add(r.index_alloc[rank], r.index_alloc[0], fmt::format("rank {} indexer vs rank 0", rank), index_where(r));
   }
   std::string ok = fmt::format("{} replicas x (MLA {}{}) byte-identical", world, mb(r.mla_alloc[0].size()),
                                fmt.has_indexer ? " + indexer " + mb(r.index_alloc[0].size()) : "");
@@ -152,10 +129,8 @@ Check check_same_caches(const PublishResult& a, const PublishResult& b, const Ca
   check_ranks(b, 1, "check_same_caches");
   Check c = make_check(std::move(name), std::move(transport));
   ByteTally t;
-  t.add(a.mla_alloc[0], b.mla_alloc[0], "MLA cache", [&](int64_t o) { return where_mla(a, o); });
-  if (fmt.has_indexer) {
-    t.add(a.index_alloc[0], b.index_alloc[0], "indexer cache", [&](int64_t o) { return where_index(a, o); });
-  }
+  t.add(a.mla_alloc[0], b.mla_alloc[0], "MLA cache", mla_where(a, fmt));
+  t.add(a.index_alloc[0], b.index_alloc[0], "indexer cache", index_where(a));
   t.fill(c, fmt::format("MLA {}{} byte-identical", mb(a.mla_alloc[0].size()),
                         fmt.has_indexer ? " + indexer " + mb(a.index_alloc[0].size()) : ""));
   return c;
@@ -167,11 +142,8 @@ Check check_vs_single_rank(const PublishResult& r, const PublishResult& ref, con
   check_ranks(ref, 1, "check_vs_single_rank");
   Check c = make_check("== single-rank reference", to_string(r.transport));
   ByteTally t;
-  t.add(r.mla_alloc[0], ref.mla_alloc[0], "rank 0 MLA vs PCP-1", [&](int64_t o) { return where_mla(r, o); });
-  if (fmt.has_indexer) {
-    t.add(r.index_alloc[0], ref.index_alloc[0], "rank 0 indexer vs PCP-1",
-          [&](int64_t o) { return where_index(r, o); });
-  }
+  t.add(r.mla_alloc[0], ref.mla_alloc[0], "rank 0 MLA vs PCP-1", mla_where(r, fmt));
+  t.add(r.index_alloc[0], ref.index_alloc[0], "rank 0 indexer vs PCP-1", index_where(r));
   std::string q_note;
   if (!r.q_c_out.empty() && !ref.q_c_out.empty()) {
     PCPKV_CHECK(static_cast<int32_t>(r.q_c_out.size()) >= plan.pcp_world,
@@ -200,20 +172,21 @@ Check check_vs_single_rank(const PublishResult& r, const PublishResult& ref, con
   return c;
 }
 
-Check check_replicas_vs_reference(const PublishResult& got, const PublishResult& ref,
+Check check_replicas_vs_reference(const PublishResult& got, const PublishResult& ref, const CacheFormat& fmt,
                                   const std::vector<int32_t>& rank_names) {
   const size_t world = got.mla_alloc.size();
   check_ranks(got, world, "check_replicas_vs_reference");
   check_ranks(ref, world, "check_replicas_vs_reference");
+  PCPKV_CHECK(ref.mla_alloc.size() == world, "check_replicas_vs_reference: {} replicas, the reference has {}", world,
+              ref.mla_alloc.size());
   PCPKV_CHECK(rank_names.empty() || rank_names.size() >= world,
               "check_replicas_vs_reference: {} rank names for {} ranks", rank_names.size(), world);
   Check c = make_check("replicas == single-process CPU reference", to_string(got.transport));
   ByteTally t;
   for (size_t q = 0; q < world; ++q) {
     const std::string who = rank_name(rank_names, static_cast<int32_t>(q));
-    t.add(got.mla_alloc[q], ref.mla_alloc[q], who + "'s MLA replica", [&](int64_t o) { return where_mla(got, o); });
-    t.add(got.index_alloc[q], ref.index_alloc[q], who + "'s indexer replica",
-          [&](int64_t o) { return where_index(got, o); });
+    t.add(got.mla_alloc[q], ref.mla_alloc[q], who + "'s MLA replica", mla_where(got, fmt));
+    t.add(got.index_alloc[q], ref.index_alloc[q], who + "'s indexer replica", index_where(got));
   }
   t.fill(c, fmt::format("{} replicas, {} bytes compared", world, t.bytes));
   return c;

@@ -21,7 +21,6 @@
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/pdl.h"
-#include "support/bytes.h"
 #include "support/huge_rows.h"
 #include "support/publish_case.h"
 #include "support/gpu.h"
@@ -38,22 +37,6 @@ constexpr Transport kTransports[] = {Transport::kCollect, Transport::kStaging, T
 const char* const kVariants[] = {"prefetch:separate:1", "simple:fused:2",       "warp:fused:4",
                                  "warp:separate:1",     "warp_pf:fused:4",      "warp:fused:2:pdl",
                                  "prefetch:fused:4:pdl", "warp_pf:separate:4:pdl", "simple:separate:1:pdl"};
-
-::testing::AssertionResult same_outputs(const PublishResult& want, const PublishResult& got, const CacheFormat& fmt,
-                                        const std::string& what) {
-  ::testing::AssertionResult caches = test::same_caches(want, got, fmt, what);
-  if (!caches) return caches;
-  if (got.q_c_out.size() != want.q_c_out.size()) return ::testing::AssertionFailure() << what << ": q_c_out rank count";
-  for (size_t r = 0; r < want.q_c_out.size(); ++r) {
-    auto eq = test::bytes_equal(want.q_c_out[r].data(), got.q_c_out[r].data(),
-                                static_cast<int64_t>(want.q_c_out[r].size() * 2), fmt::format("{} q_c_out rank {}", what, r));
-    if (!eq) return eq;
-  }
-  if (got.topk.size() != want.topk.size()) return ::testing::AssertionFailure() << what << ": top-k rank count";
-  for (size_t r = 0; r < want.topk.size(); ++r)
-    if (got.topk[r] != want.topk[r]) return ::testing::AssertionFailure() << what << ": top-k of rank " << r << " differs";
-  return ::testing::AssertionSuccess();
-}
 
 struct VariantCase {
   std::string name;
@@ -151,7 +134,7 @@ TEST_P(PublishVariants, EveryVariantEveryTransportEqualsCpu) {
       stream.sync();
       pub.check_fence();
       const PublishResult got = pub.download(t);
-      EXPECT_TRUE(same_outputs(want[ti], got, vc.spec.fmt, what));
+      EXPECT_TRUE(test::same_outputs(want[ti], got, vc.spec.fmt, what));
       EXPECT_TRUE(test::replicas_identical(got, vc.spec.fmt));
     }
   }
@@ -203,7 +186,7 @@ TEST_P(PdlGraph, PdlOnAndOffReplaysEqualCpu) {
       for (size_t r = 0; r < e.size(); ++r)
         ASSERT_EQ(e[r], base[r] + (r % static_cast<size_t>(c->setup.num_ubatches) == 0 ? kLayers * (i + 1) : 0))
             << "epoch of rank/barrier " << r << " after replay " << i;
-      ASSERT_TRUE(same_outputs(want, pub.download(t), spec.fmt, fmt::format("{} replay {}", name, i)));
+      ASSERT_TRUE(test::same_outputs(want, pub.download(t), spec.fmt, fmt::format("{} replay {}", name, i)));
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

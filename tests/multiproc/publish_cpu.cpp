@@ -80,9 +80,11 @@ int publish_and_check(Bootstrap& group, const Job& job, Transport transport, con
   RANK_CHECK(mine.mla_cache_offset == ref.mla_cache_offset && mine.index_cache_offset == ref.index_cache_offset,
              "offsets");
   ByteDiff d = compare_bytes(mine.mla_alloc, ref.mla_alloc[me]);
-  RANK_CHECK(d.equal(), "rank {} MLA replica: {} bytes differ, first at {}", me, d.num_diff, d.first_diff);
+  RANK_CHECK(d.equal(), "rank {} MLA replica: {} bytes differ, first at {}", me, d.num_diff,
+             describe_mla_byte(ref, job.setup.fmt, d.first_diff));
   d = compare_bytes(mine.index_alloc, ref.index_alloc[me]);
-  RANK_CHECK(d.equal(), "rank {} indexer replica: {} bytes differ, first at {}", me, d.num_diff, d.first_diff);
+  RANK_CHECK(d.equal(), "rank {} indexer replica: {} bytes differ, first at {}", me, d.num_diff,
+             describe_index_byte(ref, d.first_diff));
   if (job.setup.materialize_q) RANK_CHECK(mine.q_c_out == ref.q_c_out[me], "q_c_out of rank {}", me);
   RANK_CHECK(mine.topk == (ref.topk.empty() ? std::vector<int32_t>{} : ref.topk[me]), "topk of rank {}", me);
   // The reference wrote something: guard bytes alone would also compare equal.
@@ -94,16 +96,12 @@ int publish_and_check(Bootstrap& group, const Job& job, Transport transport, con
     for (int32_t r = 0; r < group.world_size(); ++r) {
       got.mla_alloc[r] = pub->read_mla_alloc(r);
       got.index_alloc[r] = pub->read_index_alloc(r);
-      d = compare_bytes(got.mla_alloc[r], ref.mla_alloc[r]);
-      RANK_CHECK(d.equal(), "replica {} (read by rank 0): {} MLA bytes differ, first at {}", r, d.num_diff,
-                 d.first_diff);
-      d = compare_bytes(got.index_alloc[r], ref.index_alloc[r]);
-      RANK_CHECK(d.equal(), "replica {} (read by rank 0): {} indexer bytes differ", r, d.num_diff);
-      d = compare_bytes(got.mla_alloc[r], got.mla_alloc[0]);
-      RANK_CHECK(d.equal(), "replica {} differs from replica 0", r);
-      const GuardReport g = check_untouched(got, r, job.plan, job.setup.fmt);
-      RANK_CHECK(g.num_bad == 0, "replica {}: {} guard bytes touched; first: {}", r, g.num_bad, g.first);
     }
+    // The checks `pcpkv mp-publish` applies to the replicas it reads, and replicas identical.
+    const CacheFormat& fmt = job.setup.fmt;
+    for (const Check& c : {check_replicas_vs_reference(got, ref, fmt), check_replicas_identical(got, fmt),
+                           check_guards(got, job.plan, fmt)})
+      RANK_CHECK(c.pass, "replicas read by rank 0: {}: {}", c.name, c.detail);
   }
   // Stage profile: the transport table's stages, named as the single-process backend names them, with bytes.
   RANK_CHECK(mine.profile.stages.size() == ref.profile.stages.size(), "rank {}: {} stages, the reference {}", me,

@@ -1,25 +1,23 @@
 #include "support/bytes.h"
 
-#include <cstring>
+#include <algorithm>
 
 #include <fmt/format.h>
+
+#include "pcpkv/publish/checks.h"
 
 namespace pcpkv::test {
 
 ::testing::AssertionResult bytes_equal(const void* expected, const void* actual, int64_t n, const std::string& what,
                                        const OffsetDescriber& describe) {
+  const ByteDiff d = compare_bytes(expected, actual, std::max<int64_t>(n, 0));
+  if (d.equal()) return ::testing::AssertionSuccess();
   const auto* a = static_cast<const uint8_t*>(expected);
   const auto* b = static_cast<const uint8_t*>(actual);
-  if (n <= 0 || std::memcmp(a, b, static_cast<size_t>(n)) == 0) return ::testing::AssertionSuccess();
-  int64_t num_diff = 0, first = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (a[i] != b[i]) {
-      if (first < 0) first = i;
-      ++num_diff;
-    }
+  const int64_t first = d.first_diff;
   const std::string where = describe ? fmt::format(" ({})", describe(first)) : std::string();
   return ::testing::AssertionFailure() << fmt::format(
-             "{}: {} of {} bytes differ; first at byte {}{}: expected 0x{:02x}, got 0x{:02x}", what, num_diff, n,
+             "{}: {} of {} bytes differ; first at byte {}{}: expected 0x{:02x}, got 0x{:02x}", what, d.num_diff, n,
              first, where, a[first], b[first]);
 }
 

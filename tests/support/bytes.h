@@ -1,4 +1,5 @@
-// tests/support/bytes.h: byte-for-byte comparison with a readable first difference.
+// tests/support/bytes.h: byte-for-byte comparison of raw buffers (a kernel's output against the oracle's) with a
+// readable first difference, counted by pcpkv::compare_bytes. Publications (PublishResult): publish_case.h.
 #pragma once
 
 #include <cstdint>

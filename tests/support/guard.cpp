@@ -1,22 +1,20 @@
 #include "support/guard.h"
 
+#include <algorithm>
 #include <cstring>
+
+#include "pcpkv/publish/checks.h"
 
 namespace pcpkv::test {
 
 void fill_guard(void* p, int64_t n) { std::memset(p, kGuardByte, static_cast<size_t>(n)); }
 
 ::testing::AssertionResult all_guard(const void* p, int64_t n, const std::string& what) {
+  const ByteDiff d = compare_to_guard(p, std::max<int64_t>(n, 0));
+  if (d.equal()) return ::testing::AssertionSuccess();
   const auto* b = static_cast<const uint8_t*>(p);
-  int64_t bad = 0, first = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (b[i] != kGuardByte) {
-      if (first < 0) first = i;
-      ++bad;
-    }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " bytes changed; first at byte "
-                                       << first << " = 0x" << std::hex << static_cast<int>(b[first])
+  return ::testing::AssertionFailure() << what << ": " << d.num_diff << " of " << n << " bytes changed; first at byte "
+                                       << d.first_diff << " = 0x" << std::hex << static_cast<int>(b[d.first_diff])
                                        << " (expected 0x" << static_cast<int>(kGuardByte) << ")";
 }
 

@@ -14,8 +14,9 @@ namespace pcpkv::test {
 /// Fills n bytes at p with kGuardByte (0xA5).
 void fill_guard(void* p, int64_t n);
 
-/// Success when every byte of [p, p + n) equals kGuardByte; otherwise names `what`, the count of changed
-/// bytes and the first one: "mla guard: 3 of 256 bytes changed; first at byte 17 = 0x00 (expected 0xa5)".
+/// Success when every byte of [p, p + n) equals kGuardByte (pcpkv::compare_to_guard, the count behind
+/// check_untouched); otherwise names `what`, the count of changed bytes and the first one:
+/// "mla guard: 3 of 256 bytes changed; first at byte 17 = 0x00 (expected 0xa5)".
 ::testing::AssertionResult all_guard(const void* p, int64_t n, const std::string& what);
 
 /// A payload of `size` bytes framed by `guard` bytes of kGuardByte on each side; the payload starts

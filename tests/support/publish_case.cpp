@@ -1,11 +1,11 @@
 #include "support/publish_case.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "pcpkv/core/inputs.h"
 #include "pcpkv/core/model.h"
-#include "pcpkv/publish/checks.h"
-#include "support/bytes.h"
 
 namespace pcpkv::test {
 
@@ -31,43 +31,10 @@ std::unique_ptr<PublishCase> make_case(const CaseSpec& spec) {
   return c;
 }
 
-std::string describe_mla_offset(const PublishResult& r, const CacheFormat& fmt, int64_t off) {
-  const MlaCacheGeometry& g = r.mla_geometry;
-  const int64_t rel = off - r.mla_cache_offset;
-  if (rel < 0) return "before the cache (guard / base offset)";
-  if (rel >= g.bytes()) return "after the cache (guard)";
-  const int64_t block = rel / g.block_stride, in_block = rel % g.block_stride;
-  if (in_block >= int64_t{g.block_size} * g.row_stride) return fmt::format("padding of block {}", block);
-  const int64_t row = in_block / g.row_stride, b = in_block % g.row_stride;
-  const int64_t slot = block * g.block_size + row;
-  if (b >= mla_row_bytes(fmt.kv_format)) return fmt::format("slot {} row padding byte {}", slot, b);
-  std::string field;
-  switch (fmt.kv_format) {
-    case KvFormat::kBf16: field = b < 1024 ? fmt::format("kv_c[{}]", b / 2) : fmt::format("k_pe[{}]", (b - 1024) / 2); break;
-    case KvFormat::kFp8: field = b < 512 ? fmt::format("kv_c[{}]", b) : fmt::format("k_pe[{}]", b - 512); break;
-    case KvFormat::kFp8DsMla:
-      field = b < 512 ? fmt::format("kv_c[{}] (tile {})", b, b / 128)
-                      : (b < 528 ? fmt::format("tile scale {} byte {}", (b - 512) / 4, (b - 512) % 4)
-                                 : fmt::format("k_pe[{}] (bf16)", (b - 528) / 2));
-      break;
-  }
-  return fmt::format("slot {} (block {} row {}) row byte {}: {}", slot, block, row, b, field);
-}
-
-std::string describe_index_offset(const PublishResult& r, int64_t off) {
-  const IndexerCacheGeometry& g = r.index_geometry;
-  const int64_t rel = off - r.index_cache_offset;
-  if (rel < 0) return "before the cache (guard / base offset)";
-  if (rel >= g.bytes()) return "after the cache (guard)";
-  const int64_t block = rel / g.block_stride, in_block = rel % g.block_stride;
-  const int64_t data_bytes = int64_t{g.block_size} * kIndexHeadDim;
-  if (in_block < data_bytes)
-    return fmt::format("slot {} indexer data[{}]", block * g.block_size + in_block / kIndexHeadDim,
-                       in_block % kIndexHeadDim);
-  if (in_block < int64_t{g.block_size} * kIndexerSlotBytes)
-    return fmt::format("slot {} indexer scale byte {}", block * g.block_size + (in_block - data_bytes) / 4,
-                       (in_block - data_bytes) % 4);
-  return fmt::format("padding of indexer block {}", block);
+::testing::AssertionResult passed(const Check& c, const std::string& what) {
+  if (c.pass) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << fmt::format("{}{}{}: {}", what.empty() ? "" : what + ": ", c.name,
+                                                      c.transport.empty() ? "" : " [" + c.transport + "]", c.detail);
 }
 
 ::testing::AssertionResult same_caches(const PublishResult& expected, const PublishResult& actual,
@@ -75,67 +42,41 @@ std::string describe_index_offset(const PublishResult& r, int64_t off) {
   if (expected.mla_alloc.size() != actual.mla_alloc.size())
     return ::testing::AssertionFailure() << what << ": " << expected.mla_alloc.size() << " vs "
                                          << actual.mla_alloc.size() << " replicas";
-  for (size_t r = 0; r < expected.mla_alloc.size(); ++r) {
-    auto m = bytes_equal(expected.mla_alloc[r], actual.mla_alloc[r], fmt::format("{}: rank {} mla cache", what, r),
-                         [&](int64_t o) { return describe_mla_offset(actual, fmt, o); });
-    if (!m) return m;
-    auto i = bytes_equal(expected.index_alloc[r], actual.index_alloc[r],
-                         fmt::format("{}: rank {} indexer cache", what, r),
-                         [&](int64_t o) { return describe_index_offset(actual, o); });
-    if (!i) return i;
+  return passed(check_replicas_vs_reference(actual, expected, fmt), what);
+}
+
+::testing::AssertionResult same_outputs(const PublishResult& expected, const PublishResult& actual,
+                                        const CacheFormat& fmt, const std::string& what) {
+  auto caches = same_caches(expected, actual, fmt, what);
+  if (!caches) return caches;
+  if (actual.q_c_out.size() != expected.q_c_out.size() || actual.topk.size() != expected.topk.size())
+    return ::testing::AssertionFailure() << fmt::format("{}: q_c_out / top-k of {} / {} ranks, expected {} / {}", what,
+                                                        actual.q_c_out.size(), actual.topk.size(),
+                                                        expected.q_c_out.size(), expected.topk.size());
+  const std::vector<uint16_t> no_q;
+  const std::vector<int32_t> no_k;
+  for (size_t r = 0; r < std::max(expected.q_c_out.size(), expected.topk.size()); ++r) {
+    const auto& q = r < actual.q_c_out.size() ? actual.q_c_out[r] : no_q;
+    const auto& k = r < actual.topk.size() ? actual.topk[r] : no_k;
+    const auto& want_q = r < expected.q_c_out.size() ? expected.q_c_out[r] : no_q;
+    const auto& want_k = r < expected.topk.size() ? expected.topk[r] : no_k;
+    // check_outputs_vs_reference skips an empty side (mp-publish without q_c_out), so a missing one fails here.
+    if (q.size() != want_q.size() || k.size() != want_k.size())
+      return ::testing::AssertionFailure() << fmt::format("{}: rank {} q_c_out / top-k of {} / {} values, expected "
+                                                          "{} / {}", what, r, q.size(), k.size(), want_q.size(),
+                                                          want_k.size());
+    auto out = passed(check_outputs_vs_reference(q, k, expected, static_cast<int32_t>(r)), what);
+    if (!out) return out;
   }
   return ::testing::AssertionSuccess();
 }
 
 ::testing::AssertionResult replicas_identical(const PublishResult& r, const CacheFormat& fmt) {
-  for (size_t k = 1; k < r.mla_alloc.size(); ++k) {
-    auto m = bytes_equal(r.mla_alloc[0], r.mla_alloc[k], fmt::format("rank {} mla cache vs rank 0", k),
-                         [&](int64_t o) { return describe_mla_offset(r, fmt, o); });
-    if (!m) return m;
-    auto i = bytes_equal(r.index_alloc[0], r.index_alloc[k], fmt::format("rank {} indexer cache vs rank 0", k),
-                         [&](int64_t o) { return describe_index_offset(r, o); });
-    if (!i) return i;
-  }
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult same_rows(const PublishResult& a, int32_t ra, const PublishResult& b, int32_t rb,
-                                     const PcpPlan& plan, const CacheFormat& fmt, const std::string& what) {
-  const int64_t row_bytes = mla_row_bytes(fmt.kv_format);
-  const uint8_t* am = a.mla_alloc[static_cast<size_t>(ra)].data() + a.mla_cache_offset;
-  const uint8_t* bm = b.mla_alloc[static_cast<size_t>(rb)].data() + b.mla_cache_offset;
-  const uint8_t* ai = a.index_alloc[static_cast<size_t>(ra)].data() + a.index_cache_offset;
-  const uint8_t* bi = b.index_alloc[static_cast<size_t>(rb)].data() + b.index_cache_offset;
-  int64_t num_bad = 0;
-  std::string first;
-  for (int64_t g = 0; g < plan.num_global_tokens(); ++g) {
-    const int64_t s = plan.global_slots[static_cast<size_t>(g)];
-    if (s < 0) continue;
-    auto m = bytes_equal(am + a.mla_geometry.row_offset(s), bm + b.mla_geometry.row_offset(s), row_bytes,
-                         fmt::format("token {} slot {} MLA row", g, s));
-    ::testing::AssertionResult i = ::testing::AssertionSuccess();
-    if (m && fmt.has_indexer) {
-      i = bytes_equal(ai + a.index_geometry.data_offset(s), bi + b.index_geometry.data_offset(s), kIndexHeadDim,
-                      fmt::format("token {} slot {} indexer data", g, s));
-      if (i)
-        i = bytes_equal(ai + a.index_geometry.scale_offset(s), bi + b.index_geometry.scale_offset(s), 4,
-                        fmt::format("token {} slot {} indexer scale", g, s));
-    }
-    if (!m || !i) {
-      if (num_bad++ == 0) first = !m ? m.message() : i.message();
-    }
-  }
-  if (num_bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << num_bad << " rows differ; first: " << first;
+  return passed(check_replicas_identical(r, fmt));
 }
 
 ::testing::AssertionResult all_untouched(const PublishResult& r, const PcpPlan& plan, const CacheFormat& fmt) {
-  for (int32_t rank = 0; rank < static_cast<int32_t>(r.mla_alloc.size()); ++rank) {
-    const GuardReport g = check_untouched(r, rank, plan, fmt);
-    if (g.num_bad != 0)
-      return ::testing::AssertionFailure() << g.num_bad << " bytes outside written rows changed; first: " << g.first;
-  }
-  return ::testing::AssertionSuccess();
+  return passed(check_guards(r, plan, fmt));
 }
 
 }  // namespace pcpkv::test

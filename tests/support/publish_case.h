@@ -1,5 +1,5 @@
-// tests/support/publish_case.h: one layer's publication case (model, plan, inputs, setup) and comparisons of
-// published caches with messages that name the slot and field of the first differing byte.
+// tests/support/publish_case.h: one layer's publication case (model, plan, inputs, setup), and the checks of
+// pcpkv/publish/checks.h (the ones `pcpkv run` and `pcpkv mp-publish` apply) as gtest assertions.
 #pragma once
 
 #include <cstdint>
@@ -9,8 +9,9 @@
 
 #include <gtest/gtest.h>
 
-#include "pcpkv/publish/backend.h"
 #include "pcpkv/core/plan.h"
+#include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/checks.h"
 
 namespace pcpkv::test {
 
@@ -41,22 +42,22 @@ struct PublishCase {
 };
 std::unique_ptr<PublishCase> make_case(const CaseSpec& spec);
 
-/// "slot 17 (block 1 row 1) kv_c byte 5", "guard/base offset", "padding of block 2", ... for a byte offset
-/// within a replica's MLA / indexer allocation.
-std::string describe_mla_offset(const PublishResult& r, const CacheFormat& fmt, int64_t alloc_offset);
-std::string describe_index_offset(const PublishResult& r, int64_t alloc_offset);
+/// A check of pcpkv/publish/checks.h as a gtest assertion: success when it passed, else
+/// "<what>: <check name> [<transport>]: <detail>", the detail naming the first differing byte (rank or
+/// replica, slot, field, both values) and how many differ. Every comparison below is one of those checks.
+::testing::AssertionResult passed(const Check& c, const std::string& what = {});
 
-/// Every replica's MLA and indexer allocation of `actual` equals that of `expected`, byte for byte
-/// (same rank count and geometry).
+/// Every replica's MLA and indexer allocation of `actual` equals that of `expected`, byte for byte (same rank
+/// count and geometry): check_replicas_vs_reference(actual, expected, fmt).
 ::testing::AssertionResult same_caches(const PublishResult& expected, const PublishResult& actual,
                                        const CacheFormat& fmt, const std::string& what);
-/// Every replica equals replica 0.
+/// same_caches, and every rank's q_c_out and top-k rows of `actual` equal `expected`'s (both hold the same
+/// ranks of them, each of the same size): check_outputs_vs_reference per rank.
+::testing::AssertionResult same_outputs(const PublishResult& expected, const PublishResult& actual,
+                                        const CacheFormat& fmt, const std::string& what);
+/// Every replica equals replica 0: check_replicas_identical.
 ::testing::AssertionResult replicas_identical(const PublishResult& r, const CacheFormat& fmt);
-/// For every slot the plan writes, the MLA row and indexer slot of a's replica ra equal b's replica rb
-/// (a and b may have different geometries or rank counts, e.g. a PCP-1 reference of the same requests).
-::testing::AssertionResult same_rows(const PublishResult& a, int32_t ra, const PublishResult& b, int32_t rb,
-                                     const PcpPlan& plan, const CacheFormat& fmt, const std::string& what);
-/// check_untouched() for every rank.
+/// Every rank's bytes outside written rows are kGuardByte: check_guards.
 ::testing::AssertionResult all_untouched(const PublishResult& r, const PcpPlan& plan, const CacheFormat& fmt);
 
 }  // namespace pcpkv::test

@@ -79,21 +79,59 @@ TEST(PublicationChecks, PassOnACorrectPublicationInOrder) {
 TEST(PublicationChecks, AFlippedRowByteFailsReplicasAndReferenceNamingTheSlot) {
   Published run = publish(Transport::kDirect);
   const int64_t slot = run.c->plan.global_slots[0];
-  run.r.mla_alloc[2][static_cast<size_t>(run.r.mla_cache_offset + run.r.mla_geometry.row_offset(slot) + 3)] ^= 0x10;
+  uint8_t& flipped =
+      run.r.mla_alloc[2][static_cast<size_t>(run.r.mla_cache_offset + run.r.mla_geometry.row_offset(slot) + 3)];
+  const uint8_t was = flipped;
+  flipped ^= 0x10;
   const std::vector<Check> checks = check_publication(run.r, run.single, run.pc());
   EXPECT_FALSE(all_pass(checks));
   EXPECT_FALSE(checks[0].pass);
   EXPECT_EQ(checks[0].num_diff, 1);
   EXPECT_NE(checks[0].detail.find("rank 2 MLA vs rank 0"), std::string::npos) << checks[0].detail;
-  EXPECT_NE(checks[0].detail.find(fmt::format("slot {}, byte 3 of its row", slot)), std::string::npos)
+  // The place (slot, row byte, field of the fp8_ds_mla row) and both values, this replica's first.
+  EXPECT_NE(checks[0].detail.find(fmt::format("slot {}, byte 3 of its row: kv_c[3], tile 0", slot)), std::string::npos)
+      << checks[0].detail;
+  EXPECT_NE(checks[0].detail.find(fmt::format(": 0x{:02x} vs 0x{:02x}", was ^ 0x10, was)), std::string::npos)
       << checks[0].detail;
   EXPECT_TRUE(checks[1].pass) << "rank 0 is intact: " << checks[1].detail;
   EXPECT_TRUE(checks[2].pass) << "a row byte is not a guard byte: " << checks[2].detail;
 
   // The same publication against a reference of every rank (mp-publish): global rank names.
-  const Check vs = check_replicas_vs_reference(run.r, publish(Transport::kDirect).r, {10, 11, 12});
+  const Check vs =
+      check_replicas_vs_reference(run.r, publish(Transport::kDirect).r, run.c->setup.fmt, {10, 11, 12});
   EXPECT_FALSE(vs.pass);
   EXPECT_NE(vs.detail.find("global rank 12's MLA replica: 1 bytes differ"), std::string::npos) << vs.detail;
+}
+
+TEST(PublicationChecks, DescribeNamesTheFieldOfEveryLayout) {
+  // 2 blocks of 4 rows, rows of stride 672 (656 + 16 padding), 32 bytes of block padding, the cache at byte 100.
+  PublishResult r;
+  r.mla_geometry = {2, 4, 672, 4 * 672 + 32};
+  r.index_geometry = {2, 4, 4 * kIndexerSlotBytes + 16};
+  r.mla_cache_offset = r.index_cache_offset = 100;
+  CacheFormat ds, fp8, bf16;
+  fp8.kv_format = KvFormat::kFp8;
+  bf16.kv_format = KvFormat::kBf16;
+  const int64_t slot5 = 100 + r.mla_geometry.row_offset(5);  // block 1 row 1
+  EXPECT_EQ(describe_mla_byte(r, ds, slot5 + 130), fmt::format("byte {} (slot 5, byte 130 of its row: kv_c[130], "
+                                                               "tile 1; block 1 row 1)", slot5 + 130));
+  EXPECT_NE(describe_mla_byte(r, ds, slot5 + 517).find("byte 517 of its row: tile 1 scale, byte 1;"),
+            std::string::npos);
+  EXPECT_NE(describe_mla_byte(r, ds, slot5 + 531).find("k_pe[1] (bf16)"), std::string::npos);
+  EXPECT_NE(describe_mla_byte(r, ds, slot5 + 660).find("byte 660 of its row: row padding"), std::string::npos);
+  EXPECT_NE(describe_mla_byte(r, fp8, slot5 + 513).find("k_pe[1];"), std::string::npos);
+  PublishResult wide = r;  // bf16 rows: 1152 bytes
+  wide.mla_geometry = {2, 4, 1152, 4 * 1152};
+  EXPECT_NE(describe_mla_byte(wide, bf16, 100 + 7).find("kv_c[3] (bf16);"), std::string::npos);
+  EXPECT_NE(describe_mla_byte(wide, bf16, 100 + 1027).find("k_pe[1] (bf16);"), std::string::npos);
+  EXPECT_NE(describe_mla_byte(r, ds, 100 + 4 * 672 + 3).find("(block 0 padding)"), std::string::npos);
+  EXPECT_NE(describe_mla_byte(r, ds, 99).find("(before the cache)"), std::string::npos);
+  EXPECT_NE(describe_mla_byte(r, ds, 100 + r.mla_geometry.bytes()).find("(after the cache)"), std::string::npos);
+  const int64_t iblock1 = 100 + r.index_geometry.block_stride;
+  EXPECT_EQ(describe_index_byte(r, iblock1 + 128 + 7), fmt::format("byte {} (slot 5 data, byte 7)", iblock1 + 135));
+  EXPECT_EQ(describe_index_byte(r, iblock1 + 512 + 4 + 2),
+            fmt::format("byte {} (slot 5 scale, byte 2)", iblock1 + 518));
+  EXPECT_NE(describe_index_byte(r, iblock1 + 4 * kIndexerSlotBytes).find("(block 1 padding)"), std::string::npos);
 }
 
 TEST(PublicationChecks, AChangedGuardByteFailsTheGuardCheckOnly) {

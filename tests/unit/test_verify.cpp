@@ -50,6 +50,18 @@ TEST(Verify, CompareBytes) {
   EXPECT_EQ(d.first_diff, 4097);
   b.pop_back();
   EXPECT_THROW(compare_bytes(a, b), Error);
+  // Raw buffers: the same count over a prefix; against the guard byte.
+  const ByteDiff raw = compare_bytes(a.data(), b.data(), 9000);
+  EXPECT_EQ(raw.num_diff, 1);
+  EXPECT_EQ(raw.first_diff, 4097);
+  EXPECT_TRUE(compare_bytes(a.data(), b.data(), 0).equal());
+  std::vector<uint8_t> g(300, kGuardByte);
+  EXPECT_TRUE(compare_to_guard(g.data(), 300).equal());
+  g[17] = 0;
+  g[299] = 1;
+  const ByteDiff gd = compare_to_guard(g.data(), 300);
+  EXPECT_EQ(gd.num_diff, 2);
+  EXPECT_EQ(gd.first_diff, 17);
 }
 
 TEST(Verify, UntouchedNamesTheRegionOfAChangedByte) {

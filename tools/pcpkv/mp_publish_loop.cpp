@@ -155,7 +155,7 @@ MpLoopResult run_mp_loop(const MpPublishFlags& f, MpJob& job) {
         got.index_alloc[q] = pub->read_index_alloc(q);
       }
       rep.replicas_hash = replicas_fingerprint(got);
-      rep.checks.push_back(check_replicas_vs_reference(got, ref, opt.global_ranks));
+      rep.checks.push_back(check_replicas_vs_reference(got, ref, fmt, opt.global_ranks));
       rep.checks.push_back(check_guards(got, plan, fmt, opt.global_ranks));
       rep.checks.push_back(check_outputs_vs_reference(setup.materialize_q ? mine.q_c_out : std::vector<uint16_t>{},
                                                       mine.topk, ref, 0));

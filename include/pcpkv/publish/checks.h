@@ -16,7 +16,21 @@ struct ByteDiff {
   int64_t first_diff = -1;
   bool equal() const { return num_diff == 0; }
 };
+/// Throws pcpkv::Error when the sizes differ.
 ByteDiff compare_bytes(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b);
+/// The n bytes at a and b (raw host buffers, e.g. a kernel's output against the oracle's); n < 0: pcpkv::Error.
+ByteDiff compare_bytes(const void* a, const void* b, int64_t n);
+/// The n bytes at p (host) against kGuardByte: num_diff bytes changed, the first at first_diff; n < 0: pcpkv::Error.
+ByteDiff compare_to_guard(const void* p, int64_t n);
+
+/// Where byte `offset` of one of r's MLA allocations lies, for first-difference messages, e.g.
+///   "byte 4711 (slot 17, byte 5 of its row: kv_c[5], tile 0; block 1 row 1)",
+///   "byte 9000 (slot 20, byte 700 of its row: row padding)", "byte 12 (before the cache)",
+///   "byte 70000 (block 4 padding)", "byte 80000 (after the cache)".
+/// fmt.kv_format names the row's fields (SPEC section 3 layouts).
+std::string describe_mla_byte(const PublishResult& r, const CacheFormat& fmt, int64_t offset);
+/// The same for an indexer allocation: "byte 300 (slot 2 data, byte 44)", "(slot 2 scale, byte 1)", ....
+std::string describe_index_byte(const PublishResult& r, int64_t offset);
 
 /// Every byte of rank r's allocations not covered by a row the plan writes (guards, the base offset,
 /// row and block padding, unwritten slots, the indexer cache of a layer without one) must equal
@@ -67,8 +81,11 @@ DecodedRow decode_slot(const uint8_t* mla_cache, const MlaCacheGeometry& mg, con
 // ---- the publication checks: one result type, one function per check, one JSON shape ----------------
 //
 // Used by `pcpkv run` (check_publication), `pcpkv mp-publish` (check_replicas_vs_reference, check_guards,
-// check_outputs_vs_reference) and the tests alike. Each check returns pass = false with a detail naming the
-// first difference; none throws on a mismatch (only on results of the wrong shape: pcpkv::Error).
+// check_outputs_vs_reference) and the tests alike (tests/support/publish_case.h turns a Check into a gtest
+// assertion). Each check returns pass = false with a detail naming the first difference; none throws on a
+// mismatch (only on results of the wrong shape: pcpkv::Error). A byte comparison's detail reads
+//   "<what is compared>: <n> bytes differ, first at <describe_mla_byte / ...>: 0x3d vs 0x3c"
+// (the rank or replica in <what is compared>, the two byte values in its order: this result's first).
 
 /// One verification result. The counts say what was compared: byte checks fill num_bytes / num_diff,
 /// the bound check fills the num_values ... worst fields (num_values > 0 tells them apart in JSON).
@@ -92,10 +109,12 @@ PcpPlan single_rank_plan(const PcpPlan& plan);
 /// true when `checks` is not empty and every check passed.
 bool all_pass(const std::vector<Check>& checks);
 
-/// Every rank's MLA (and indexer) allocation equals rank 0's, byte for byte. Check "replicas identical".
+/// Every rank's MLA and indexer allocation (the indexer's guard-only one of a layer without an indexer too)
+/// equals rank 0's, byte for byte. Check "replicas identical".
 Check check_replicas_identical(const PublishResult& r, const CacheFormat& fmt);
 
-/// Rank 0's caches of a and b are byte-identical (e.g. staging == direct). `name` and `transport` label it.
+/// Rank 0's MLA and indexer allocations of a and b are byte-identical (e.g. staging == direct). `name` and
+/// `transport` label it.
 Check check_same_caches(const PublishResult& a, const PublishResult& b, const CacheFormat& fmt, std::string name,
                         std::string transport);
 
@@ -106,9 +125,10 @@ Check check_vs_single_rank(const PublishResult& r, const PublishResult& single, 
                            const CacheFormat& fmt, int64_t q_lora_rank);
 
 /// Every replica of `got` equals the same rank's replica of `ref` (the same plan published by another
-/// backend or process layout). rank_names[q] names rank q in messages ("global rank 5"); empty: "rank q".
+/// backend or process layout; both hold the same number of ranks, else pcpkv::Error). fmt names the fields
+/// in messages; rank_names[q] names rank q ("global rank 5"); empty: "rank q".
 /// Check "replicas == single-process CPU reference".
-Check check_replicas_vs_reference(const PublishResult& got, const PublishResult& ref,
+Check check_replicas_vs_reference(const PublishResult& got, const PublishResult& ref, const CacheFormat& fmt,
                                   const std::vector<int32_t>& rank_names = {});
 
 /// Every rank's bytes outside written rows are kGuardByte (check_untouched on each rank). rank_names as above.
