@@ -11,17 +11,20 @@
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
 #include "pcpkv/publish/kernels.h"
+#include "publish/cuda/device_replica_check.h"
 #include "publish/cuda/publisher.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/inputs.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
+#include "pcpkv/publish/replica_hash.h"
 
 namespace pcpkv::cuda {
 namespace {
 
 using cuda_detail::DeviceBuffer;
+using cuda_detail::DeviceReplicaCheck;
 using cuda_detail::DispatchVariant;
 using cuda_detail::Event;
 using cuda_detail::Publisher;
@@ -166,6 +169,37 @@ double time_graph(Publisher& pub, Transport t, const BenchOptions& o, int layers
   return median(ms) / layers;
 }
 
+/// The replica check after one direct publication (its caches then hold every written row on every replica):
+/// warmup + iters runs of DeviceReplicaCheck::enqueue, CUDA events around each; the result of the last.
+BenchReplicaCheck time_replica_check(Publisher& pub, const PcpPlan& plan, const CacheFormat& fmt, const BenchOptions& o) {
+  Stream stream;
+  pub.enqueue(Transport::kDirect, stream.get());
+  stream.sync();
+  pub.check_fence();
+  DeviceReplicaCheck check(pub.targets(), fmt, written_slots(plan));
+  Event a, b;
+  std::vector<double> ms;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    PCPKV_CUDA_CHECK(cudaEventRecord(a.get(), stream.get()));
+    check.enqueue(stream.get());
+    PCPKV_CUDA_CHECK(cudaEventRecord(b.get(), stream.get()));
+    stream.sync();
+    if (i >= o.warmup) ms.push_back(cuda_detail::elapsed_ms(a, b));
+  }
+  BenchReplicaCheck r;
+  r.pcp = plan.pcp_world;
+  r.kv_format = fmt.kv_format;
+  r.indexer_layer = fmt.has_indexer;
+  r.slots = static_cast<int64_t>(check.slots().size());
+  r.ms = median(ms);
+  r.cache_bytes_read = check.cache_bytes_read();
+  r.bytes = check.bytes();
+  const Check c = replica_hash_check(check.diffs(), check.slots(), check.bytes_per_slot(), {0, "direct", ""});
+  r.pass = c.pass;
+  r.detail = c.detail;
+  return r;
+}
+
 PublishSetup make_setup(const ModelConfig& model, const PcpPlan& plan, const CacheFormat& fmt, int64_t topk_width) {
   PublishSetup s;
   s.model = &model;
@@ -184,6 +218,10 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
   PCPKV_CHECK(o.tokens >= 1, "--tokens = {} must be >= 1", o.tokens);
   PCPKV_CHECK(o.copy_gib > 0.0 && o.copy_gib <= 64.0, "--copy-gib = {} must be in (0, 64]", o.copy_gib);
   for (int32_t p : o.pcp) PCPKV_CHECK(p >= 1 && p <= 8, "--pcp {}: the one-GPU bench serves 1..8 ranks", p);
+  const int32_t replica_check_pcp =
+      o.replica_check_pcp == -1 && !o.pcp.empty() ? *std::max_element(o.pcp.begin(), o.pcp.end()) : o.replica_check_pcp;
+  PCPKV_CHECK(replica_check_pcp <= 0 || std::find(o.pcp.begin(), o.pcp.end(), replica_check_pcp) != o.pcp.end(),
+              "--replica-check-pcp {} is not one of the --pcp worlds", replica_check_pcp);
   std::string why;
   const int n = device_count(&why);
   PCPKV_CHECK(n > 0, "pcpkv bench needs a CUDA device: {}", why);
@@ -334,6 +372,13 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
             line += fmt::format(" {} [{}] {:.3f} ms", to_string(t), run.variant, run.total_ms);
             rep.runs.push_back(std::move(run));
           }
+        }
+        if (P == replica_check_pcp) {  // the debug check's cost: its own row, not part of any total above
+          BenchReplicaCheck rc = time_replica_check(*pub, plan, fmt, o);
+          rc.model = name;
+          rc.tokens = o.tokens;
+          line += fmt::format(" replica-check {:.3f} ms ({})", rc.ms, rc.pass ? "pass" : "FAIL");
+          rep.replica_checks.push_back(std::move(rc));
         }
         say(progress, line);
       }

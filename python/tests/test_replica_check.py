@@ -50,6 +50,30 @@ def test_every_single_byte_change_changes_the_hash():
             assert int((h != base).sum()) == 1, (pos, delta)
 
 
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >> 63 else v
+
+
+def test_the_hash_is_the_cpp_definition():
+    """The values tests/unit/test_replica_hash.cpp (CPU oracle) and tests/cuda/test_replica_hash.cpp (kernel) assert
+    for the same bytes: the hash of docs/spec.md section 5.2 is one definition in C++, on the GPU and here."""
+    mla = torch.empty(2, 4, 656, dtype=torch.uint8)
+    idx = torch.empty(2, 4, 132, dtype=torch.uint8)
+    flat = idx.view(2, 4 * 132)  # per block: 4 rows of 128 e4m3, then 4 fp32 scales (SPEC section 3)
+    for s in range(8):
+        b, o = divmod(s, 4)
+        mla[b, o] = torch.tensor([(s * 31 + j * 7 + 3) & 255 for j in range(656)], dtype=torch.uint8)
+        flat[b, o * 128:(o + 1) * 128] = torch.tensor([(s * 17 + j * 11 + 5) & 255 for j in range(128)],
+                                                      dtype=torch.uint8)
+        flat[b, 4 * 128 + o * 4:4 * 128 + o * 4 + 4] = torch.tensor([(s * 13 + k * 29 + 1) & 255 for k in range(4)],
+                                                                    dtype=torch.uint8)
+    slots = torch.tensor([5, 2, 7])
+    assert slot_hashes(mla, idx, slots).tolist() == [_signed(0x410BA49A32B1B98E), _signed(0x5BC997F4B7878A5E),
+                                                     _signed(0x971960CA7DEF46AE)]
+    assert slot_hashes(mla, None, slots).tolist() == [_signed(0xE8A5D29897B52944), _signed(0xA3848E0DAF67904E),
+                                                      _signed(0xB0752CA762797EE8)]
+
+
 @pytest.mark.parametrize("transport", ["direct", "collect"])
 def test_a_flipped_bit_is_named_and_healthy_replicas_pass(transport):
     pcp = PcpModel(model(), 2, num_blocks=12, block_size=16, transport=transport, check_replicas=True)

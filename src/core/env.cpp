@@ -28,6 +28,10 @@ const std::vector<EnvVar>& env_registry() {
        "$TMPDIR, else /tmp", "ranks (src/ranks/bootstrap.cpp)"},
       {"PCPKV_BOOTSTRAP_TIMEOUT_S", "bound of every blocking bootstrap step, seconds (> 0)", "60",
        "ranks (src/ranks/bootstrap.cpp)"},
+      {"PCPKV_CHECK_REPLICAS",
+       "1: the run-time replica check after every publication (`pcpkv run`, `pcpkv mp-publish`: like "
+       "--check-replicas; pcpkv_torch: check_replicas=None); 0 or empty: off; any other value is refused",
+       "off", "publish (src/publish/replica_check.cpp); pcpkv_torch (models/replica_check.py)"},
       {"PCPKV_CONFIG_DIR", "directory of the presets' HF config.json files (<preset>.json)",
        "the configs/ directory the library was built (or installed) with", "core (src/core/model.cpp)"},
       {"PCPKV_DEBUG", "set: the CLI also prints where an error was raised", "unset: the message only",

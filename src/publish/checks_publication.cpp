@@ -9,6 +9,7 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/checks.h"
+#include "pcpkv/publish/replica_hash.h"
 
 namespace pcpkv {
 namespace {
@@ -336,6 +337,10 @@ std::vector<Check> check_publication(const PublishResult& result, const PublishR
   say("dequantized cache vs fp64");
   out.push_back(check_bound(result, *pc.inputs, *pc.plan, *pc.model, pc.fmt));
   if (pc.topk_width > 0) out.push_back(check_topk_filled(result, *pc.plan, pc.topk_width, pc.topk_fill));
+  if (pc.check_replicas) {
+    say("replica hashes");
+    out.push_back(check_replica_hashes(result, *pc.plan, pc.fmt, pc.layer_idx));
+  }
   return out;
 }
 

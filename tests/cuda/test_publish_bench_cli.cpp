@@ -1,6 +1,7 @@
 // `pcpkv bench --quick` end to end on the GPU: exits 0, prints the summary table last, and writes JSON with
 // the copy bandwidth, the single-rank dispatch of every kernel variant, every transport's stages for every
-// layer variant, graph replay times, the speedups over collect measured in the same run, and PDL off / on. Skips with the reason when no GPU is visible.
+// layer variant, graph replay times, the speedups over collect measured in the same run, PDL off / on, and the
+// replica-check row (the --check-replicas debug check, apart from the runs). Skips with the reason when no GPU is visible.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -65,6 +66,18 @@ TEST(BenchCli, QuickRunWritesJsonAndSummary) {
     EXPECT_GT(p["us_on"].get<double>(), 0.0) << p.dump();
   }
   EXPECT_NE(out.find("## PDL"), std::string::npos) << out;
+  // The replica check (debug mode) of the PCP 2 publication: its own row, not one of the 5 runs above.
+  ASSERT_EQ(j["replica_check"].size(), 1u);
+  const auto& c = j["replica_check"][0];
+  EXPECT_TRUE(c["pass"].get<bool>()) << c.dump();
+  EXPECT_EQ(c["pcp"], 2);
+  EXPECT_EQ(c["slots"], 2048);
+  EXPECT_EQ(c["cache_bytes_read"].get<int64_t>(), 2 * 2048 * (656 + 132)) << c.dump();
+  EXPECT_GT(c["ms"].get<double>(), 0.0) << c.dump();
+  EXPECT_GT(c["direct_ms"].get<double>(), 0.0) << c.dump();
+  EXPECT_NE(out.find("| glm-5 | 2 | fp8_ds_mla | replica-check | - | hashes of 2 replicas x 2048 slots + compare (pass)"),
+            std::string::npos)
+      << out;
   fs::remove_all(dir);
 }
 

@@ -82,6 +82,28 @@ TEST(LaunchCuda, Tp2Pcp2OnOneGpu) {
   EXPECT_EQ(count_occurrences(r.output, "replicas == single-process CPU reference: PASS"), 6) << r.output;
 }
 
+// The run-time replica check with CUDA ranks (the slot-hash kernel on each rank's own replica, one exchange): after
+// every transport's run and after its graph replays it passes; a rank that corrupts one byte of its replica is
+// named with the slot, and every rank exits 1 (--no-check: only the replica check can see it).
+TEST(LaunchCuda, ReplicaCheckPassesAndNamesACorruptedRank) {
+  SKIP_WITHOUT_GPU();
+  auto r = run_program({"launch", "--nproc", "3", "--gpus", "0", "--", "mp-publish", "--backend", "cuda", "--tokens",
+                        "200", "--decodes", "2", "--block-size", "16", "--graph-replays", "3", "--check-replicas"},
+                       600, clean_env());
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(count_occurrences(r.output, "replica check: PASS (3 replicas x 202 written slots"), 6) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "after 3 graph replays)"), 3) << r.output;
+  r = run_program({"launch", "--nproc", "3", "--gpus", "0", "--", "mp-publish", "--backend", "cuda", "--tokens", "200",
+                   "--block-size", "16", "--transport", "direct", "--check-replicas", "--corrupt-rank", "1",
+                   "--no-check"},
+                  600, clean_env());
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_NE(r.output.find("replica check: FAIL (layer 0 (direct): rank 1 differs from rank 0 at slot "),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "exited with code 1"), 3) << r.output;
+}
+
 TEST(LaunchCuda, KilledRankIsReportedWithinTheTimeout) {
   SKIP_WITHOUT_GPU();
   const auto r = run_program({"launch", "--nproc", "4", "--gpus", "0", "--grace", "60", "--", "mp-publish",

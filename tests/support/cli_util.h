@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -62,6 +63,16 @@ class ScratchDir {
  private:
   fs::path path_;
 };
+
+/// A --json document printed by the CLI; a failed expectation (and an empty object) when it is not JSON.
+inline nlohmann::json parse_json(const std::string& s) {
+  try {
+    return nlohmann::json::parse(s);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not JSON: " << e.what() << "\n" << s;
+    return nlohmann::json::object();
+  }
+}
 
 /// Runs `pcpkv <args>` (args already shell-quoted where needed), stdout and stderr captured to files.
 inline CliResult run_cli(const std::string& args, const ScratchDir& dir) {

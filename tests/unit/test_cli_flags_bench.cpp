@@ -53,6 +53,8 @@ TEST(CliFlagsBench, NumbersAreChecked) {
   expect_refused("--per-gpu-pcp 9", {"--per-gpu-pcp", "9"});
   expect_refused("--per-gpu-pcp=-1", {"--per-gpu-pcp", "-1"});
   expect_refused("--per-gpu-tokens 100", {"--per-gpu-tokens", "100", "multiple of 2 x --per-gpu-pcp = 16"});
+  expect_refused("--pcp 2,4 --replica-check-pcp 8", {"--replica-check-pcp", "one of --pcp '2,4'", "got 8"});
+  expect_refused("--replica-check-pcp=-2", {"--replica-check-pcp", "got -2"});
   expect_refused("--copy-gib 0", {"--copy-gib", "0"});
   expect_refused("--device=-1", {"--device", "-1"});
   expect_refused("--layer dense", {"--layer", "dense"});

@@ -11,19 +11,11 @@
 
 using nlohmann::json;
 using pcpkv_test::CliResult;
+using pcpkv_test::parse_json;
 using pcpkv_test::run_cli;
 using pcpkv_test::ScratchDir;
 
 namespace {
-
-json parse_json(const std::string& s) {
-  try {
-    return json::parse(s);
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "not JSON: " << e.what() << "\n" << s;
-    return json::object();
-  }
-}
 
 std::vector<std::string> check_names(const json& j) {
   std::vector<std::string> out;

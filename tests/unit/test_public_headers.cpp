@@ -13,7 +13,9 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/device/fence_kernel.h"
 #include "pcpkv/device/ptx_ordering.h"
+#include "pcpkv/device/replica_hash.h"
 #include "pcpkv/publish/kernels.h"
+#include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/serving/router.h"
 
@@ -30,6 +32,11 @@ static_assert(std::is_same_v<decltype(&pcpkv::cuda_detail::launch_fill_minus_one
                              void (*)(int32_t*, int64_t, CUstream_st*)>);
 static_assert(std::is_same_v<decltype(&pcpkv::cuda_detail::launch_insert_mla),
                              void (*)(const pcpkv::InsertParams*, int, CUstream_st*)>);
+static_assert(std::is_same_v<decltype(&pcpkv::cuda_detail::launch_slot_hashes),
+                             void (*)(const pcpkv::CacheTarget&, const pcpkv::CacheFormat&, const int64_t*, int64_t,
+                                      uint64_t*, CUstream_st*)>);
+// The replica check's atomics on the device need 8-byte fields.
+static_assert(sizeof(pcpkv::cuda_detail::DeviceHashDiff) == 16);
 
 TEST(PublicHeaders, LaunchersParseTheirNamesAndKeepTheirDefaults) {
   using pcpkv::cuda_detail::DispatchVariant;

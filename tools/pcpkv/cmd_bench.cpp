@@ -4,6 +4,7 @@
 // speedup over collect, CUDA-graph replay time). --json FILE / --markdown FILE save the same.
 // Flags are checked first (bad input: exit code 2, naming the flag and value); then, built without CUDA or
 // run without a GPU, it says so and exits with 2.
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -52,6 +53,7 @@ struct BenchArgs : BatchFlags {
   int32_t pdl_layers = 20;
   int32_t per_gpu_pcp = 8;
   int64_t per_gpu_tokens = 32768;
+  int32_t replica_check_pcp = -1;  // -1: the largest of --pcp; 0: no replica-check rows
   int iters = 20;
   int warmup = 5;
   bool no_graph = false;
@@ -162,6 +164,10 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
   PCPKV_CHECK(a.per_gpu_pcp == 0 || (a.per_gpu_tokens >= 2 * a.per_gpu_pcp && a.per_gpu_tokens % (2 * a.per_gpu_pcp) == 0),
               "--per-gpu-tokens: must be a positive multiple of 2 x --per-gpu-pcp = {}, got {}", 2 * a.per_gpu_pcp,
               a.per_gpu_tokens);
+  PCPKV_CHECK(a.replica_check_pcp == -1 || a.replica_check_pcp == 0 ||
+                  std::find(c.pcp.begin(), c.pcp.end(), a.replica_check_pcp) != c.pcp.end(),
+              "--replica-check-pcp: must be -1 (the largest of --pcp), 0 (off) or one of --pcp '{}', got {}", a.pcp,
+              a.replica_check_pcp);
   PCPKV_CHECK(std::isfinite(a.copy_gib) && a.copy_gib > 0.0 && a.copy_gib <= 64.0,
               "--copy-gib: must be in (0, 64], got {}", a.copy_gib);
   PCPKV_CHECK(a.device >= 0, "--device: must be >= 0, got {}", a.device);
@@ -328,6 +334,45 @@ void report(const cuda::BenchReport& rep, const BenchArgs& a, const std::string&
   }
   j["runs"] = jr;
 
+  // ---- the replica check (a debug mode): rows beside the stages, never in a transport's total
+  json jc = json::array();
+  std::string check_notes;
+  for (const cuda::BenchReplicaCheck& c : rep.replica_checks) {
+    const Derived d = derive(c.ms, c.bytes, rep.copy_gbps);
+    double direct_ms = 0;  // for scale: the fastest direct publication of the same case
+    for (const cuda::BenchRun& r : rep.runs)
+      if (r.transport == Transport::kDirect && r.model == c.model && r.pcp == c.pcp && r.kv_format == c.kv_format &&
+          (direct_ms == 0 || r.total_ms < direct_ms))
+        direct_ms = r.total_ms;
+    md += fmt::format("| {} | {} | {} | replica-check | - | hashes of {} replicas x {} slots + compare ({}) | {:.4f} | "
+                      "{:.1f} | {:.0f} | {:.0f} |\n",
+                      c.model, c.pcp, to_string(c.kv_format), c.pcp, c.slots, c.pass ? "pass" : "FAIL", c.ms,
+                      c.bytes / 1e6, d.gbps, 100 * d.frac);
+    check_notes += fmt::format("{}{} {}: {:.1f} MB of cache rows read{}", check_notes.empty() ? "" : "; ", c.model,
+                               to_string(c.kv_format), c.cache_bytes_read / 1e6,
+                               direct_ms > 0 ? fmt::format(", {:.2f}x the direct publication", c.ms / direct_ms) : "");
+    jc.push_back({{"model", c.model},
+                  {"pcp", c.pcp},
+                  {"kv_format", to_string(c.kv_format)},
+                  {"layer", c.indexer_layer ? "indexer" : "shared"},
+                  {"tokens", c.tokens},
+                  {"slots", c.slots},
+                  {"ms", c.ms},
+                  {"cache_bytes_read", c.cache_bytes_read},
+                  {"bytes", c.bytes},
+                  {"gbps", d.gbps},
+                  {"fraction_of_copy", d.frac},
+                  {"direct_ms", direct_ms > 0 ? json(direct_ms) : json(nullptr)},
+                  {"pass", c.pass},
+                  {"detail", c.detail}});
+  }
+  if (!rep.replica_checks.empty())
+    md += fmt::format("\nreplica-check rows: the run-time replica check (`--check-replicas`, a debug mode) of one "
+                      "layer's publication, timed on its own after a direct publication and counted in no transport "
+                      "total; MB = rows hashed + slot lists + hashes written and compared ({})\n",
+                      check_notes);
+  j["replica_check"] = jc;
+
   // ---- PDL off / on
   if (!rep.pdl.empty()) {
     md += fmt::format("\n## PDL: dispatch -> fence (-> combine) with programmatic stream serialization, CUDA-graph replay of "
@@ -451,6 +496,7 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
   o.pdl_layers = a.pdl_layers;
   o.per_gpu_pcp = a.per_gpu_pcp;
   o.per_gpu_tokens = a.per_gpu_tokens;
+  o.replica_check_pcp = a.replica_check_pcp;
   if (a.quick) {  // a smoke run for tests: small and fast, every code path once
     o.models = {"glm-5"};
     o.pcp = {2};
@@ -466,6 +512,7 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
     o.pdl_layers = 4;
     o.per_gpu_pcp = o.per_gpu_pcp == 0 ? 0 : 2;
     o.per_gpu_tokens = 2048;
+    o.replica_check_pcp = o.replica_check_pcp == 0 ? 0 : 2;
   }
   const cuda::BenchReport rep =
       cuda::run_bench(o, [](const std::string& line) { std::fprintf(stderr, "pcpkv bench: %s\n", line.c_str()); });
@@ -524,6 +571,10 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--per-gpu-tokens", a->per_gpu_tokens, "tokens of the per-GPU case's prefill (local rows: / P)")
       ->capture_default_str();
+  sub->add_option("--replica-check-pcp", a->replica_check_pcp,
+                  "PCP world of the replica-check rows (the --check-replicas debug check after one direct publication "
+                  "per model and format; not in the transport totals): -1 the largest of --pcp, 0 none")
+      ->capture_default_str();
   sub->add_option("--copy-gib", a->copy_gib, "size of the copy that measures the copy bandwidth")->capture_default_str();
   sub->add_option("--device", a->device, "CUDA device index")->capture_default_str();
   add_batch_flags(sub, *a, {F::kSeed}, {{F::kSeed, "input seed"}});
@@ -541,12 +592,12 @@ void add_bench_command(CLI::App& app) {
                  : fmt::format("pcpkv bench --models {} --pcp {} --kv-formats {} --transports {} --tokens {} --layer {} "
                                "--topk-width {} --topk-fill {} --block-size {} --iters {} --warmup {} --single-rank-tokens {} "
                                "--variants {} --layer-variants {} --pdl-tokens {} --pdl-pcp {} --pdl-layers {} "
-                               "--per-gpu-pcp {} --per-gpu-tokens {} --copy-gib {}{}",
+                               "--per-gpu-pcp {} --per-gpu-tokens {} --replica-check-pcp {} --copy-gib {}{}",
                                a->models, a->pcp, a->kv_formats, a->transports, a->tokens, a->layer, a->topk_width,
                                a->topk_fill,
                                a->block_size, a->iters, a->warmup, a->single, a->variants, a->layer_variants,
                                a->pdl_tokens, a->pdl_pcp, a->pdl_layers, a->per_gpu_pcp, a->per_gpu_tokens,
-                               a->copy_gib, a->no_graph ? " --no-graph" : "");
+                               a->replica_check_pcp, a->copy_gib, a->no_graph ? " --no-graph" : "");
     run(*a, checked, command);
   });
 }

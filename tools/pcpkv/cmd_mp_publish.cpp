@@ -24,6 +24,7 @@
 #include "mp_publish.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/flag_checks.h"
+#include "pcpkv/publish/replica_hash.h"
 
 namespace pcpkv::cli {
 
@@ -63,6 +64,8 @@ void check_flags(const MpPublishFlags& f) {
               "--fence-timeout-ms: must be in [1, {}] (one day), got {}", kMaxFenceTimeoutMs, f.fence_timeout_ms);
   PCPKV_CHECK(f.graph_replays >= 0, "--graph-replays: must be >= 0, got {}", f.graph_replays);
   PCPKV_CHECK(f.kill_rank >= -1, "--kill-rank: must be a rank (>= 0) or -1 (off), got {}", f.kill_rank);
+  PCPKV_CHECK(f.corrupt_rank >= -1, "--corrupt-rank: must be a rank (>= 0) or -1 (off), got {}", f.corrupt_rank);
+  (void)replica_check_from_env();  // a bad PCPKV_CHECK_REPLICAS is refused here, by every rank on its own
   PCPKV_CHECK(std::isfinite(f.flush_l2_mb) && f.flush_l2_mb >= 0, "--flush-l2-mb: must be >= 0 and finite, got {}",
               f.flush_l2_mb);
   PCPKV_CHECK(std::isfinite(f.link_gbps) && f.link_gbps >= 0, "--link-gbps: must be >= 0 and finite, got {}",
@@ -147,6 +150,14 @@ void add_mp_publish_command(CLI::App& app) {
                 "mappings and free device memory after the second must equal those before it");
   sub->add_option("--kill-rank", f->kill_rank,
                   "Testing: this global rank SIGKILLs itself after its dispatch, before the fence");
+  sub->add_flag("--check-replicas", f->check_replicas,
+                "Debug mode: after each publication every rank hashes the written slots of its own replica and the "
+                "ranks compare the hashes (one small exchange; also PCPKV_CHECK_REPLICAS=1); a mismatch fails the "
+                "verdict, naming the layer, the ranks and the first differing slot");
+  // Hidden (empty group), like run's --inject-fault: proves a corrupted replica fails the replica check.
+  sub->add_option("--corrupt-rank", f->corrupt_rank,
+                  "Testing: this global rank flips one bit of its own replica after each publication")
+      ->group("");
   sub->add_option("--pcp", f->pcp, "Not a flag of mp-publish: the PCP world is launch --nproc / --tp")->group("");
   sub->callback([f, sub] {
     f->pcp_given = sub->count("--pcp") > 0;

@@ -135,6 +135,9 @@ void add_run_command(CLI::App& app) {
                   "has available)")
       ->capture_default_str();
   add_batch_flags(sub, *o, {F::kRepeats});
+  sub->add_flag("--check-replicas", o->check_replicas,
+                "Debug mode: after each publication hash every replica's written slots and compare the hashes with "
+                "rank 0's (the run-time replica check, also PCPKV_CHECK_REPLICAS=1); a mismatch fails the verdict");
   // Hidden (empty group): lets tests prove that a corrupted replica fails the verdict with exit code 1.
   sub->add_option("--inject-fault", o->inject_fault,
                   "Testing aid: flip a byte of the last rank's replica (row | guard)")

@@ -34,6 +34,8 @@ struct MpPublishFlags : BatchFlags {
   bool no_check = false;
   bool json = false;
   int32_t kill_rank = -1;
+  bool check_replicas = false;  // --check-replicas (PCPKV_CHECK_REPLICAS=1 too): the run-time replica check
+  int32_t corrupt_rank = -1;    // hidden testing aid: this global rank flips a bit of its replica after each publish
   std::string collect_via = "auto";
   int32_t graph_replays = 0;
   bool leak_check = false;
@@ -74,6 +76,7 @@ struct MpJob {
   std::unique_ptr<Bootstrap> group;  // this rank's PCP group
   RankPublishOptions opt;
   bool leader = false;  // rank 0 of its PCP group: checks, prints
+  bool check_replicas = false;  // --check-replicas or PCPKV_CHECK_REPLICAS=1
 };
 
 /// Validates what needs the world, builds plan, inputs and the group (mp_publish_setup.cpp).
@@ -96,7 +99,8 @@ struct TransportReport {
   bool checked = false;
   int32_t graph_replays = 0;        // > 0: the bytes checked are those after this many CUDA graph replays
   // pcpkv/publish/checks.h: replicas == reference, guard bytes, rank 0's q_c_out / top-k (checked runs),
-  // the fence epochs (graph replays; every rank's must have advanced)
+  // the fence epochs (graph replays; every rank's must have advanced), and with --check-replicas the run-time
+  // replica check (every rank holds the same result)
   std::vector<Check> checks;
   const Check* find(const std::string& name) const {
     for (const Check& c : checks)

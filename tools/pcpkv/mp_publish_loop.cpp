@@ -9,6 +9,7 @@
 
 #include "mp_publish.h"
 #include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/ranks/symmetric.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
@@ -77,8 +78,23 @@ MpLoopResult run_mp_loop(const MpPublishFlags& f, MpJob& job) {
 
   auto pub = factory(*job.group, setup, opt);
   std::unique_ptr<Backend> ref_backend = leader && !f.no_check ? make_cpu_backend(f.threads) : nullptr;
+  const std::vector<int64_t> slots = job.check_replicas ? written_slots(plan) : std::vector<int64_t>{};
+  // The run-time replica check (--check-replicas): every rank hashes its own replica, one exchange; every rank
+  // gets the same Check. Its wall time (hash + exchange, this rank) goes into the leader's line.
+  auto replica_check = [&](Transport t, const std::string& iteration) {
+    const auto c0 = std::chrono::steady_clock::now();
+    Check c = check_replica_hashes_across(*job.group, pub->replica_slot_hashes(slots), slots,
+                                          replica_hash_bytes_per_slot(fmt), {setup.layer_idx, to_string(t), iteration},
+                                          opt.global_ranks);
+    c.detail += fmt::format("; {:.2f} ms on rank {} (hash + exchange)",
+                            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - c0).count(),
+                            opt.global_ranks[static_cast<size_t>(job.group->rank())]);
+    return c;
+  };
   for (Transport t : transports) {
     RankPublishResult mine = pub->publish(inputs, t);
+    std::vector<Check> replica_checks;
+    if (job.check_replicas) replica_checks.push_back(replica_check(t, ""));
     // The timed runs' samples (the graph replays below are not timed). CPU: one sample, the mean.
     const StageProfile timed_profile = mine.profile;
     std::vector<std::vector<double>> timed_samples = mine.stage_samples_ms;
@@ -94,6 +110,7 @@ MpLoopResult run_mp_loop(const MpPublishFlags& f, MpJob& job) {
       mine = pub->publish_graph_replays(inputs, t, f.graph_replays);
       replays = f.graph_replays;
       epochs = check_fence_epochs(e0, mine.fence_epochs, replays);
+      if (job.check_replicas) replica_checks.push_back(replica_check(t, fmt::format("after {} graph replays", replays)));
     }
     // Every timed run's stage times of every rank: [rank][run][stage], and every rank's stage bytes.
     const size_t S = timed_profile.stages.size();
@@ -164,6 +181,7 @@ MpLoopResult run_mp_loop(const MpPublishFlags& f, MpJob& job) {
       epochs->pass = all_epochs_ok;  // this rank's note; the verdict is every rank's
       rep.checks.push_back(*epochs);
     }
+    for (Check& c : replica_checks) rep.checks.push_back(std::move(c));
     reports.push_back(std::move(rep));
     job.group->barrier();  // peers keep their replicas until the leader has read them
   }

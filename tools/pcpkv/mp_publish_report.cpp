@@ -132,6 +132,9 @@ bool report_mp(const MpPublishFlags& f, const Bootstrap& world, const MpJob& job
         text += fmt::format("           CUDA graph: captured once, replayed {} times (bytes above are after the "
                             "last replay); epochs advanced every replay: {} ({})\n",
                             r.graph_replays, pass_fail(*c), c->detail);
+      for (const Check& c : r.checks)  // --check-replicas: after the run, and after the graph replays
+        if (c.name == "replica hashes agree")
+          text += fmt::format("           replica check: {} ({})\n", pass_fail(c), c.detail);
       if (!r.checked) text += "           (not checked: --no-check)\n";
     }
     // staging and direct must leave the same bytes in every replica (both also equal the reference).

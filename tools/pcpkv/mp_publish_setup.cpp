@@ -15,6 +15,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/publish/transport_choice.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
@@ -240,6 +241,9 @@ void setup_mp_job(const MpPublishFlags& f, Bootstrap& world, MpJob& job) {
   job.model.validate();
   PCPKV_CHECK(f.kill_rank < world.world_size(), "--kill-rank {} is not a rank of this {}-process job", f.kill_rank,
               world.world_size());
+  PCPKV_CHECK(f.corrupt_rank < world.world_size(), "--corrupt-rank {} is not a rank of this {}-process job",
+              f.corrupt_rank, world.world_size());
+  job.check_replicas = f.check_replicas || replica_check_from_env();
   PlanConfig pc;
   pc.pcp_world = layout.pcp_size;
   pc.pcp_rank_base = group_idx * layout.pcp_size;
@@ -293,6 +297,8 @@ void setup_mp_job(const MpPublishFlags& f, Bootstrap& world, MpJob& job) {
   opt.warmup_runs = f.warmup;
   opt.flush_l2_bytes = static_cast<int64_t>(f.flush_l2_mb * 1024 * 1024);
   if (f.kill_rank >= 0 && layout.pcp_group_of(f.kill_rank) == group_idx) opt.kill_pcp_rank = layout.pcp_rank_of(f.kill_rank);
+  if (f.corrupt_rank >= 0 && layout.pcp_group_of(f.corrupt_rank) == group_idx)
+    opt.corrupt_pcp_rank = layout.pcp_rank_of(f.corrupt_rank);
   PCPKV_CHECK(f.graph_replays == 0 || backend_name == "cuda", "--graph-replays needs the cuda backend (got {})",
               backend_name);
   job.leader = job.group->rank() == 0;

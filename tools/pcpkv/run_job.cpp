@@ -23,6 +23,7 @@
 #include "pcpkv/core/inputs_io.h"
 #include "pcpkv/core/safetensors.h"
 #include "pcpkv/publish/checks.h"
+#include "pcpkv/publish/replica_hash.h"
 #include "footprint.h"
 #include "pcpkv/publish/transport_choice.h"
 #include "progress.h"
@@ -244,6 +245,9 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
     return std::find(o.flags_given.begin(), o.flags_given.end(), flag) != o.flags_given.end();
   };
   if (!o.topk_fill.empty()) p.topk_fill = parse_topk_fill(o.topk_fill, "--topk-fill");
+  const bool replicas_env = replica_check_from_env();  // read even with the flag: a bad value is refused
+  p.check_replicas = o.check_replicas || replicas_env;
+  if (replicas_env && !o.check_replicas) p.notes_text.push_back("replica check: on (PCPKV_CHECK_REPLICAS=1)");
   if (given("--topk-fill") && !p.fmt.has_indexer) {
     p.notes_text.push_back("--topk-fill: not used: a shared layer (--layer shared) has no indexer, so no top-k buffer");
   }
@@ -480,6 +484,8 @@ RunOutcome execute_run(const PreparedRun& prep, Progress* progress) {
     pc.fmt = prep.fmt;
     pc.topk_width = topk_width;
     pc.topk_fill = prep.topk_fill;
+    pc.check_replicas = prep.check_replicas;
+    pc.layer_idx = setup.layer_idx;
     for (Check& c : check_publication(run.result, run.reference, pc, [&](const std::string& what) {
            step(progress, fmt::format("verifying {}: {}", name, what));
          }))

@@ -39,12 +39,14 @@ struct RunOptions : BatchFlags {
   double memory_limit_gb = 0;  // refuse runs whose estimated peak exceeds this (0: available memory only)
   std::string inject_fault;  // testing aid (hidden flag): "row" or "guard" flips a byte of the last
                              // rank's MLA replica after each publication, so the checks must fail
+  bool check_replicas = false;  // --check-replicas (or PCPKV_CHECK_REPLICAS=1): the run-time replica check
 };
 
 /// Everything decided before the first byte is published.
 struct PreparedRun {
   RunOptions opts;
   TopkFill topk_fill = TopkFill::kFull;  // parsed --topk-fill (when given)
+  bool check_replicas = false;           // --check-replicas or PCPKV_CHECK_REPLICAS=1
   ModelConfig model;
   ConfigNotes notes;
   CacheFormat fmt;

@@ -173,11 +173,14 @@ struct PublicationCase {
   CacheFormat fmt;
   int64_t topk_width = 0;  // > 0: the top-k buffer must be filled
   TopkFill topk_fill = TopkFill::kFull;  // which of its rows (PublishSetup::topk_fill_mode)
+  bool check_replicas = false;  // also the run-time replica check (pcpkv/publish/replica_hash.h), a debug mode
+  int32_t layer_idx = 0;        // the layer it names
 };
 
 /// The checks of one transport's publication, in this order: replicas identical, == single-rank reference,
-/// guard bytes, the bound, and (topk_width > 0) the top-k buffer. step, when set, is called before each
-/// with what is checked ("replicas", "single-rank reference", "guard bytes", "dequantized cache vs fp64").
+/// guard bytes, the bound, (topk_width > 0) the top-k buffer and (check_replicas) "replica hashes agree"
+/// (check_replica_hashes). step, when set, is called before each with what is checked ("replicas", "single-rank
+/// reference", "guard bytes", "dequantized cache vs fp64", "replica hashes").
 std::vector<Check> check_publication(const PublishResult& result, const PublishResult& single_rank,
                                      const PublicationCase& c,
                                      const std::function<void(const std::string&)>& step = {});

@@ -57,6 +57,11 @@ struct BenchOptions {
   std::vector<int64_t> pdl_tokens = {1, 8, 64};
   int32_t pdl_pcp = 8;
   int32_t pdl_layers = 20;
+  /// The run-time replica check's cost (pcpkv/publish/replica_hash.h; a debug mode, so its own rows, never in a
+  /// transport's total): after one direct publication of each (model, format) case at this PCP world (one of
+  /// `pcp`; -1: the largest of them, 8 by default), every replica's written slots hashed on the GPU and compared
+  /// with rank 0's. 0: skipped.
+  int32_t replica_check_pcp = -1;
   double copy_gib = 2.0;           // size of the device-to-device copy that measures the copy bandwidth
   uint64_t seed = 1;
 };
@@ -108,6 +113,22 @@ struct BenchPerGpu {
   int64_t bytes = 0;         // read + written by rank 0's fill and dispatch (docs/perf.md byte model)
 };
 
+/// The replica check of one layer's publication (BenchOptions::replica_check_pcp): W launches of the slot-hash
+/// kernel (every replica's written slots) + the compare kernel + the copy of the W diff records to the host.
+struct BenchReplicaCheck {
+  std::string model;
+  int32_t pcp = 0;
+  KvFormat kv_format = KvFormat::kFp8DsMla;
+  bool indexer_layer = true;
+  int64_t tokens = 0;
+  int64_t slots = 0;             // written slots hashed per replica
+  double ms = 0.0;               // median over the timed runs (CUDA events around the enqueue)
+  int64_t cache_bytes_read = 0;  // the rows hashed: W * slots * (MLA row + 132 on indexer layers)
+  int64_t bytes = 0;             // read + written: the rows, the slot list, the hashes written and compared
+  bool pass = false;             // every replica's hashes equal rank 0's (after a direct publication: must hold)
+  std::string detail;            // the check's detail (replica_hash_check)
+};
+
 /// One PDL off / on comparison (BenchOptions::pdl_tokens).
 struct BenchPdl {
   std::string model;
@@ -130,6 +151,7 @@ struct BenchReport {
   std::vector<BenchSingle> singles;
   std::vector<BenchPerGpu> per_gpu;
   std::vector<BenchRun> runs;
+  std::vector<BenchReplicaCheck> replica_checks;
   std::vector<BenchPdl> pdl;
 };
 

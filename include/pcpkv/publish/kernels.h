@@ -77,6 +77,27 @@ void launch_all_gather(const std::vector<const void*>& src, const std::vector<vo
 /// Fills count int32 with -1 (a 0xFF byte fill at copy-engine speed).
 void launch_fill_minus_one(int32_t* p, int64_t count, CUstream_st* stream);
 
+// ---- the run-time replica check (docs/spec.md section 5.2; oracles: pcpkv/publish/replica_hash.h) -----------
+/// hashes[i] = the replica hash of slot slots[i] of `target` (its MLA row and, when fmt.has_indexer, its indexer data
+/// and scale), i < num_slots: slot_hashes_reference on the GPU, equal bit for bit. Device pointers: target's bases,
+/// slots [num_slots] int64 (each in [0, target.mla.num_slots()): the launcher cannot read them, so pass slots the
+/// host checked, e.g. written_slots of a validated plan), hashes [num_slots] uint64. Reads only the hashed bytes.
+/// Throws pcpkv::Error on a bad format or target (validate_cache_target) or null pointers (nothing enqueued).
+void launch_slot_hashes(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots, int64_t num_slots,
+                        uint64_t* hashes, CUstream_st* stream);
+
+/// One rank's hashes against rank 0's (launch_compare_replica_hashes): entries that differ, and the index of the
+/// first (UINT64_MAX: none). compare_replica_hashes_reference's ReplicaHashDiff, in device-atomic types.
+struct DeviceHashDiff {
+  unsigned long long num_diff;
+  unsigned long long first;
+};
+/// diffs[q] for q < world: how hashes[q * num_slots + i] differs from hashes[i] over i < num_slots (diffs[0] stays
+/// empty). Device pointers: hashes [world][num_slots] uint64, diffs [world]; the launcher initializes diffs.
+/// Throws pcpkv::Error when world < 1, num_slots < 0 or a pointer is null.
+void launch_compare_replica_hashes(const uint64_t* hashes, int32_t world, int64_t num_slots, DeviceHashDiff* diffs,
+                                   CUstream_st* stream);
+
 // ---- fence (SPEC section 5) -----------------------------------------------------------------------------
 /// Launches the fence kernel with num_blocks blocks (block b acts as rank args.first_rank + b). pdl: launch
 /// with programmatic stream serialization; the kernel waits for the previous kernel before it signals.

@@ -61,6 +61,8 @@ struct RankPublishOptions {
                                   // many bytes so the run starts with a cold L2 like a real layer would
   // ---- test hooks (never set in production) ----
   int32_t kill_pcp_rank = -1;     // this PCP rank SIGKILLs itself after its dispatch, before the fence
+  int32_t corrupt_pcp_rank = -1;  // after each publish(), this PCP rank flips one bit of its own replica (byte 7
+                                  // of the MLA row of the first written slot), so the replica check must fail
 };
 
 /// What one process holds after a publication: its own replica (whole allocations, guard bytes included)
@@ -102,6 +104,11 @@ class RankPublisher {
   /// finished (e.g. a bootstrap barrier).
   virtual std::vector<uint8_t> read_mla_alloc(int32_t pcp_rank) = 0;
   virtual std::vector<uint8_t> read_index_alloc(int32_t pcp_rank) = 0;
+  /// The run-time replica check's hashes (pcpkv/publish/replica_hash.h) of `slots` [n] in this process's own
+  /// replica as it is now, [n] uint64: the CPU oracle on the CPU, the kernel on the GPU (only the n hashes are
+  /// copied to the host). Local (no exchange); call after publish() returned. Throws pcpkv::Error on a slot
+  /// outside the cache.
+  virtual std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots) = 0;
   /// CUDA: captures one publication (poison, start fence, dispatch, transport) into a CUDA graph once and
   /// replays it `replays` times; the device-resident epochs advance on every replay (fence_epochs tells).
   /// Collective like publish(). The CPU implementation throws pcpkv::Error (no graphs on the host).

@@ -6,7 +6,9 @@ seen at the layer where it happens instead of as wrong tokens later.
 
 Enable it with check_replicas=True (PcpModel, PcpWorld, DistPcpWorld) or PCPKV_CHECK_REPLICAS=1 (when the
 argument is left at None). The hash is a weighted byte sum mod 2^64 with odd weights: a change of any one byte
-always changes it.
+always changes it. It is the C++ library's hash (docs/spec.md section 5.2, pcpkv/device/replica_hash.h: the weights
+are splitmix64's outputs made odd), so a slot hashes to the same value here, in `pcpkv run --check-replicas`
+and on the GPU (python/tests/test_replica_check.py checks the fixed values the C++ tests check).
 """
 
 from __future__ import annotations
@@ -23,14 +25,24 @@ __all__ = ["ENV", "ReplicaCheck", "slot_hashes", "compare_hashes"]
 
 ENV = "PCPKV_CHECK_REPLICAS"
 _WEIGHTS: dict = {}
+_MASK = (1 << 64) - 1
+
+
+def _weight(j: int) -> int:
+    """w(j) of docs/spec.md section 5.2: splitmix64 of the state (j + 1) * 0x9E3779B97F4A7C15, low bit set."""
+    z = ((j + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) | 1
 
 
 def _weights(n: int, device) -> torch.Tensor:
+    """int64 [n]: w(0..n) as two's-complement int64 (the int64 products and sums then wrap like uint64 mod 2^64)."""
     key = (n, str(device))
     w = _WEIGHTS.get(key)
     if w is None:
-        g = torch.Generator().manual_seed(0x5EED)
-        w = (torch.randint(-(1 << 61), 1 << 61, (n,), generator=g, dtype=torch.int64) * 2 + 1).to(device)
+        w = torch.tensor([v - (1 << 64) if v >> 63 else v for v in map(_weight, range(n))], dtype=torch.int64)
+        w = w.to(device)
         _WEIGHTS[key] = w
     return w
 

@@ -16,6 +16,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/ranks/fence.h"
 #include "pcpkv/publish/multiproc.h"
+#include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/core/rope.h"
 #include "pcpkv/ranks/symmetric.h"
 #include "publish/publish_layout.h"
@@ -147,6 +148,9 @@ class CpuRankPublisher final : public RankPublisher {
   std::vector<uint8_t> read_index_alloc(int32_t r) override {
     const uint8_t* p = caches_->ptr(r) + layout_.index_region_offset;
     return {p, p + layout_.index_alloc_bytes};
+  }
+  std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots) override {
+    return slot_hashes_reference(target_of(group_.rank()), setup_.fmt, slots);
   }
 
  private:
@@ -310,6 +314,11 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
       run_step(steps[k]);
       stage_ms[k] += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     }
+  }
+
+  if (options_.corrupt_pcp_rank == me) {  // test hook: after the last fence, no peer writes here any more
+    const std::vector<int64_t> written = written_slots(plan);
+    if (!written.empty()) caches_->local()[layout_.head + layout_.mla.row_offset(written.front()) + 7] ^= 0x01;
   }
 
   RankPublishResult res;

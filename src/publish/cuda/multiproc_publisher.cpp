@@ -17,6 +17,7 @@
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/publish/cuda_multiproc.h"
+#include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/ranks/launch.h"
 #include "pcpkv/core/rope.h"
@@ -111,6 +112,7 @@ class CudaRankPublisher final : public RankPublisher {
         samples.back().push_back(stages[k].second);
       }
     }
+    if (options_.corrupt_pcp_rank == group_.rank()) corrupt_own_replica();
     RankPublishResult res = download(transport);
     // Bytes: this rank's share of the tables' byte model, step k timed as names[k].
     const std::vector<mp::Step> steps = mp::steps(transport, layout_, kFuseTopk);
@@ -170,6 +172,17 @@ class CudaRankPublisher final : public RankPublisher {
   std::vector<uint8_t> read_index_alloc(int32_t r) override {
     return read(caches_->ptr(r) + layout_.index_region_offset, layout_.index_alloc_bytes);
   }
+  std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots) override {
+    // The kernel cannot check the slots it reads: the host does, here.
+    validate_hash_slots(slots.data(), static_cast<int64_t>(slots.size()), layout_.mla.num_slots());
+    if (slots.empty()) return {};
+    const DeviceBuffer d_slots = DeviceBuffer::from(slots);
+    DeviceBuffer d_hashes(static_cast<int64_t>(slots.size() * sizeof(uint64_t)));
+    launch_slot_hashes(host_targets_[static_cast<size_t>(group_.rank())], setup_.fmt, d_slots.as<const int64_t>(),
+                       static_cast<int64_t>(slots.size()), d_hashes.as<uint64_t>(), stream());
+    PCPKV_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    return d_hashes.download<uint64_t>(static_cast<int64_t>(slots.size()));
+  }
 
  private:
   cudaStream_t stream() const { return stream_holder_->get(); }
@@ -177,6 +190,19 @@ class CudaRankPublisher final : public RankPublisher {
     std::vector<uint8_t> v(static_cast<size_t>(bytes));
     PCPKV_CUDA_CHECK(cudaMemcpy(v.data(), p, v.size(), cudaMemcpyDeviceToHost));
     return v;
+  }
+
+  // Test hook (RankPublishOptions::corrupt_pcp_rank): one bit of this replica's first written MLA row, after the
+  // publication fence (no peer writes into it any more).
+  void corrupt_own_replica() {
+    const std::vector<int64_t> written = written_slots(*setup_.plan);
+    if (written.empty()) return;
+    PCPKV_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    uint8_t* p = caches_->local() + layout_.head + layout_.mla.row_offset(written.front()) + 7;
+    uint8_t b = 0;
+    PCPKV_CUDA_CHECK(cudaMemcpy(&b, p, 1, cudaMemcpyDeviceToHost));
+    b ^= 0x01;
+    PCPKV_CUDA_CHECK(cudaMemcpy(p, &b, 1, cudaMemcpyHostToDevice));
   }
 
   // Uploads this rank's inputs and sets up what the transport needs (collectively, on first use).

@@ -104,6 +104,8 @@ class Publisher {
   std::vector<Stage> stage_model(Transport transport) const;
 
   LocalFence& fence() { return fence_; }
+  /// Every rank's replica (device pointers, [world]): what the replica check hashes (DeviceReplicaCheck).
+  const std::vector<CacheTarget>& targets() const { return host_targets_; }
   int32_t world() const { return world_; }
   int64_t max_local_tokens() const { return max_local_tokens_; }
   const mp::PublishLayout& layout() const { return layout_; }
