@@ -242,8 +242,9 @@ TEST(PlanModes, PublishedBytesIdenticalAcrossModes) {
         s.decode_ownership = own;
         auto c = test::make_case(s);
         ASSERT_EQ(c->inputs.kv, base->inputs.kv);  // global inputs do not depend on the modes
-        if (order != LocalOrder::kRequest || own != DecodeOwnership::kReplicated)
+        if (order != LocalOrder::kRequest || own != DecodeOwnership::kReplicated) {
           ASSERT_NE(rows_of(c->plan), rows_of(base->plan));  // the mode changes the rows, not the bytes
+        }
         const PublishResult got = backend->publish(c->setup, c->inputs, t);
         EXPECT_TRUE(test::same_caches(want, got, spec.fmt, "vs request / replicated"));
         // Every held row's q_c_out equals the baseline's row of the same global token.

@@ -31,7 +31,7 @@ struct BenchAllReduceFlags {
   bool md_rows = false;
 };
 
-std::string size_text(int64_t b) {
+[[maybe_unused]] std::string size_text(int64_t b) {  // used by the CUDA build only
   if (b >= (int64_t{1} << 20) && b % (int64_t{1} << 20) == 0) return fmt::format("{} MiB", b >> 20);
   if (b >= 1024 && b % 1024 == 0) return fmt::format("{} KiB", b >> 10);
   return fmt::format("{} B", b);
