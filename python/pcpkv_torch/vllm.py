@@ -88,6 +88,7 @@ KV_CACHE_DTYPES = {
     "fp8_ds_mla": ("fp8_ds_mla", (torch.uint8, torch.float8_e4m3fn), 656),
 }
 
+_F32_MAX = torch.finfo(torch.float32).max
 _MAX_CACHED = 256  # entries per memo below (one per layer and table in an engine)
 
 
@@ -196,8 +197,8 @@ _weights = _Memo()  # norm weight -> contiguous float32 copy
 
 def _k_scale(t: Optional[Tensor], value: float) -> float:
     v = value if t is None else _scales.get((t,), lambda: float(t.detach().reshape(()).item()))
-    if not (v > 0 and v != float("inf")):
-        _fail("mla_k_scale", f"= {v} must be finite and > 0")
+    if not 0 < v <= _F32_MAX:  # a float32 in the kernels: 1e300 would be refused there as pcpkv's k_scale = inf
+        _fail("mla_k_scale", f"= {v} must be finite (as float32) and > 0")
     return v
 
 
@@ -308,6 +309,8 @@ def fused_norm_rope(
                                                                           index_k_layer_norm_eps)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             _fail(name, f"= {v!r} must be a float")
+        if not 0 <= v <= _F32_MAX:  # the kernels take float32: 1e300 would reach them as inf, named as pcpkv's eps
+            _fail(name, f"= {v!r} must be finite (as float32) and >= 0")
     # The op's schema takes tensors (or None) only: anything else is refused here, naming the argument.
     for name, v, optional in (
             ("positions", positions, False), ("q_c", q_c, False), ("q_rms_norm_w", q_rms_norm_w, False),

@@ -1,5 +1,7 @@
 """Bad arguments of pcpkv_torch.models raise ValueError naming the argument, before any cache byte is written."""
 
+import re
+
 import pytest
 
 from helpers import torch
@@ -27,6 +29,11 @@ def ids(n, seed=0):
     (dict(pcp_world=0), "pcp_world"), (dict(transport="p2p"), "transport"), (dict(kv_format="fp8_dsmla"), "kv_format"),
     (dict(block_size=24), "block_size"), (dict(num_blocks=1), "num_blocks"), (dict(row_chunk=0), "row_chunk"),
     (dict(scale_read="fp16"), "scale_read"),
+    # 1 and 2 were refused later, by the cache table ("block_stride = 264 B must be a multiple of 16"), unnamed;
+    # a seed torch cannot take raised "Overflow when unpacking long long"
+    (dict(block_size=2), r"block_size = 2 must be a power of two >= 4"), (dict(block_size=1), "block_size = 1"),
+    (dict(seed=-1), r"seed = -1 must be an int in \[0, 2\^64\)"), (dict(seed=1 << 64), "seed = 18446744073709551616"),
+    (dict(seed=True), "seed = True"),
 ])
 def test_constructor_refuses(model, kwargs, match):
     args = dict(pcp_world=2, num_blocks=8, block_size=16) | kwargs
@@ -72,3 +79,36 @@ def test_second_wrapper_refused(model):
             PcpModel(model, 2, num_blocks=8, block_size=16)
     finally:
         pcp.restore()
+
+
+def test_dist_world_refuses_a_fence_timeout_it_cannot_pass_on():
+    # inf raised OverflowError (int(inf * 1e6)) after the symmetric caches were mapped; 1e-9 reached the fence op as
+    # timeout_us = 0 and failed at the first layer without naming fence_timeout_s. Checked before torch.distributed.
+    from pcpkv_torch.models.dist_world import DistPcpWorld
+
+    for bad in (float("inf"), 1e300, 1e-9, 0, -1.0, float("nan"), "5", True, 86400.5):
+        with pytest.raises(ValueError, match=r"fence_timeout_s = .* must be a number of seconds in \[1e-06, 86400"):
+            DistPcpWorld(None, 2, 1, 8, 16, max_positions=64, fence_timeout_s=bad)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--timeout", "inf"], r"--timeout = inf must be in \[0.001, 86400\] seconds"),
+    (["--timeout", "1e300"], "--timeout = 1e[+]300"), (["--timeout", "1e-9"], "--timeout = 1e-09"),
+    (["--block-size", "2"], r"--block-size = 2 must be a power of two >= 4"),
+    (["--seed", str(1 << 64)], r"--seed = 18446744073709551616 must be in"), (["--seed", "-1"], "--seed = -1"),
+])
+def test_examples_refuse_flags_before_any_work(argv, match, capsys, monkeypatch):
+    # Each was a traceback (OverflowError, exit 1) or a message without the flag's name, after the model was built.
+    from pcpkv_torch.examples import prefill, prefill_dist
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as e:
+        prefill_dist.parse(argv)
+    assert e.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    if argv[0] != "--timeout":  # prefill shares these checks
+        with pytest.raises(SystemExit) as e:
+            prefill.main(argv + ["--device", "cpu"])
+        assert e.value.code == 2
+        assert re.search(match, capsys.readouterr().err)

@@ -36,6 +36,24 @@ def test_off_by_default_and_on_by_argument_or_environment(monkeypatch):
         ReplicaCheck("yes")
 
 
+@pytest.mark.parametrize("value", ["yes", "true", "2", " 1", "1 ", "01", "on"])
+def test_environment_value_other_than_0_1_or_empty_is_refused(monkeypatch, value):
+    # As the C++ library (pcpkv::replica_check_from_env): a value that silently left the check off would hide the
+    # divergence it was set to catch. An explicit argument does not read the variable.
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ValueError, match=rf"PCPKV_CHECK_REPLICAS: must be 1 \(on\) or 0 / empty / unset \(off\), "
+                                         rf"got '{value}'"):
+        ReplicaCheck()
+    assert ReplicaCheck(True).enabled and not ReplicaCheck(False).enabled
+    monkeypatch.setenv(ENV, "")
+    assert not ReplicaCheck().enabled
+    monkeypatch.setenv(ENV, "0")
+    assert not ReplicaCheck().enabled
+    monkeypatch.setenv(ENV, "y" * 500)
+    with pytest.raises(ValueError, match=r"got 'y{200}' \(500 characters\)"):
+        ReplicaCheck()
+
+
 def test_every_single_byte_change_changes_the_hash():
     gen = torch.Generator().manual_seed(5)
     mla = torch.randint(0, 256, (2, 4, 656), generator=gen, dtype=torch.uint8)

@@ -197,6 +197,11 @@ def bad_cases(device):
          "mla_k_scale"),
         (dict(indexer_slot_mapping=lambda a: a["slot_mapping"].clone()), "indexer_slot_mapping"),
         (dict(write_kv_output=True), "write_kv_output"),
+        # refused by the op as pcpkv's "q_eps" / "kv_eps" / "k_scale" (1e300: as float32 inf), without these names
+        (dict(q_rms_eps=float("nan")), "q_rms_eps"), (dict(kv_rms_eps=1e300), "kv_rms_eps"),
+        (dict(index_k_layer_norm_eps=-1.0), "index_k_layer_norm_eps"),
+        (dict(mla_k_scale=1e300, mla_kv_cache_dtype="fp8", mla_kv_cache=lambda a: a["mla_kv_cache"][..., :576]),
+         "mla_k_scale"),
         (dict(ds_mla_scale="recip"), "ds_mla_scale"),
         (dict(has_indexer=1), "has_indexer"),
         # another device than positions' (meta stands in for a GPU where there is none)

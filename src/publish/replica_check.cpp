@@ -9,6 +9,7 @@
 
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/device/replica_hash.h"
 #include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/ranks/bootstrap.h"
@@ -45,7 +46,7 @@ bool replica_check_from_env() {
   const char* v = read_env("PCPKV_CHECK_REPLICAS");
   if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "0") == 0) return false;
   PCPKV_CHECK(std::strcmp(v, "1") == 0, "PCPKV_CHECK_REPLICAS: must be 1 (on) or 0 / empty / unset (off), got '{}'",
-              v);
+              clip(v));
   return true;
 }
 
@@ -83,8 +84,8 @@ Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::v
   c.pass = differing.empty();
   const std::string where = site_text(site);
   if (c.pass) {
-    c.detail = fmt::format("{} replicas x {} written slots ({} B hashed per slot) equal rank 0's hashes, {}", W, n,
-                           bytes_per_slot, where);
+    c.detail = fmt::format("{} replicas x {} written slots ({} B hashed per slot) equal rank {}'s hashes, {}", W, n,
+                           bytes_per_slot, rank_name(0, rank_names), where);
     return c;
   }
   // A rank that differs at some slot has its first difference there or earlier; so the ranks differing at the
@@ -105,10 +106,10 @@ Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::v
                          later.size() == 1 ? "s" : "");
   }
   c.detail = fmt::format(
-      "{}: {} {} from rank 0 at slot {} (the first differing slot of the {} written in this layer; differing slots "
+      "{}: {} {} from rank {} at slot {} (the first differing slot of the {} written in this layer; differing slots "
       "per rank: {}){}; replicas diverged",
       where, ranks_phrase(at_first, rank_names), at_first.size() == 1 ? "differs" : "differ",
-      slots[static_cast<size_t>(first)], n, per_rank, others);
+      rank_name(0, rank_names), slots[static_cast<size_t>(first)], n, per_rank, others);
   return c;
 }
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -33,6 +34,20 @@ std::string g_fail_why;  // written by tests before any rank runs
 int64_t page_round(int64_t bytes) {
   const int64_t page = ::sysconf(_SC_PAGESIZE);
   return (bytes + page - 1) / page * page;
+}
+
+// The fill below makes every page resident, and /dev/shm (tmpfs) pages are RAM: a buffer past its free space did
+// not fail cleanly (3.4 TB asked through pcpkv_torch's SymmetricCaches: the OOM killer ended the process with
+// SIGKILL). The ranks of a group share this host (they meet on a Unix socket), so it must hold world x the
+// buffer. Empty when it fits or when statvfs cannot tell (ftruncate and the mapping then decide).
+std::string shm_space_problem(int64_t map_bytes, int32_t world) {
+  struct statvfs s {};
+  if (::statvfs("/dev/shm", &s) != 0) return {};
+  const long double free_bytes = static_cast<long double>(s.f_bavail) * static_cast<long double>(s.f_frsize);
+  const long double need = static_cast<long double>(map_bytes) * world;
+  if (need <= free_bytes) return {};
+  return fmt::format("{} rank(s) x {} bytes need {:.4g} GB of shared memory, more than the {:.4g} GB free in /dev/shm",
+                     world, map_bytes, static_cast<double>(need / 1e9), static_cast<double>(free_bytes / 1e9));
 }
 
 class HostSymmetric final : public SymmetricMemory {
@@ -94,7 +109,8 @@ std::unique_ptr<SymmetricMemory> make_host_symmetric(Bootstrap& group, int64_t b
   // 1. Create and fill the local buffer. The name is unlinked at once: the descriptors and mappings keep
   //    the memory alive, and a killed job leaves nothing behind in /dev/shm.
   UniqueFd fd;
-  std::string why;
+  std::string why = shm_space_problem(mem->map_bytes(), world);
+  group.agree(why.empty(), why, what + ": create");
   static std::atomic<uint64_t> counter{0};
   std::string tag = name.substr(0, 40);
   for (char& ch : tag)

@@ -103,10 +103,20 @@ TEST(ReplicaCheckMpPublish, CpuRanksPassAndACorruptedReplicaIsNamed) {
                         "--tokens", "96", "--decodes", "1", "--block-size", "16", "--check-replicas"},
                        240, clean_env());
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  // 2 group leaders x 3 transports, each after its run.
-  EXPECT_EQ(count_occurrences(r.output, "replica check: PASS (2 replicas x 97 written slots (788 B hashed per slot) "
-                                        "equal rank 0's hashes, layer 0 ("),
-            6)
+  // 2 group leaders x 3 transports, each after its run; each group compares with its own first rank (0 or 2).
+  for (const char* leader : {"0", "2"})
+    EXPECT_EQ(count_occurrences(r.output, std::string("replica check: PASS (2 replicas x 97 written slots (788 B hashed "
+                                                      "per slot) equal rank ") +
+                                              leader + "'s hashes, layer 0 ("),
+              3)
+        << r.output;
+  // A corrupted replica in the second group is named against that group's first rank (it said "from rank 0").
+  r = run_program({"launch", "--nproc", "4", "--timeout", "60", "--", "mp-publish", "--backend", "cpu", "--tp", "2",
+                   "--tokens", "96", "--block-size", "16", "--transport", "direct", "--check-replicas", "--corrupt-rank",
+                   "3", "--no-check"},
+                  240, clean_env());
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_NE(r.output.find("replica check: FAIL (layer 0 (direct): rank 3 differs from rank 2 at slot "), std::string::npos)
       << r.output;
 
   // --no-check: the byte comparison with the reference is off, so only the replica check can see it.

@@ -127,5 +127,23 @@ TEST(Shm, SizeMismatchFailsEveryRank) {
   }
 }
 
+TEST(Shm, MoreThanSharedMemoryHoldsFailsEveryRankCleanly) {
+  // 2 x 4 TB (mappable: under the 128 TB address space): the fill of a buffer past /dev/shm's free space ended the
+  // process through the OOM killer (SIGKILL) instead of an error; now every rank refuses it before creating anything.
+  const auto out = run_ranks(2, [](const BootstrapConfig& c) {
+    auto boot = Bootstrap::connect(c);
+    auto mem = make_host_symmetric(*boot, int64_t{1} << 42, "caches");
+    return 0;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(out[r].exit_code, 3) << test::describe(out);
+    EXPECT_NE(out[r].output.find("2 rank(s) x 4398046511104 bytes need 8796 GB of shared memory, more than "
+                                 "the "),
+              std::string::npos)
+        << out[r].output;
+    EXPECT_NE(out[r].output.find("GB free in /dev/shm"), std::string::npos) << out[r].output;
+  }
+}
+
 }  // namespace
 }  // namespace pcpkv

@@ -36,6 +36,26 @@ TEST(CliBadInput, UnknownModel) {
   expect_refused("--model llama-3", {"--model", "'llama-3'", "glm-5", "deepseek-v3.2"}, dir);
 }
 
+TEST(CliBadInput, EmptyNumberIsRefusedNamingTheFlag) {
+  // CLI11 read '' as 0: `--tokens ''` (an unset shell variable) published an empty prefill and passed,
+  // `--memory-limit-gb ''` dropped the limit. Every numeric flag of every command refuses it.
+  ScratchDir dir;
+  for (const char* flag : {"--tokens", "--seed", "--decodes", "--threads", "--memory-limit-gb", "--decode-context"})
+    expect_refused(fmt::format("--pcp 2 --tokens 16 {} ''", flag),
+                   {fmt::format("{}: an empty value is not a number, got ''", flag)}, dir);
+  for (const std::string cmd : {"bench --replica-check-pcp ''", "attention --pcp 2 --tokens ''",
+                                "launch --nproc ''  -- mp-publish --backend cpu"})
+    pcpkv_test::expect_refusal(run_cli(cmd, dir), cmd, {"an empty value is not a number, got ''"}, dir);
+}
+
+TEST(CliBadInput, ControlCharactersOfAValueAreEscaped) {
+  // A newline or a terminal escape sequence in a quoted value reached stderr raw: the error is one line.
+  ScratchDir dir;
+  const CliResult r = run_cli("run --model 'llama\n\x1b[2J'", dir);  // sh keeps both inside single quotes
+  pcpkv_test::expect_refusal(r, "model", {"--model: unknown model 'llama\\n\\x1b[2J'"}, dir);
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << r.err;
+}
+
 TEST(CliBadInput, PcpBelowOne) {
   ScratchDir dir;
   expect_refused("--pcp 0", {"--pcp", "0"}, dir);

@@ -115,6 +115,20 @@ TEST(CliReplicaCheck, ABadVariableIsRefused) {
   }
 }
 
+TEST(CliReplicaCheck, ABadVariableIsQuotedOnOneBoundedLine) {
+  // A 3000-character value was quoted whole (the README's rule: 200 characters), a newline or an escape
+  // sequence raw (the error is one line, and must not drive the terminal).
+  ScratchDir dir;
+  const std::string run = "run --pcp 2 --tokens 16 --backend cpu";
+  CliResult r = run_with_env(run, dir, std::string(3000, 'x').c_str());
+  pcpkv_test::expect_refusal(r, "long", {"got '" + std::string(200, 'x') + "... (3000 characters)'"}, dir);
+  EXPECT_LT(r.err.size(), 500u) << r.err;
+  r = run_with_env(run, dir, "1\n\x1b[31m");
+  pcpkv_test::expect_refusal(r, "control characters", {"got '1\\n\\x1b[31m'"}, dir);
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("\n"), r.err.size() - 1) << r.err;  // one line: the only newline ends it
+}
+
 TEST(CliReplicaCheck, TheHelpAndInfoNameIt) {
   ScratchDir dir;
   CliResult r = run_cli("run --help", dir);

@@ -47,5 +47,12 @@ TEST(CliTopkFill, BadValueNamesTheFlag) {
   }
 }
 
+TEST(CliTopkFill, AnEmptyValueIsRefused) {
+  // `--topk-fill ""` (an unset shell variable) ran with no top-k buffer at all and passed; the flag alone is full.
+  ScratchDir dir;
+  const CliResult r = run_cli(kRun + "--topk-fill ''", dir);
+  pcpkv_test::expect_refusal(r, "empty", {"--topk-fill: '' is not a top-k fill; known: full, tail, none"}, dir);
+}
+
 }  // namespace
 }  // namespace pcpkv_test

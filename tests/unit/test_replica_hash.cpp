@@ -257,8 +257,12 @@ TEST(ReplicaHash, CompareAndDigest) {
   const Check c = replica_hash_check(d, {40, 41, 42, 43}, 788, {7, "", "after 2 graph replays"}, {4, 5, 6});
   EXPECT_FALSE(c.pass);
   EXPECT_EQ(c.num_bytes, 3 * 4 * 788);
-  EXPECT_NE(c.detail.find("layer 7 (after 2 graph replays): rank 6 differs from rank 0 at slot 41"), std::string::npos)
+  // The reference rank is named like the others: rank 0 of the group is global rank 4 here (a TP group's leader).
+  EXPECT_NE(c.detail.find("layer 7 (after 2 graph replays): rank 6 differs from rank 4 at slot 41"), std::string::npos)
       << c.detail;
+  const Check ok = replica_hash_check(std::vector<ReplicaHashDiff>(2), {40, 41}, 788, {0, "direct", ""}, {2, 3});
+  EXPECT_TRUE(ok.pass);
+  EXPECT_NE(ok.detail.find("equal rank 2's hashes"), std::string::npos) << ok.detail;
   EXPECT_THROW(compare_replica_hashes_reference({}), Error);
   EXPECT_THROW(compare_replica_hashes_reference({{1, 2}, {1}}), Error);
 }

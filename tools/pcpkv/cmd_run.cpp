@@ -154,6 +154,9 @@ void add_run_command(CLI::App& app) {
                                       {"--config", &o->config}}) {
       PCPKV_CHECK(sub->count(flag) == 0 || !value->empty(), "{}: the path is empty", flag);
     }
+    // The flag alone means full; an explicit "" ran with no top-k buffer at all, without a word.
+    PCPKV_CHECK(sub->count("--topk-fill") == 0 || !o->topk_fill.empty(),
+                "--topk-fill: '' is not a top-k fill; known: full, tail, none (the flag alone: full)");
     const int code = run_command(*o);
     if (code != 0) throw CLI::RuntimeError("", code);  // the verdict already says why
   });

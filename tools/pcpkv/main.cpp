@@ -25,6 +25,20 @@ std::string command_names(CLI::App& app) {
   return s;
 }
 
+// CLI11 converts an empty argument of a numeric option to 0 without a word (`run --tokens ""` published an empty
+// prefill and passed, `--memory-limit-gb ""` dropped the limit): every option that takes a number refuses it.
+void refuse_empty_numbers(CLI::App& app) {
+  for (CLI::Option* o : app.get_options()) {
+    const std::string type = o->get_type_name();
+    const bool number = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0 || type.rfind("FLOAT", 0) == 0;
+    if (number && o->get_expected_min() > 0)
+      o->check(CLI::Validator(
+          [](std::string& v) { return v.empty() ? std::string("an empty value is not a number, got ''") : std::string(); },
+          ""));
+  }
+  for (CLI::App* sub : app.get_subcommands({})) refuse_empty_numbers(*sub);
+}
+
 int run_app(CLI::App& app, int argc, char** argv) {
   // CLI11 reports a mistyped command as "A subcommand is required"; name it instead.
   if (argc >= 2 && argv[1][0] != '-') {
@@ -85,6 +99,7 @@ int main(int argc, char** argv) {
   pcpkv::cli::add_launch_command(app);
   pcpkv::cli::add_attention_command(app);
   pcpkv::cli::add_serving_command(app);
+  refuse_empty_numbers(app);
   int code = run_app(app, argc, argv);
   // A report that never reached stdout (disk full, closed pipe) must not pass for success.
   errno = 0;

@@ -76,7 +76,8 @@ struct ReplicaCheckSite {
 ///   "layer 0 (direct): rank 7 differs from rank 0 at slot 4711 (the first differing slot of the 32772 written
 ///    in this layer; differing slots per rank: 7: 1); replicas diverged".
 /// num_bytes: bytes hashed over every rank (W * n * bytes_per_slot); num_diff: the (rank, slot) pairs whose hashes
-/// differ. rank_names[q] names rank q ("global rank 5"; empty: "rank q").
+/// differ. rank_names[q] names rank q (a group's global ranks, e.g. {2, 3} for the second group of --tp 2 x PCP 2:
+/// "rank 3 differs from rank 2"; empty: "rank q", the group's first rank being "rank 0").
 Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::vector<int64_t>& slots,
                          int64_t bytes_per_slot, const ReplicaCheckSite& site,
                          const std::vector<int32_t>& rank_names = {});

@@ -46,6 +46,16 @@ def make_config(args):
                         first_dense=max(1, min(3, args.layers - 1)), **real)
 
 
+def check_shared_args(p, args):
+    """The checks of the flags prefill and prefill_dist share (p.error: exit 2 naming the flag and value)."""
+    if args.block_size < 4 or args.block_size & (args.block_size - 1):
+        p.error(f"--block-size = {args.block_size} must be a power of two >= 4")
+    if args.topk is not None and not 1 <= args.topk <= 8192:
+        p.error(f"--topk = {args.topk} must be in [1, 8192]")
+    if not 0 <= args.seed < (1 << 64) - 1:  # the token ids use seed + 1, a torch generator seed
+        p.error(f"--seed = {args.seed} must be in [0, 2^64 - 1)")
+
+
 def run_steps(pcp, steps, **kw):
     return [pcp.step(s, **kw) for s in steps]
 
@@ -73,10 +83,7 @@ def main(argv=None) -> int:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
     if args.pcp > 1024:
         p.error(f"--pcp = {args.pcp} must be <= 1024")
-    if args.block_size & (args.block_size - 1):
-        p.error(f"--block-size = {args.block_size} must be a power of two")
-    if args.topk is not None and not 1 <= args.topk <= 8192:
-        p.error(f"--topk = {args.topk} must be in [1, 8192]")
+    check_shared_args(p, args)
     if args.hf_tokens < 0:
         p.error(f"--hf-tokens = {args.hf_tokens} must be >= 0")
     if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):

@@ -26,7 +26,8 @@ from datetime import timedelta
 import torch
 
 from ..models import TRANSPORTS, DistPcpModel, PcpModel, StepRequest, build_hf_model
-from .prefill import make_config, run_cli
+from ..models.dist_world import MAX_FENCE_TIMEOUT_S
+from .prefill import check_shared_args, make_config, run_cli
 
 
 def parse(argv):
@@ -45,22 +46,20 @@ def parse(argv):
     p.add_argument("--row-chunk", type=int, default=None, help="rows per projection chunk (default 64 CPU, 1024 CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-replicas", action="store_true", help="the run-time replica check after every layer")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds: bootstrap steps, fence waits, collectives")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds (0.001 to 86400): bootstrap steps, fence waits, collectives")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process comparison on rank 0")
     args = p.parse_args(argv)
     for name in ("layers", "tokens", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
-    if args.block_size & (args.block_size - 1):
-        p.error(f"--block-size = {args.block_size} must be a power of two")
-    if args.topk is not None and not 1 <= args.topk <= 8192:
-        p.error(f"--topk = {args.topk} must be in [1, 8192]")
+    check_shared_args(p, args)
     if args.device not in ("cpu", "cuda"):
         p.error(f"--device = {args.device!r}; expected cpu or cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device = cuda: no CUDA device is visible to torch")
-    if not args.timeout > 0:
-        p.error(f"--timeout = {args.timeout} must be > 0")
+    if not 1e-3 <= args.timeout <= MAX_FENCE_TIMEOUT_S:  # inf / 1e300 would not convert to a timedelta
+        p.error(f"--timeout = {args.timeout} must be in [0.001, {MAX_FENCE_TIMEOUT_S:g}] seconds (one day)")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         p.error("run it under torchrun (RANK / WORLD_SIZE are not set), e.g. "
                 "torchrun --standalone --nproc-per-node 4 -m pcpkv_torch.examples.prefill_dist")

@@ -24,8 +24,13 @@ class BlockTables:
     Raises ValueError when a request needs more blocks than are free."""
 
     def __init__(self, num_blocks: int, block_size: int, *, seed: int = 0):
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size = {block_size} must be a power of two")
+        # >= 4: an indexer block (block_size x 132 B) must be 16-byte aligned (as the CLI's --block-size); 1 and 2
+        # were refused later, in the cache table, without this argument's name.
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4 or (
+                block_size & (block_size - 1)):
+            raise ValueError(f"block_size = {block_size!r} must be a power of two >= 4")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            raise ValueError(f"seed = {seed!r} must be an int in [0, 2^64)")
         if num_blocks < 2:
             raise ValueError(f"num_blocks = {num_blocks} must be >= 2 (block 0 is the null block)")
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -32,16 +32,18 @@ from ..ops import rope_table
 from .replica_check import ReplicaCheck, compare_hashes, slot_hashes
 from .world import PcpWorld
 
-__all__ = ["DistPcpWorld", "DistPcpModel"]
+__all__ = ["DistPcpWorld", "DistPcpModel", "MAX_FENCE_TIMEOUT_S"]
+
+MAX_FENCE_TIMEOUT_S = 86400.0  # one day
 
 
 class DistPcpWorld(PcpWorld):
     """PcpWorld's interface for this process's rank of a torch.distributed group (collective to build): mla /
     index [layer][r] are every rank's replicas as mapped here (symmetric memory; replica_bytes(layer, r) reads any
     rank's), local_ranks = [rank]. pcp_world must equal the group's size. timeout_s bounds pcpkv's bootstrap steps,
-    fence_timeout_s every fence wait. check_replicas: see replica_check.py (the hashes are all-gathered).
+    fence_timeout_s (seconds, 1e-6 to 86400) every fence wait. check_replicas: see replica_check.py (the hashes are all-gathered).
     Raises RuntimeError when torch.distributed is not initialized or setup fails on any rank (naming it),
-    ValueError for a pcp_world other than the group's size. close() releases the symmetric memory."""
+    ValueError for a pcp_world other than the group's size or a fence_timeout_s out of range. close() releases the symmetric memory."""
 
     def __init__(self, spec, pcp_world: int, num_layers: int, num_blocks: int, block_size: int, *,
                  kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", max_positions: int, device=None,
@@ -49,14 +51,18 @@ class DistPcpWorld(PcpWorld):
                  fence_timeout_s: float = 30.0):
         import torch.distributed as dist
 
+        # The fence op takes whole microseconds: a bound under 1 us would reach it as 0 (refused there, at the first
+        # layer, without this argument's name), inf would not convert; one day is mp-publish's bound too.
+        if isinstance(fence_timeout_s, bool) or not isinstance(fence_timeout_s, (int, float)) or not (
+                1e-6 <= fence_timeout_s <= MAX_FENCE_TIMEOUT_S):
+            raise ValueError(f"fence_timeout_s = {fence_timeout_s!r} must be a number of seconds in [1e-06, "
+                             f"{MAX_FENCE_TIMEOUT_S}] (1 us to one day)")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistPcpWorld: torch.distributed is not initialized (run under torchrun and call "
                                "torch.distributed.init_process_group)")
         W = dist.get_world_size(group)
         if pcp_world != W:
             raise ValueError(f"pcp_world = {pcp_world}, but the torch.distributed group has {W} ranks (one per rank)")
-        if isinstance(fence_timeout_s, bool) or not isinstance(fence_timeout_s, (int, float)) or not fence_timeout_s > 0:
-            raise ValueError(f"fence_timeout_s = {fence_timeout_s!r} must be a positive number of seconds")
         self.group, self.W, self.spec, self.num_layers = group, W, spec, num_layers
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_blocks, self.block_size = num_blocks, block_size

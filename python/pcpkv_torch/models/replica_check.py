@@ -5,7 +5,7 @@ layer, the ranks and the first differing slot. Silent replica divergence (a lost
 seen at the layer where it happens instead of as wrong tokens later.
 
 Enable it with check_replicas=True (PcpModel, PcpWorld, DistPcpWorld) or PCPKV_CHECK_REPLICAS=1 (when the
-argument is left at None). The hash is a weighted byte sum mod 2^64 with odd weights: a change of any one byte
+argument is left at None; 0 or empty leaves it off, any other value raises ValueError, as in the C++ library). The hash is a weighted byte sum mod 2^64 with odd weights: a change of any one byte
 always changes it. It is the C++ library's hash (docs/spec.md section 5.2, pcpkv/device/replica_hash.h: the weights
 are splitmix64's outputs made odd), so a slot hashes to the same value here, in `pcpkv run --check-replicas`
 and on the GPU (python/tests/test_replica_check.py checks the fixed values the C++ tests check).
@@ -21,7 +21,7 @@ import torch
 
 from ..layout import indexer_cache_view
 
-__all__ = ["ENV", "ReplicaCheck", "slot_hashes", "compare_hashes"]
+__all__ = ["ENV", "ReplicaCheck", "enabled_from_env", "slot_hashes", "compare_hashes"]
 
 ENV = "PCPKV_CHECK_REPLICAS"
 _WEIGHTS: dict = {}
@@ -77,13 +77,24 @@ def compare_hashes(hashes: torch.Tensor, slots: torch.Tensor, layer_idx: int):
                        f"layer; replicas diverged)")
 
 
+def enabled_from_env() -> bool:
+    """PCPKV_CHECK_REPLICAS as the C++ library reads it (pcpkv::replica_check_from_env): "1" on; "0", empty or
+    unset off; any other value raises ValueError naming the variable and the value (a "yes" or "true" that
+    silently left the check off would hide exactly the divergence it was set to catch)."""
+    v = os.environ.get(ENV, "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{ENV}: must be 1 (on) or 0 / empty / unset (off), got {v[:200]!r}"
+                         + (f" ({len(v)} characters)" if len(v) > 200 else ""))
+    return v == "1"
+
+
 class ReplicaCheck:
-    """enabled: the argument, or PCPKV_CHECK_REPLICAS=1 when it is None."""
+    """enabled: the argument, or PCPKV_CHECK_REPLICAS (enabled_from_env) when it is None."""
 
     def __init__(self, enabled: Optional[bool] = None):
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"check_replicas = {enabled!r} must be True, False or None")
-        self.enabled = os.environ.get(ENV, "0") == "1" if enabled is None else enabled
+        self.enabled = enabled_from_env() if enabled is None else enabled
         self.seconds, self.layers = 0.0, 0  # its cost: wall time of every check (it synchronizes), layers checked
 
     def record(self, t0: float):
