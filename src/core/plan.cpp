@@ -206,6 +206,9 @@ void validate_slot_mapping(const int64_t* slots, int64_t n, int64_t num_slots, c
                            int64_t null_block_size) {
   PCPKV_CHECK(n >= 0, "{}: length {} must be >= 0", name, n);
   PCPKV_CHECK(n == 0 || slots != nullptr, "{}: null pointer for {} entries", name, n);
+  // The field without its context ("dispatch: slot_mapping" -> "slot_mapping"), for the earlier entry.
+  const size_t colon = name.rfind(": ");
+  const std::string field = colon == std::string::npos ? name : name.substr(colon + 2);
   std::unordered_map<int64_t, int64_t> seen;
   seen.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
@@ -216,7 +219,7 @@ void validate_slot_mapping(const int64_t* slots, int64_t n, int64_t num_slots, c
     PCPKV_CHECK(s >= null_block_size, "{}[{}] = {} lies in the null block 0 (slots [0, {})), which is never written",
                 name, i, s, null_block_size);
     auto [it, inserted] = seen.emplace(s, i);
-    PCPKV_CHECK(inserted, "{}[{}] = {} duplicates {}[{}]", name, i, s, name, it->second);
+    PCPKV_CHECK(inserted, "{}[{}] = {} duplicates {}[{}]", name, i, s, field, it->second);
   }
 }
 

@@ -595,7 +595,8 @@ TEST(CpuKernels, BadParametersThrowBeforeWriting) {
   const std::vector<BadCase> cases = {
       {"slot_mapping[5] = 32 is out of range", [](Batch& b, DispatchParams&) { b.slots[5] = 32; }},
       {"slot_mapping[7] = -2 is out of range", [](Batch& b, DispatchParams&) { b.slots[7] = -2; }},
-      {"duplicates", [](Batch& b, DispatchParams&) { b.slots[9] = b.slots[2]; }},
+      // The earlier entry is named without repeating the context ("duplicates dispatch: slot_mapping[2]").
+      {"duplicates slot_mapping[2]", [](Batch& b, DispatchParams&) { b.slots[9] = b.slots[2]; }},
       {"positions[4] = 64 is out of range [0, 64)", [](Batch& b, DispatchParams&) { b.positions[4] = 64; }},
       {"positions[1] = -1", [](Batch& b, DispatchParams&) { b.positions[1] = -1; }},
       {"fmt.k_scale = 0", [](Batch&, DispatchParams& p) { p.fmt.k_scale = 0.0f; }},
