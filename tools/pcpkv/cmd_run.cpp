@@ -14,6 +14,7 @@
 
 #include "pcpkv/commands.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/publish/dispatch.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/core/inputs_io.h"
 #include "pcpkv/publish/save_run.h"
@@ -154,9 +155,9 @@ void add_run_command(CLI::App& app) {
                                       {"--config", &o->config}}) {
       PCPKV_CHECK(sub->count(flag) == 0 || !value->empty(), "{}: the path is empty", flag);
     }
-    // The flag alone means full; an explicit "" ran with no top-k buffer at all, without a word.
-    PCPKV_CHECK(sub->count("--topk-fill") == 0 || !o->topk_fill.empty(),
-                "--topk-fill: '' is not a top-k fill; known: full, tail, none (the flag alone: full)");
+    // The flag alone means full; an empty value stands for "no flag" in RunOptions, so a given value goes
+    // through the one parser here (an explicit '' ran with no top-k buffer at all, without a word).
+    if (sub->count("--topk-fill") > 0) (void)parse_topk_fill(o->topk_fill, "--topk-fill");
     const int code = run_command(*o);
     if (code != 0) throw CLI::RuntimeError("", code);  // the verdict already says why
   });
