@@ -22,6 +22,7 @@
 #include "common.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/device/fence_kernel.h"
+#include "pcpkv/device/replica_hash.h"
 #include "pcpkv/core/plan.h"
 #include "pcpkv/core/rope.h"
 #include "pcpkv/publish/transport_choice.h"
@@ -336,10 +337,22 @@ std::tuple<std::string, std::string> choose_transport(std::vector<std::string> h
   return {pcpkv::to_string(c.transport), c.reason};
 }
 
+// w(0..n) of the replica hash (docs/spec.md 5.2) as int64 (two's complement of the uint64 weights): the one
+// definition, pcpkv/device/replica_hash.h, for pcpkv_torch.models.replica_check.
+at::Tensor replica_hash_weights(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0 && n <= pcpkv::hash::kMaxHashedBytes, "replica_hash_weights: n = ", n, " must be in [0, ",
+                    pcpkv::hash::kMaxHashedBytes, "]");
+  at::Tensor w = at::empty({n}, at::kLong);
+  int64_t* p = w.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) p[j] = static_cast<int64_t>(pcpkv::hash::replica_hash_weight(static_cast<uint64_t>(j)));
+  return w;
+}
+
 TORCH_LIBRARY(pcpkv, m) {
   m.def("rope_table(int num_positions, str scaling, float theta, float factor, int original_max_position_embeddings, "
         "float beta_fast, float beta_slow, float mscale, float mscale_all_dim) -> Tensor",
         &rope_table);
+  m.def("replica_hash_weights(int n) -> Tensor", &replica_hash_weights);
   m.def("make_plan(int pcp_world, int block_size, int[] is_decode, int[] num_new_tokens, int[] context_lens, "
         "int extra_blocks, bool reserve_null_block, bool shuffle_blocks, int seed, str local_order=\"request\", "
         "str decode_ownership=\"replicated\") -> (Tensor positions, "

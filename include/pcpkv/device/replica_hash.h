@@ -1,6 +1,6 @@
 // pcpkv/device/replica_hash.h: the hash of the run-time replica check (docs/spec.md section 5.2), the one
-// definition the CPU oracle (slot_hashes_reference), the CUDA kernel (cuda_detail::launch_slot_hashes) and, restated
-// in Python, pcpkv_torch.models.replica_check share.
+// definition the CPU oracle (slot_hashes_reference), the CUDA kernel (cuda_detail::launch_slot_hashes) and, through
+// torch.ops.pcpkv.replica_hash_weights, pcpkv_torch.models.replica_check share.
 //
 // A slot's hashed bytes b[0..n) are its MLA row (mla_row_bytes of the format) and, on an indexer layer, its 128
 // indexer e4m3 bytes and the 4 bytes of its fp32 scale, in that order. Its hash is
@@ -20,7 +20,7 @@ namespace pcpkv::hash {
 constexpr int kMaxHashedBytes = 1152 + 132;
 
 /// w(j): splitmix64 (Steele, Lea, Flood 2014) of the state (j + 1) * 0x9E3779B97F4A7C15, with the low bit set.
-/// The Python restatement: pcpkv_torch.models.replica_check._weights. w(0) = 0xE220A8397B1DCDAF.
+/// Python reads these through torch.ops.pcpkv.replica_hash_weights (python/csrc/ops.cpp). w(0) = 0xE220A8397B1DCDAF.
 PCPKV_HD uint64_t replica_hash_weight(uint64_t j) {
   uint64_t z = (j + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

@@ -6,8 +6,8 @@ seen at the layer where it happens instead of as wrong tokens later.
 
 Enable it with check_replicas=True (PcpModel, PcpWorld, DistPcpWorld) or PCPKV_CHECK_REPLICAS=1 (when the
 argument is left at None; 0 or empty leaves it off, any other value raises ValueError, as in the C++ library). The hash is a weighted byte sum mod 2^64 with odd weights: a change of any one byte
-always changes it. It is the C++ library's hash (docs/spec.md section 5.2, pcpkv/device/replica_hash.h: the weights
-are splitmix64's outputs made odd), so a slot hashes to the same value here, in `pcpkv run --check-replicas`
+always changes it. It is the C++ library's hash (docs/spec.md section 5.2; the weights, splitmix64's outputs made odd,
+come from pcpkv/device/replica_hash.h through torch.ops.pcpkv.replica_hash_weights), so a slot hashes to the same value here, in `pcpkv run --check-replicas`
 and on the GPU (python/tests/test_replica_check.py checks the fixed values the C++ tests check).
 """
 
@@ -25,24 +25,15 @@ __all__ = ["ENV", "ReplicaCheck", "enabled_from_env", "slot_hashes", "compare_ha
 
 ENV = "PCPKV_CHECK_REPLICAS"
 _WEIGHTS: dict = {}
-_MASK = (1 << 64) - 1
-
-
-def _weight(j: int) -> int:
-    """w(j) of docs/spec.md section 5.2: splitmix64 of the state (j + 1) * 0x9E3779B97F4A7C15, low bit set."""
-    z = ((j + 1) * 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return (z ^ (z >> 31)) | 1
 
 
 def _weights(n: int, device) -> torch.Tensor:
-    """int64 [n]: w(0..n) as two's-complement int64 (the int64 products and sums then wrap like uint64 mod 2^64)."""
+    """int64 [n]: w(0..n) of docs/spec.md 5.2 as two's-complement int64 (the int64 products and sums then wrap like
+    uint64 mod 2^64), from the C++ library's one definition (pcpkv/device/replica_hash.h)."""
     key = (n, str(device))
     w = _WEIGHTS.get(key)
     if w is None:
-        w = torch.tensor([v - (1 << 64) if v >> 63 else v for v in map(_weight, range(n))], dtype=torch.int64)
-        w = w.to(device)
+        w = torch.ops.pcpkv.replica_hash_weights(n).to(device)
         _WEIGHTS[key] = w
     return w
 
