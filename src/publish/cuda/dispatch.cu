@@ -106,10 +106,17 @@ __device__ __forceinline__ void sumsq_parts(const TokenRegs<QL>& v, bool do_q, b
   }
 }
 
-template <KvFormat F, int QL, bool kAligned>
+// One token. kGuard = false (the hot pass): the ordinary reductions only; a thread that sees one of its sums
+// not finite sets *s_cold (such a row is published as the code before the guard did: r = 0, zeros). A flag in
+// shared memory, not a register carried through the token loop: that register spilled in the simple kernel.
+// kGuard = true (the cold pass, which the kernel runs over all of a CTA's tokens only when *s_cold is set): the overflow guard inline (token_math.h; SPEC 2.1, 2.2, 2.4), rewriting every
+// byte of the token (identical bytes for ordinary rows), no top-k fill (the hot pass did it). Why two passes:
+// any guard code on the hot path of this kernel, inline or as a call, cost 9-13% of its time (registers of
+// the prefetched next token; docs/perf.md section 12b).
+template <KvFormat F, int QL, bool kAligned, bool kGuard>
 __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, const TokenRegs<QL>& v,
                                               const TargetLite* s_targets, uint8_t* const* s_dests,
-                                              float (*s_red)[6], float* s_big, int parity) {
+                                              float (*s_red)[6], float* s_big, int* s_cold, int parity) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const CommonArgs& c = a.c;
   const RankArgs& ra = a.r[find_rank(a, g)];
@@ -117,7 +124,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   const int sa = kAligned ? 16 : c.store_align;
 
   // Top-k fill first: plain stores that need nothing else.
-  if (ra.topk_fill != nullptr && t >= ra.topk_first_row) {
+  if (!kGuard && ra.topk_fill != nullptr && t >= ra.topk_first_row) {
     int32_t* row = ra.topk_fill + t * c.topk_width;
     if (c.topk_vec) {
       for (int64_t i = 4 * tid; i < c.topk_width; i += 4 * kThreads)
@@ -133,31 +140,38 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   // unpacked again after it.
   sumsq_parts<QL, false>(v, ra.do_q, ra.need_kv, red);
   __syncthreads();
-  float q_total = ra.do_q ? fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3])) : 0.0f;
-  float kv_total = ra.need_kv ? fp32::add(red[4], red[5]) : 0.0f;
-  // Overflow guard (token_math.h; SPEC 2.1, 2.2): every thread read the same sums, so the branch (and its
-  // barrier) is CTA-uniform. s_big is read only between this barrier and the next token's first one. Inline,
-  // not a call: a call here left the prefetched next token's registers in local memory on the hot path and
-  // made this kernel 10-12% slower (docs/perf.md section 12a); the warp kernel's guard is a cold call.
-  bool q_big = false, kv_big = false;
-  if (!math::finite(q_total) || !math::finite(kv_total)) {
-    const bool redo_q = !math::finite(q_total), redo_kv = !math::finite(kv_total);
-    sumsq_parts<QL, true>(v, redo_q, redo_kv, s_big);
-    __syncthreads();
-    if (redo_q) {
-      const float t2 = fp32::add(fp32::add(s_big[0], s_big[1]), fp32::add(s_big[2], s_big[3]));
-      q_big = math::use_rescaled(q_total, t2);
-      if (q_big) q_total = t2;
-    }
-    if (redo_kv) {
-      const float t2 = fp32::add(s_big[4], s_big[5]);
-      kv_big = math::use_rescaled(kv_total, t2);
-      if (kv_big) kv_total = t2;
+  // The hot pass reads each total where it uses it, by the threads that use it (Q: all, KV: 0..63), as the
+  // code before the guard did, and only notes whether it is finite. The cold pass reads both up front: its
+  // overflow guard needs every thread to hold the same sums, so the branch (and its barrier) is CTA-uniform.
+  // s_big is read only between this barrier and the next token's first one.
+  float q_total = 0.0f, kv_total = 0.0f;
+  bool q_big = false, kv_big = false, nonfinite = false;
+  if constexpr (kGuard) {
+    if (ra.do_q) q_total = fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3]));
+    if (ra.need_kv) kv_total = fp32::add(red[4], red[5]);
+    if (!math::finite(q_total) || !math::finite(kv_total)) {
+      const bool redo_q = !math::finite(q_total), redo_kv = !math::finite(kv_total);
+      sumsq_parts<QL, true>(v, redo_q, redo_kv, s_big);
+      __syncthreads();
+      if (redo_q) {
+        const float t2 = fp32::add(fp32::add(s_big[0], s_big[1]), fp32::add(s_big[2], s_big[3]));
+        q_big = math::use_rescaled(q_total, t2);
+        if (q_big) q_total = t2;
+      }
+      if (redo_kv) {
+        const float t2 = fp32::add(s_big[4], s_big[5]);
+        kv_big = math::use_rescaled(kv_total, t2);
+        if (kv_big) kv_total = t2;
+      }
     }
   }
 
   // ---- Q output ----
   if (ra.do_q) {
+    if constexpr (!kGuard) {
+      q_total = fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3]));
+      nonfinite |= !math::finite(q_total);
+    }
     const float r = math::rms_inv(q_total, c.q_lora_rank, q_big ? math::rescaled_eps(c.q_eps) : c.q_eps);
 #pragma unroll
     for (int l = 0; l < QL; ++l) {
@@ -178,10 +192,17 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       }
     }
   }
-  if (!ra.need_kv) return;
+  if (!ra.need_kv) {
+    if (!kGuard && nonfinite) *s_cold = 1;
+    return;
+  }
 
   // ---- KV: RMSNorm, encode the kv_c part of the MLA row ----
   if (tid < 64) {
+    if constexpr (!kGuard) {
+      kv_total = fp32::add(red[4], red[5]);
+      nonfinite |= !math::finite(kv_total);
+    }
     const float r = math::rms_inv(kv_total, static_cast<int>(kKvLoraRank), kv_big ? math::rescaled_eps(c.kv_eps) : c.kv_eps);
     float kx[8];
     unpack_bf16x8(v.x, kx);
@@ -270,8 +291,9 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       float rc[8] = {}, rs[8] = {};
       if (lane < 8) load_rope(c.rope_cos_sin + v.pos * kRopeDims, lane, c.index_rope_interleaved, rc, rs);
       float x[8];
-      const float r = index_ln_center<false>(v.x, ra.index_k + t * ra.index_k_stride + 8 * lane,
-                                             kAligned ? 16 : c.load_align, x, 0xffffu, c.index_eps);
+      const float r = index_ln_center<kGuard ? LnGuard::kInline : LnGuard::kFlag>(
+          v.x, ra.index_k + t * ra.index_k_stride + 8 * lane, kAligned ? 16 : c.load_align, x, 0xffffu, c.index_eps,
+          nonfinite);
       const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane));
       const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane + 4));
       const float4 b0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_b + 8 * lane));
@@ -307,6 +329,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       }
     }
   }
+  if (!kGuard && nonfinite) *s_cold = 1;
 }
 
 template <KvFormat F, int QL, bool kPrefetch, bool kAligned>
@@ -315,6 +338,8 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
   __shared__ uint8_t* s_dests[kMaxDests];
   __shared__ float s_red[2][6];
   __shared__ float s_big[6];  // the overflow guard's rescaled sums (rare)
+  __shared__ int s_cold;      // set when the hot pass met a non-finite sum: run the cold pass
+  if (threadIdx.x == 0) s_cold = 0;
   // Device tables -> shared memory once per CTA (the grid is persistent).
   load_tables_to_smem(a, s_targets, s_dests, kThreads);
   __syncthreads();
@@ -323,22 +348,35 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
   pdl::launch_dependents();
 
   const int64_t stride = gridDim.x;
-  int64_t g = blockIdx.x;
-  if (g >= a.total_tokens) return;
+  if (blockIdx.x >= a.total_tokens) return;
   if constexpr (kPrefetch) {
     TokenRegs<QL> cur;
-    load_token<QL, kAligned>(a, g, cur);
-    for (int parity = 0; g < a.total_tokens; g += stride, parity ^= 1) {
+    load_token<QL, kAligned>(a, blockIdx.x, cur);
+    int parity = 0;
+    for (int64_t g = blockIdx.x; g < a.total_tokens; g += stride, parity ^= 1) {
       TokenRegs<QL> nxt;
       if (g + stride < a.total_tokens) load_token<QL, kAligned>(a, g + stride, nxt);
-      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, s_big, parity);
+      process_token<F, QL, kAligned, false>(a, g, cur, s_targets, s_dests, s_red, s_big, &s_cold, parity);
       cur = nxt;
     }
   } else {
-    for (int parity = 0; g < a.total_tokens; g += stride, parity ^= 1) {
+    int parity = 0;
+    for (int64_t g = blockIdx.x; g < a.total_tokens; g += stride, parity ^= 1) {
       TokenRegs<QL> cur;
       load_token<QL, kAligned>(a, g, cur);
-      process_token<F, QL, kAligned>(a, g, cur, s_targets, s_dests, s_red, s_big, parity);
+      process_token<F, QL, kAligned, false>(a, g, cur, s_targets, s_dests, s_red, s_big, &s_cold, parity);
+    }
+  }
+  // The cold pass (see process_token): only a CTA that met a row with a non-finite sum (an overflow, or a NaN /
+  // inf input) takes it; it rewrites all its tokens, the same threads writing the same bytes in program order,
+  // so the guarded bytes are the last ones written. The barrier also ends the hot pass's use of s_red.
+  __syncthreads();
+  if (s_cold != 0) {
+    int parity = 0;
+    for (int64_t g = blockIdx.x; g < a.total_tokens; g += gridDim.x, parity ^= 1) {
+      TokenRegs<QL> cur;
+      load_token<QL, kAligned>(a, g, cur);
+      process_token<F, QL, kAligned, true>(a, g, cur, s_targets, s_dests, s_red, s_big, &s_cold, parity);
     }
   }
 }

@@ -221,22 +221,30 @@ __device__ __noinline__ inline float2 rescaled_index_ln_stats(const uint16_t* sr
   return make_float2(mu, var);
 }
 
+/// How index_ln_center handles a row whose LayerNorm sums are not finite (the overflow guard, token_math.h).
+enum class LnGuard {
+  kFlag,      // no guard: the ordinary result, and `nonfinite` set (the CTA kernel's hot pass; it redoes the
+              // CTA's tokens with kInline afterwards, dispatch.cu)
+  kInline,    // rescaled stats computed inline from x (the CTA kernel's cold pass)
+  kColdCall,  // rescaled stats from the cold call rescaled_index_ln_stats (the warp kernel: no spills)
+};
+
 /// Indexer-K LayerNorm centring: x = the leaf of `raw` minus the row mean; returns r = 1 / sqrt(var + eps)
 /// (every lane of `mask` the same). `src` / `align`: where `raw` was loaded from (for the guard's reload).
 /// Overflow guard (token_math.h): a row whose sums are not finite is centred from x * 2^-72 with
-/// eps * 2^-144 when that is finite (a lane-uniform branch). kColdCall: the rescaled stats come from the cold
-/// call rescaled_index_ln_stats (the warp kernel); else inline from x (the CTA kernel: a call there, in one
-/// warp's branch, made ptxas keep the prefetched next token's registers in local memory, on the hot path
-/// too; docs/perf.md section 12).
-template <bool kColdCall>
+/// eps * 2^-144 when that is finite (a lane-uniform branch), per kGuard above. `nonfinite` (kFlag only) is
+/// ORed with whether this row's sums were not finite.
+template <LnGuard kGuard>
 __device__ __forceinline__ float index_ln_center(const uint4& raw, const uint16_t* src, int align, float (&x)[8],
-                                                 unsigned mask, float eps) {
+                                                 unsigned mask, float eps, bool& nonfinite) {
   unpack_bf16x8(raw, x);
   float mu;
   float var = index_ln_stats<false>(x, mask, mu);
-  if (!math::finite(var)) {
+  if constexpr (kGuard == LnGuard::kFlag) {
+    nonfinite |= !math::finite(var);
+  } else if (!math::finite(var)) {
     float2 big;
-    if constexpr (kColdCall) {
+    if constexpr (kGuard == LnGuard::kColdCall) {
       big = rescaled_index_ln_stats(src, align, mask);
     } else {
       big.y = index_ln_stats<true>(x, mask, big.x);
