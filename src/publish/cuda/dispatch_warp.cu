@@ -135,6 +135,9 @@ __device__ __forceinline__ void prefetch_token(const DispatchArgs& a, int64_t g,
   if (a.c.has_indexer) prefetch_l2(ra.index_k + t * ra.index_k_stride, kIndexHeadDim * 2);
 }
 
+/// Prefetch of the 128-byte line at p into L1 (a hint: nothing reaches registers).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
 /// 8 weights from the CTA's shared-memory copy (w 16-byte aligned).
 __device__ __forceinline__ void load_w8(const float* w, float (&out)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(w);
@@ -282,6 +285,10 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
         x = __ldcs(reinterpret_cast<const uint4*>(ra.index_k + t * ra.index_k_stride + 8 * (lane - 16)));
       if (ra.slot_mapping != nullptr) slot = __ldg(ra.slot_mapping + t);
       pos = __ldg(ra.positions + t);
+      // The token's RoPE row (64 fp32 = 2 lines) into L1 now: k_pe and indexer lanes read it only after the kv_c
+      // part, and that dependent load's latency was the second largest stall of the kernel (ncu source counters,
+      // docs/perf.md section 17). A hint: no register, no byte written.
+      if (lane < 2) prefetch_l1(c.rope_cos_sin + pos * kRopeDims + 32 * lane);
     }
 
     // ---- top-k fill: stores that need nothing, issued while the loads are in flight ----
@@ -386,7 +393,9 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
       float rc[8] = {}, rs[8] = {};
       if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
       float xf[8];
-      const float r = index_ln_center<true>(x, ra.index_k + t * ra.index_k_stride + 8 * leaf, 16, xf, kHalf, c.index_eps);
+      bool unused = false;  // kColdCall guards the row itself
+      const float r = index_ln_center<LnGuard::kColdCall>(x, ra.index_k + t * ra.index_k_stride + 8 * leaf, 16, xf,
+                                                          kHalf, c.index_eps, unused);
       float w[8], b[8];
       load_w8(s_w + kWLnW + 8 * leaf, w);
       load_w8(s_w + kWLnB + 8 * leaf, b);
