@@ -231,6 +231,47 @@ __device__ __forceinline__ void store_kv(uint8_t* row, int lane, const uint32_t 
   }
 }
 
+/// The norm weights -> s_w (layout above). A null weight pointer means no rank of this launch needs that norm.
+/// When every pointer is 16-byte aligned, each thread issues all its 16-byte loads (at most 6) before any store:
+/// one memory round trip per CTA instead of one per weight (the scalar loops took 3-4, serialized, on the way to
+/// the CTA's first token; docs/perf.md section 19).
+__device__ __forceinline__ void load_weights_to_smem(const CommonArgs& c, float* s_w) {
+  const float* const ln_w = c.has_indexer ? c.index_ln_w : nullptr;
+  const float* const ln_b = c.has_indexer && ln_w != nullptr ? c.index_ln_b : nullptr;
+  const float* const lnw = ln_b != nullptr ? ln_w : nullptr;  // the LayerNorm needs both
+  const uint64_t bits = reinterpret_cast<uint64_t>(c.q_norm_w) | reinterpret_cast<uint64_t>(c.kv_norm_w) |
+                        reinterpret_cast<uint64_t>(lnw) | reinterpret_cast<uint64_t>(ln_b);
+  if ((bits & 15u) == 0u) {
+    constexpr int kVecs = kWFloats / 4, kPerThread = (kVecs + kWarpThreads - 1) / kWarpThreads;
+    float4 v[kPerThread];
+    const float* src[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int o = 4 * (static_cast<int>(threadIdx.x) + j * kWarpThreads);  // float offset in s_w
+      const float* p = nullptr;
+      if (o < kWKv) p = c.q_norm_w != nullptr && o < c.q_lora_rank ? c.q_norm_w + o : nullptr;
+      else if (o < kWLnW) p = c.kv_norm_w != nullptr ? c.kv_norm_w + (o - kWKv) : nullptr;
+      else if (o < kWLnB) p = lnw != nullptr ? lnw + (o - kWLnW) : nullptr;
+      else if (o < kWFloats) p = ln_b != nullptr ? ln_b + (o - kWLnB) : nullptr;
+      src[j] = p;
+      if (p != nullptr) v[j] = __ldg(reinterpret_cast<const float4*>(p));
+    }
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j)
+      if (src[j] != nullptr) *reinterpret_cast<float4*>(s_w + 4 * (threadIdx.x + j * kWarpThreads)) = v[j];
+    return;
+  }
+  if (c.q_norm_w != nullptr)
+    for (int i = threadIdx.x; i < c.q_lora_rank; i += kWarpThreads) s_w[kWQ + i] = c.q_norm_w[i];
+  if (c.kv_norm_w != nullptr)
+    for (int i = threadIdx.x; i < static_cast<int>(kKvLoraRank); i += kWarpThreads) s_w[kWKv + i] = c.kv_norm_w[i];
+  if (ln_b != nullptr)
+    for (int i = threadIdx.x; i < static_cast<int>(kIndexHeadDim); i += kWarpThreads) {
+      s_w[kWLnW + i] = ln_w[i];
+      s_w[kWLnB + i] = ln_b[i];
+    }
+}
+
 template <KvFormat F, bool kL2Prefetch>
 __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
     dispatch_warp_kernel(const __grid_constant__ DispatchArgs a) {
@@ -246,16 +287,7 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
   pdl::launch_dependents();
 
   const CommonArgs& c = a.c;
-  // (A null weight pointer means no rank of this launch needs that norm.)
-  if (c.q_norm_w != nullptr)
-    for (int i = threadIdx.x; i < c.q_lora_rank; i += kWarpThreads) s_w[kWQ + i] = c.q_norm_w[i];
-  if (c.kv_norm_w != nullptr)
-    for (int i = threadIdx.x; i < static_cast<int>(kKvLoraRank); i += kWarpThreads) s_w[kWKv + i] = c.kv_norm_w[i];
-  if (c.has_indexer && c.index_ln_w != nullptr && c.index_ln_b != nullptr)
-    for (int i = threadIdx.x; i < static_cast<int>(kIndexHeadDim); i += kWarpThreads) {
-      s_w[kWLnW + i] = c.index_ln_w[i];
-      s_w[kWLnB + i] = c.index_ln_b[i];
-    }
+  load_weights_to_smem(c, s_w);
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int64_t stride = int64_t{gridDim.x} * kWarps;
