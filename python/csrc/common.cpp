@@ -165,6 +165,10 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     TORCH_CHECK_VALUE(a.q_c->dim() == 2, "dispatch: q_c: expected bfloat16 [num_tokens, q_lora_rank], got ",
                       describe(*a.q_c));
     const int64_t r = a.q_c->size(1);
+    // Here and not only in the library's validate_dispatch_shape, which checks q_lora_rank when q_c or q_c_out is
+    // set: a zero-width q_c (or one of 0 rows) has null data pointers, which the contract reads as "no Q norm".
+    TORCH_CHECK_VALUE(r >= 8 && r <= 4096 && r % 8 == 0, "dispatch: q_c: q_lora_rank (its width) = ", r,
+                      " must be a multiple of 8 in [8, 4096], got ", describe(*a.q_c));
     p.q_lora_rank = r;
     p.q_c_stride = check_bf16_rows(*a.q_c, "dispatch: q_c", T, r, dev);
     p.q_c = static_cast<const uint16_t*>(a.q_c->data_ptr());

@@ -55,6 +55,12 @@ class CacheFormat:
         return transport_row_bytes(self.kv_format, self.has_indexer)
 
 
+def q_lora_rank_problem(q_lora_rank: int) -> str | None:
+    """Why q_lora_rank (the width of q_c) cannot be the dispatch's, or None: DispatchParams takes a multiple of 8
+    in [8, 4096] (pcpkv/publish/dispatch.h). The callers name the argument."""
+    return None if 8 <= q_lora_rank <= 4096 and q_lora_rank % 8 == 0 else "must be a multiple of 8 in [8, 4096]"
+
+
 def _get(config: Any, key: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
         return config.get(key, default)
@@ -206,8 +212,8 @@ class ModelSpec:
             if got != want:
                 raise ValueError(f"{key} = {got}; pcpkv's cache layouts need {want}")
         q_lora_rank = _read(config, "q_lora_rank", int)
-        if not (8 <= q_lora_rank <= 4096 and q_lora_rank % 8 == 0):
-            raise ValueError(f"q_lora_rank = {q_lora_rank} must be a multiple of 8 in [8, 4096]")
+        if why := q_lora_rank_problem(q_lora_rank):
+            raise ValueError(f"q_lora_rank = {q_lora_rank} {why}")
         eps = {}
         for key in ("rms_norm_eps", "index_norm_eps"):
             eps[key] = _read(config, key, float, 1e-6)

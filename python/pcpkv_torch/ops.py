@@ -80,7 +80,8 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     `written`: extra tensors the caller wants declared as mutated (torch.compile ordering).
 
     Raises ValueError (nothing written) for a bad topk_fill_mode, topk_fill_mode "tail" without
-    topk_indexer_rows in [0, T], a wrong dtype/shape/device, q_c without q_c_out, a missing indexer
+    topk_indexer_rows in [0, T], a wrong dtype/shape/device, q_c without q_c_out, a q_c width that is not a
+    q_lora_rank (zero included: its null data pointer would read as "no Q norm"), a missing indexer
     input, a bad format, a table whose geometry cannot hold fmt's rows, row_dests slots of another row size
     or too few rows, or device tables that do not match their host copies; on CPU also for a slot out of
     range or repeated, or a position outside the table."""

@@ -69,7 +69,7 @@ from typing import Optional
 
 import torch
 
-from .model import CacheFormat
+from .model import CacheFormat, q_lora_rank_problem
 from .ops import dispatch
 from .tables import CacheTargets
 
@@ -109,6 +109,15 @@ def _rows(t, name: str, T: int, cols: Optional[int], device) -> int:
         _fail(name, f"expected bfloat16 [{T} (positions), {cols if cols is not None else 'n'}] with unit inner "
                     f"stride on {device} (positions' device)", t)
     return t.shape[1]
+
+
+def _q_lora_rank(q_c: Tensor) -> int:
+    """q_c's width [T, q_lora_rank], refused unless pcpkv's dispatch takes it (a zero-width q_c would reach the op
+    as null pointers, which its contract reads as "no Q norm": the caches written, q_c_out not)."""
+    r = q_c.shape[1]
+    if why := q_lora_rank_problem(r):
+        _fail("q_c", f"width q_lora_rank = {r} {why} (pcpkv's dispatch)", q_c)
+    return r
 
 
 def _weight(t, name: str, n: int, device):
@@ -277,8 +286,9 @@ def fused_norm_rope(
     tokens of one layer (see the module docstring for the source and every difference). Returns q_c_out.
 
     Inputs (bf16 activations with unit inner stride; row strides free, e.g. splits of one projection):
-    positions int64 [T]; q_c [T, q_lora_rank] with q_rms_norm_w [q_lora_rank] and q_rms_eps; kv_c [T, 512]
-    (kv_a_proj's latent part, before its RMSNorm) with kv_rms_norm_w [512] and kv_rms_eps; k_pe [T, 64];
+    positions int64 [T]; q_c [T, q_lora_rank] (a multiple of 8 in [8, 4096], as pcpkv's dispatch takes) with
+    q_rms_norm_w [q_lora_rank] and q_rms_eps; kv_c [T, 512] (kv_a_proj's latent part, before its RMSNorm) with
+    kv_rms_norm_w [512] and kv_rms_eps; k_pe [T, 64];
     k_rope_cos_sin_cache [max_position, 64] (any float dtype); on indexer layers (has_indexer) index_k
     [T, 128] with its LayerNorm index_k_layer_norm_w / _bias [128] and index_k_layer_norm_eps, and
     index_k_rope_cos_sin_cache (same values as k_rope_cos_sin_cache); topk_indices_buffer int32 [>= T, topk].
@@ -328,6 +338,7 @@ def fused_norm_rope(
     if positions.dim() != 1 or q_c.dim() != 2:
         _fail("positions" if positions.dim() != 1 else "q_c", "expected int64 [num_tokens] positions and "
               "q_c [num_tokens, q_lora_rank]", positions if positions.dim() != 1 else q_c)
+    _q_lora_rank(q_c)  # before q_c_out is allocated from it
     scale_t, scale_v = _scale_args(mla_k_scale)
     if q_c_out is None:  # as vLLM: allocated here, returned
         q_c_out = torch.empty((positions.shape[0], q_c.shape[-1]), dtype=torch.bfloat16, device=q_c.device)
@@ -357,7 +368,8 @@ def _fused_norm_rope_impl(
     if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.dtype != torch.int64:
         _fail("positions", "expected int64 [num_tokens]", positions)
     T, device = positions.shape[0], positions.device
-    r = _rows(q_c, "q_c", T, None, device)
+    _rows(q_c, "q_c", T, None, device)
+    r = _q_lora_rank(q_c)
     _weight(q_rms_norm_w, "q_rms_norm_w", r, device)
     _rows(kv_c, "kv_c", T, 512, device)
     _weight(kv_rms_norm_w, "kv_rms_norm_w", 512, device)

@@ -72,6 +72,10 @@ def test_dispatch_errors_name_the_argument(device):
     call("rope_cos_sin: expected", rope_cos_sin=w.rope_cos_sin[:, :32])
     call("q_c and q_c_out go together", q_c_out=None)
     call("q_norm_w", q_norm_w=wt["q_norm_w"][:8])
+    # a zero-width q_c has null data pointers, which the kernel contract reads as "no Q norm" (it wrote the rest)
+    no_q = torch.zeros(M, 0, dtype=torch.bfloat16, device=w.device)
+    call(r"dispatch: q_c: q_lora_rank \(its width\) = 0 must be a multiple of 8", q_c=no_q, q_c_out=no_q.clone(),
+         q_norm_w=torch.ones(0, device=w.device))
     call("index_k, index_ln_w and index_ln_b are required", index_k=None)
     call("index_k / index_k_out given but has_indexer=False", fmt=pk.CacheFormat("fp8_ds_mla", has_indexer=False),
          row_dests=None)

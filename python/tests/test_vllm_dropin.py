@@ -178,6 +178,11 @@ def bad_cases(device):
         (dict(mla_kv_cache_dtype="bfloat16"), "mla_kv_cache_dtype"),
         (dict(mla_kv_cache_dtype="auto"), "mla_kv_cache"),  # a uint8 656-byte cache is not a bf16 one
         (dict(q_c=lambda a: f16(a["q_c"])), "q_c"),
+        # widths pcpkv's dispatch does not take: 0 (null pointers, which the op read as "no Q norm": it wrote the
+        # caches and raised nothing), 12 and 4104 (refused by the op only, as "dispatch: q_lora_rank")
+        *[(dict(q_c=lambda a, n=n: torch.zeros((T, n), dtype=torch.bfloat16, device=device),
+                q_rms_norm_w=lambda a, n=n: torch.ones(n, device=device), q_c_out=None),
+           rf"q_c: width q_lora_rank = {n} must be a multiple of 8 in \[8, 4096\]") for n in (0, 12, 4104)],
         (dict(kv_c=lambda a: a["kv_c"][:, :256]), "kv_c"),
         (dict(k_pe=lambda a: a["k_pe"][:-1]), "k_pe"),
         (dict(positions=lambda a: a["positions"].int()), "positions"),
