@@ -43,7 +43,11 @@ pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& 
     f.ds_mla_scale = pcpkv::parse_ds_mla_scale(ds_mla_scale, "ds_mla_scale");
     f.k_scale = static_cast<float>(k_scale);
     f.has_indexer = has_indexer;
-    PCPKV_CHECK(std::isfinite(f.k_scale) && f.k_scale > 0.0f, "k_scale = {} must be finite and > 0", k_scale);
+    // As CacheFormat (pcpkv_torch.model.scale_problem): x / a subnormal k_scale is inf for every |x| > 2^-21.
+    PCPKV_CHECK(std::isnormal(f.k_scale) && f.k_scale > 0.0f,
+                "k_scale = {} must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, "
+                "subnormals such as 1e-45, nan and inf are refused)",
+                k_scale);
     return f;
   });
 }

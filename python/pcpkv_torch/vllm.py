@@ -42,6 +42,8 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
     as a host float, so a tensor is read with ``.item()`` once per tensor object and version (a host sync on
     CUDA; inference-mode tensors have no version: read once). Pass a Python float to avoid the read; a
     scale changed in place under inference mode is not seen. Ignored for "auto" and "fp8_ds_mla" (as vLLM).
+    For "fp8" it must be a finite, positive, normal float32: 0, negatives, nan, inf and subnormals (1e-45,
+    where vLLM's x / scale would saturate every value) raise.
   * Caches: pcpkv honours the caches' real block and row strides and requires the indexer cache to have the
     MLA cache's (num_blocks, block_size); vLLM derives its indexer block stride from the shape. Identical
     for the contiguous caches vLLM allocates. An indexer cache without an MLA cache raises (pcpkv's cache
@@ -69,7 +71,7 @@ from typing import Optional
 
 import torch
 
-from .model import CacheFormat, q_lora_rank_problem
+from .model import FLT_MAX, CacheFormat, q_lora_rank_problem, scale_problem
 from .ops import dispatch
 from .tables import CacheTargets
 
@@ -88,7 +90,6 @@ KV_CACHE_DTYPES = {
     "fp8_ds_mla": ("fp8_ds_mla", (torch.uint8, torch.float8_e4m3fn), 656),
 }
 
-_F32_MAX = torch.finfo(torch.float32).max
 _MAX_CACHED = 256  # entries per memo below (one per layer and table in an engine)
 
 
@@ -206,8 +207,8 @@ _weights = _Memo()  # norm weight -> contiguous float32 copy
 
 def _k_scale(t: Optional[Tensor], value: float) -> float:
     v = value if t is None else _scales.get((t,), lambda: float(t.detach().reshape(()).item()))
-    if not 0 < v <= _F32_MAX:  # a float32 in the kernels: 1e300 would be refused there as pcpkv's k_scale = inf
-        _fail("mla_k_scale", f"= {v} must be finite (as float32) and > 0")
+    if why := scale_problem(v):  # a float32 in the kernels: 1e300 would be refused there as pcpkv's k_scale = inf
+        _fail("mla_k_scale", f"= {v!r} {why}")
     return v
 
 
@@ -319,7 +320,7 @@ def fused_norm_rope(
                                                                           index_k_layer_norm_eps)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             _fail(name, f"= {v!r} must be a float")
-        if not 0 <= v <= _F32_MAX:  # the kernels take float32: 1e300 would reach them as inf, named as pcpkv's eps
+        if not 0 <= v <= FLT_MAX:  # the kernels take float32: 1e300 would reach them as inf, named as pcpkv's eps
             _fail(name, f"= {v!r} must be finite (as float32) and >= 0")
     # The op's schema takes tensors (or None) only: anything else is refused here, naming the argument.
     for name, v, optional in (

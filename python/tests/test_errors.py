@@ -8,6 +8,8 @@ After every rejected call the caches still hold only guard bytes, the staging bu
 outputs only their poison: nothing was written (on CUDA: checked after a synchronize, so nothing was
 launched that wrote either)."""
 
+import re
+
 import pytest
 
 from helpers import DEVICES, GUARD, POISON_I32, World, pk, torch
@@ -132,6 +134,8 @@ def test_combine_insert_fence_errors_name_the_argument(device):
         pk.combine(rows, w.gathered, w.mla[0], None, fmt=fmt)
     with pytest.raises(ValueError, match="k_scale = nan"):  # the raw op checks what CacheFormat checks
         torch.ops.pcpkv.combine(rows, w.gathered, w.mla[0], w.idx[0], "fp8_ds_mla", "pow2", float("nan"), True)
+    with pytest.raises(ValueError, match="k_scale = 1e-45 must be a finite, positive, normal float32"):  # subnormal
+        torch.ops.pcpkv.combine(rows, w.gathered, w.mla[0], w.idx[0], "fp8_ds_mla", "pow2", 1e-45, True)
     if device == "cuda":
         # the combine kernel loads rows in 16-byte chunks: a misaligned rows tensor is refused, not launched
         flat = torch.zeros(rows.numel() + 16, dtype=torch.uint8, device=w.device)
@@ -186,6 +190,14 @@ def test_plan_refuses_positions_past_the_model():
 def test_host_side_errors():
     with pytest.raises(ValueError, match="kv_format"):
         pk.CacheFormat("fp4")
+    # k_scale: a finite positive normal float32 (the subnormals 1e-45 and 1e-39 and 1e300, inf as float32, passed)
+    for bad in (1e-45, 1e-39, 0.0, -1.0, float("nan"), float("inf"), 1e300):
+        with pytest.raises(ValueError, match=re.escape(f"k_scale = {bad!r} must be a finite, positive, normal float32")):
+            pk.CacheFormat("fp8", k_scale=bad)
+    with pytest.raises(ValueError, match="k_scale = '0.5' must be a number"):  # was a TypeError
+        pk.CacheFormat("fp8", k_scale="0.5")
+    for ok in (2.0 ** -126, 0.05, 1, 3.4e38):
+        assert pk.CacheFormat("fp8", k_scale=ok).k_scale == ok
     with pytest.raises(ValueError, match="block-size|block_size"):
         pk.make_plan(2, [pk.Request(5)], block_size=12)
     plan = small_plan(2)

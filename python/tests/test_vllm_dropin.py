@@ -207,6 +207,11 @@ def bad_cases(device):
         (dict(index_k_layer_norm_eps=-1.0), "index_k_layer_norm_eps"),
         (dict(mla_k_scale=1e300, mla_kv_cache_dtype="fp8", mla_kv_cache=lambda a: a["mla_kv_cache"][..., :576]),
          "mla_k_scale"),
+        # not a finite positive normal float32: subnormals (1e-45, 1e-39; a float32 tensor of 1e-45) were accepted
+        *[(dict(mla_k_scale=v, mla_kv_cache_dtype="fp8", mla_kv_cache=lambda a: a["mla_kv_cache"][..., :576]),
+           r"mla_k_scale: = .* must be a finite, positive, normal float32")
+          for v in (1e-45, 1e-39, lambda a: torch.tensor([1e-45], device=device), -0.5, float("nan"), float("inf"),
+                    lambda a: torch.tensor([0.0], device=device))],
         (dict(ds_mla_scale="recip"), "ds_mla_scale"),
         (dict(has_indexer=1), "has_indexer"),
         # another device than positions' (meta stands in for a GPU where there is none)
