@@ -52,7 +52,9 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
   * Outputs: pcpkv writes ``q_c_out``, ``kv_c_out``, ``k_pe_out`` and ``index_k_out`` for every token (later
     vLLM versions skip ``index_k_out`` rows of negative slots; on a shared layer both leave it untouched). ``q_c_out`` must be a contiguous bf16
     [T, q_lora_rank] tensor (None: allocated, as in vLLM). The top-k buffer's first T rows are filled with -1
-    on indexer layers (as in vLLM; its other rows are untouched), so they must be contiguous int32.
+    on indexer layers (as in vLLM; its other rows are untouched), so they must be contiguous int32. No output
+    (the outputs, those top-k rows, the caches written) may share memory with an input or another output (an
+    in-place q_c_out = q_c included): pcpkv's kernels read and write rows in any order.
   * ``write_kv_output=True`` (in-place kv_c / k_pe outputs) raises: pass ``kv_c_out`` / ``k_pe_out``.
     ``indexer_slot_mapping`` must be None or ``slot_mapping`` itself (pcpkv writes both caches at one slot).
   * Activations must be bf16 (the only activation dtype of pcpkv's kernels).
@@ -73,7 +75,7 @@ import torch
 
 from .model import FLT_MAX, CacheFormat, q_lora_rank_problem, scale_problem
 from .ops import dispatch
-from .tables import CacheTargets
+from .tables import CacheTargets, first_overlap
 
 __all__ = ["fused_norm_rope", "KV_CACHE_DTYPES", "SIGNATURE_SOURCE"]
 
@@ -405,7 +407,7 @@ def _fused_norm_rope_impl(
                                       "of a token at one slot")
     if not has_indexer:
         indexer_k_cache = None  # a shared layer writes no indexer row (vLLM drops it too)
-    targets, written = None, []
+    targets, mla, idx = None, None, None
     writes_idx = indexer_k_cache is not None and mla_kv_cache is not None
     if slot_mapping is not None and (mla_kv_cache is not None or indexer_k_cache is not None):
         if mla_kv_cache is None:
@@ -419,11 +421,27 @@ def _fused_norm_rope_impl(
             _fail("index_k_out", "needs indexer_k_cache when mla_kv_cache is given (pcpkv's MLA-only write has no "
                                  "indexer output)")
         fmt = CacheFormat(kv_format, ds_mla_scale, k_scale, has_indexer=idx is not None)
-        targets = _cache_targets(mla, idx, fmt)
-        written = [mla] + ([idx] if idx is not None else [])
     else:
         slot_mapping = None  # vLLM's profiling run: no cache is written
         fmt = CacheFormat(kv_format, ds_mla_scale, k_scale, has_indexer=has_indexer)
+    # What the call writes against what it reads (and the other writes), before the cache table goes to the device.
+    reads = [("positions", positions), ("q_c", q_c), ("q_rms_norm_w", q_rms_norm_w), ("kv_c", kv_c),
+             ("kv_rms_norm_w", kv_rms_norm_w), ("k_pe", k_pe), ("k_rope_cos_sin_cache", k_rope_cos_sin_cache),
+             ("slot_mapping", slot_mapping), ("mla_k_scale", mla_k_scale)]
+    if fmt.has_indexer:
+        reads += [("index_k", index_k), ("index_k_layer_norm_w", index_k_layer_norm_w),
+                  ("index_k_layer_norm_bias", index_k_layer_norm_bias),
+                  ("index_k_rope_cos_sin_cache", index_k_rope_cos_sin_cache)]
+    hit = first_overlap([("q_c_out", q_c_out), ("kv_c_out", kv_c_out), ("k_pe_out", k_pe_out),
+                         ("index_k_out", index_k_out), ("topk_indices_buffer", topk),
+                         ("mla_kv_cache", mla_kv_cache if mla is not None else None),
+                         ("indexer_k_cache", indexer_k_cache if idx is not None else None)], reads)
+    if hit:
+        (a, ta), (b, tb) = hit
+        _fail(a, f"shares memory with {b} ({_describe(tb)}): pcpkv reads the inputs and writes the outputs row by "
+                 "row in any order, so an output must not overlap an input or another output", ta)
+    if mla is not None:
+        targets = _cache_targets(mla, idx, fmt)
 
     def f32(w):  # the layer's norm weights, converted once (not per call, nor inside a graph capture)
         return w if w.dtype == torch.float32 and w.is_contiguous() else _weights.get(
@@ -436,7 +454,8 @@ def _fused_norm_rope_impl(
              slot_mapping=slot_mapping, targets=targets, q_c_out=q_c_out, kv_c_out=kv_c_out, k_pe_out=k_pe_out,
              index_k_out=index_k_out, topk_fill=topk, q_eps=float(q_rms_eps), kv_eps=float(kv_rms_eps),
              index_eps=float(index_k_layer_norm_eps), mla_rope_interleaved=True,
-             index_rope_interleaved=index_rope_interleave, index_hadamard=False, written=written)
+             index_rope_interleaved=index_rope_interleave, index_hadamard=False,
+             written=[t for t in (mla, idx) if t is not None])
 
 
 _fused_norm_rope_op = torch.library.custom_op(

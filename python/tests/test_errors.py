@@ -78,6 +78,16 @@ def test_dispatch_errors_name_the_argument(device):
     no_q = torch.zeros(M, 0, dtype=torch.bfloat16, device=w.device)
     call(r"dispatch: q_c: q_lora_rank \(its width\) = 0 must be a multiple of 8", q_c=no_q, q_c_out=no_q.clone(),
          q_norm_w=torch.ones(0, device=w.device))
+    # outputs sharing memory with an input or another output (in place; kv_c_out's last row is k_pe_out's first)
+    call(r"dispatch: q_c_out \(.*\) shares memory with q_c \(", q_c=loc["q_c_out"])
+    outs = torch.zeros(M * 576, dtype=torch.bfloat16, device=w.device)
+    call(r"dispatch: kv_c_out \(.*\) shares memory with k_pe_out \(", kv_c_out=outs[:M * 512].view(M, 512),
+         k_pe_out=outs[M * 448:M * 512].view(M, 64))
+    call(r"dispatch: topk_fill \(.*\) shares memory with slot_mapping \(",
+         slot_mapping=loc["topk"].view(-1)[:2 * M].view(torch.int64))
+    # an input inside a replica the tables write (written[0]: targets.tensors[0], rank 0's MLA cache)
+    call(r"dispatch: written\[0\] \(.*\) shares memory with kv \(",
+         kv=w.flat(w.mla[0])[:M * 1024].view(torch.bfloat16).view(M, 512))
     call("index_k, index_ln_w and index_ln_b are required", index_k=None)
     call("index_k / index_k_out given but has_indexer=False", fmt=pk.CacheFormat("fp8_ds_mla", has_indexer=False),
          row_dests=None)
