@@ -35,6 +35,51 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarTy
   check_dense(t, name, {n}, dtype, device);
 }
 
+std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& writes,
+                                                       const std::vector<at::Tensor>& reads, bool writes_pairwise) {
+  struct Span {
+    c10::Device device;
+    uintptr_t lo, hi;  // lo == hi: no memory
+  };
+  auto span = [](const at::Tensor& t) {
+    if (!t.defined() || t.numel() == 0 || t.const_data_ptr() == nullptr) return Span{c10::Device(c10::kCPU), 0, 0};
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    return Span{t.device(), lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())};
+  };
+  std::vector<Span> s;
+  for (const auto* list : {&writes, &reads})
+    for (const at::Tensor& t : *list) s.push_back(span(t));
+  for (size_t i = 0; i < writes.size(); ++i)
+    for (size_t j = writes_pairwise ? i + 1 : writes.size(); j < s.size(); ++j)
+      if (s[i].lo < s[i].hi && s[j].lo < s[j].hi && s[i].device == s[j].device && s[i].lo < s[j].hi &&
+          s[j].lo < s[i].hi)
+        return std::make_pair(i, j);
+  return std::nullopt;
+}
+
+namespace {
+
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+// ValueError naming the first tensor of `writes` that shares memory with another of `writes` (writes_pairwise) or
+// one of `reads`, and that tensor (first_overlap).
+void refuse_overlap(const char* op, const Named& writes, const Named& reads, bool writes_pairwise) {
+  std::vector<at::Tensor> w, r;
+  for (const auto& [name, t] : writes) w.push_back(t);
+  for (const auto& [name, t] : reads) r.push_back(t);
+  const auto hit = first_overlap(w, r, writes_pairwise);
+  if (!hit) return;
+  const auto& [a, ta] = writes[hit->first];
+  const auto& [b, tb] = hit->second < writes.size() ? writes[hit->second] : reads[hit->second - writes.size()];
+  TORCH_CHECK_VALUE(false, op, ": ", a, " (", describe(ta), ") shares memory with ", b, " (", describe(tb),
+                    "): an output must not overlap an input or another output (rows are read and written in any "
+                    "order)");
+}
+
+}  // namespace
+
 pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& ds_mla_scale, double k_scale,
                                bool has_indexer) {
   return translate_errors([&] {
@@ -43,7 +88,11 @@ pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& 
     f.ds_mla_scale = pcpkv::parse_ds_mla_scale(ds_mla_scale, "ds_mla_scale");
     f.k_scale = static_cast<float>(k_scale);
     f.has_indexer = has_indexer;
-    PCPKV_CHECK(std::isfinite(f.k_scale) && f.k_scale > 0.0f, "k_scale = {} must be finite and > 0", k_scale);
+    // As CacheFormat (pcpkv_torch.model.scale_problem): x / a subnormal k_scale is inf for every |x| > 2^-21.
+    PCPKV_CHECK(std::isnormal(f.k_scale) && f.k_scale > 0.0f,
+                "k_scale = {} must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, "
+                "subnormals such as 1e-45, nan and inf are refused)",
+                k_scale);
     return f;
   });
 }
@@ -165,6 +214,10 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     TORCH_CHECK_VALUE(a.q_c->dim() == 2, "dispatch: q_c: expected bfloat16 [num_tokens, q_lora_rank], got ",
                       describe(*a.q_c));
     const int64_t r = a.q_c->size(1);
+    // Here and not only in the library's validate_dispatch_shape, which checks q_lora_rank when q_c or q_c_out is
+    // set: a zero-width q_c (or one of 0 rows) has null data pointers, which the contract reads as "no Q norm".
+    TORCH_CHECK_VALUE(r >= 8 && r <= 4096 && r % 8 == 0, "dispatch: q_c: q_lora_rank (its width) = ", r,
+                      " must be a multiple of 8 in [8, 4096], got ", describe(*a.q_c));
     p.q_lora_rank = r;
     p.q_c_stride = check_bf16_rows(*a.q_c, "dispatch: q_c", T, r, dev);
     p.q_c = static_cast<const uint16_t*>(a.q_c->data_ptr());
@@ -219,6 +272,25 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     check_vector(*a.slot_mapping, "dispatch: slot_mapping", T, at::kLong, dev);
     p.slot_mapping = a.slot_mapping->data_ptr<int64_t>();
   }
+  // The kernels write the outputs while they read the inputs, row by row in any order (on the GPU many blocks at
+  // once): no output may share memory with an input, a table, a written tensor (the caches and staging behind the
+  // tables) or another output, and no written tensor with an input or a table. Written tensors may repeat each
+  // other: they are declarations (a replica can be named by `written` and by the tables' tensors).
+  const auto get = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
+  const Named outs = {{"q_c_out", get(a.q_c_out)}, {"kv_c_out", get(a.kv_c_out)}, {"k_pe_out", get(a.k_pe_out)},
+                      {"index_k_out", get(a.index_k_out)}, {"topk_fill", get(a.topk_fill)}};
+  Named ins = {{"kv", a.kv}, {"k_pe", a.k_pe}, {"positions", a.positions}, {"kv_norm_w", a.kv_norm_w},
+               {"rope_cos_sin", a.rope_cos_sin}, {"q_c", get(a.q_c)}, {"q_norm_w", get(a.q_norm_w)},
+               {"index_k", get(a.index_k)}, {"index_ln_w", get(a.index_ln_w)}, {"index_ln_b", get(a.index_ln_b)},
+               {"slot_mapping", get(a.slot_mapping)}};
+  const char* const table_names[] = {"targets", "targets_host", "row_dests", "row_dests_host"};
+  for (size_t i = 0; i < 4; ++i) ins.emplace_back(table_names[i], a.tables[i]);
+  Named written;
+  for (size_t i = 0; i < a.written.size(); ++i) written.emplace_back(fmt::format("written[{}]", i), a.written[i]);
+  Named ins_and_written = ins;
+  ins_and_written.insert(ins_and_written.end(), written.begin(), written.end());
+  refuse_overlap("dispatch", outs, ins_and_written, true);
+  refuse_overlap("dispatch", written, ins, false);
   return p;
 }
 

@@ -8,9 +8,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pcpkv/publish/dispatch.h"
@@ -40,6 +42,15 @@ void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, a
                  const c10::Device& device);
 /// A 1-d contiguous tensor of n elements of `dtype` on `device`.
 void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device);
+
+/// The first pair of tensors whose elements share memory: (i, j) indexes writes ++ reads, i into writes and j either
+/// into writes (j > i, only when writes_pairwise) or past it into reads. A tensor's bytes are its extent
+/// [data_ptr, data_ptr + (1 + sum((size - 1) * stride)) * itemsize): two interleaved views of one buffer count as
+/// overlapping. Compares addresses, not storages (from_blob views of one buffer are two storages); undefined,
+/// empty and storage-less (meta) tensors overlap nothing, tensors on two devices never. Pairs within reads are
+/// not compared (inputs may share memory, e.g. splits of one projection).
+std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& writes,
+                                                       const std::vector<at::Tensor>& reads, bool writes_pairwise);
 
 /// Parses the format arguments of an op into a CacheFormat (ValueError on a bad name or k_scale).
 pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& ds_mla_scale, double k_scale,
@@ -86,8 +97,12 @@ struct DispatchArgs {
   bool mla_rope_interleaved = true, index_rope_interleaved = false, index_hadamard = false;
   std::string topk_fill_mode = "full";  // pcpkv::TopkFill: full | tail | none
   int64_t topk_indexer_rows = 0;        // tail: rows [0, n) the indexer top-k writes
+  std::array<at::Tensor, 4> tables;     // targets, targets_host, row_dests, row_dests_host (undefined: not given)
+  std::vector<at::Tensor> written;      // the op's `written`: the tensors behind the tables (may repeat each other)
 };
-/// Checks every tensor of a dispatch (dtype, shape, device) and fills the contract (no tables yet).
+/// Checks every tensor of a dispatch (dtype, shape, device; no output sharing memory with an input, a table, a
+/// written tensor or another output; no written tensor with an input or a table) and fills the contract (no
+/// tables yet).
 pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a);
 
 /// Checks the tensors of a combine (staging rows -> local caches) and fills the contract.

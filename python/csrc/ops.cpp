@@ -196,7 +196,7 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
                   const std::optional<at::Tensor>& row_dests_host, const std::optional<at::Tensor>& q_c_out,
                   const std::optional<at::Tensor>& kv_c_out, const std::optional<at::Tensor>& k_pe_out,
                   const std::optional<at::Tensor>& index_k_out, const std::optional<at::Tensor>& topk_fill,
-                  at::TensorList /*written*/, c10::string_view kv_format, c10::string_view ds_mla_scale,
+                  at::TensorList written, c10::string_view kv_format, c10::string_view ds_mla_scale,
                   double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
                   bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard,
                   c10::string_view topk_fill_mode, int64_t topk_indexer_rows) {
@@ -207,6 +207,9 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
                  index_rope_interleaved, index_hadamard};
   a.topk_fill_mode = std::string(topk_fill_mode);
   a.topk_indexer_rows = topk_indexer_rows;
+  a.tables = {targets.value_or(at::Tensor()), targets_host.value_or(at::Tensor()), row_dests.value_or(at::Tensor()),
+              row_dests_host.value_or(at::Tensor())};
+  a.written = written.vec();
   pcpkv::DispatchParams p = make_dispatch_params(a);
   std::vector<pcpkv::CacheTarget> tv;
   std::vector<uint8_t*> dv;
@@ -348,11 +351,19 @@ at::Tensor replica_hash_weights(int64_t n) {
   return w;
 }
 
+// first_overlap (csrc/common.h) for the Python entry points that name their own arguments: [] or [i, j].
+std::vector<int64_t> first_overlap_op(at::TensorList writes, at::TensorList reads, bool writes_pairwise) {
+  const auto hit = first_overlap(writes.vec(), reads.vec(), writes_pairwise);
+  if (!hit) return {};
+  return {static_cast<int64_t>(hit->first), static_cast<int64_t>(hit->second)};
+}
+
 TORCH_LIBRARY(pcpkv, m) {
   m.def("rope_table(int num_positions, str scaling, float theta, float factor, int original_max_position_embeddings, "
         "float beta_fast, float beta_slow, float mscale, float mscale_all_dim) -> Tensor",
         &rope_table);
   m.def("replica_hash_weights(int n) -> Tensor", &replica_hash_weights);
+  m.def("first_overlap(Tensor[] writes, Tensor[] reads, bool writes_pairwise) -> int[]", &first_overlap_op);
   m.def("make_plan(int pcp_world, int block_size, int[] is_decode, int[] num_new_tokens, int[] context_lens, "
         "int extra_blocks, bool reserve_null_block, bool shuffle_blocks, int seed, str local_order=\"request\", "
         "str decode_ownership=\"replicated\") -> (Tensor positions, "

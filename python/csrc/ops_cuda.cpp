@@ -53,7 +53,7 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
                    const std::optional<at::Tensor>& row_dests_host, const std::optional<at::Tensor>& q_c_out,
                    const std::optional<at::Tensor>& kv_c_out, const std::optional<at::Tensor>& k_pe_out,
                    const std::optional<at::Tensor>& index_k_out, const std::optional<at::Tensor>& topk_fill,
-                   at::TensorList /*written*/, c10::string_view kv_format, c10::string_view ds_mla_scale,
+                   at::TensorList written, c10::string_view kv_format, c10::string_view ds_mla_scale,
                    double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
                    bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard,
                    c10::string_view topk_fill_mode, int64_t topk_indexer_rows) {
@@ -67,6 +67,9 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
                  index_rope_interleaved, index_hadamard};
   a.topk_fill_mode = std::string(topk_fill_mode);
   a.topk_indexer_rows = topk_indexer_rows;
+  a.tables = {targets.value_or(at::Tensor()), targets_host.value_or(at::Tensor()), row_dests.value_or(at::Tensor()),
+              row_dests_host.value_or(at::Tensor())};
+  a.written = written.vec();
   pcpkv::cuda_detail::DispatchJob job;
   job.params = make_dispatch_params(a);
   pcpkv::DispatchParams& p = job.params;

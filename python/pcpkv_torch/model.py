@@ -18,6 +18,24 @@ __all__ = ["RopeSpec", "ModelSpec", "CacheFormat", "MLA_ROW_BYTES", "transport_r
 MLA_ROW_BYTES = {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656}
 
 
+#: The normal float32 range [FLT_MIN, FLT_MAX] (pcpkv's kernels take their scales and eps as float32).
+FLT_MIN = 2.0 ** -126
+FLT_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
+
+
+def scale_problem(value) -> str | None:
+    """Why `value` cannot be a scale the kernels divide by (fp8's k_scale: the cache stores x / k_scale), or None:
+    it must be a number whose float32 is finite, positive and normal. 0, negatives, nan and inf are refused, and
+    subnormals (1e-45): x / 2^-149 is inf for every |x| > 2^-21, and flush-to-zero arithmetic reads it as 0.
+    The callers name the argument and its value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return "must be a number"
+    if FLT_MIN <= value <= FLT_MAX:  # nan compares false
+        return None
+    return ("must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as "
+            "1e-45, nan and inf are refused)")
+
+
 def transport_row_bytes(kv_format: str, has_indexer: bool = True) -> int:
     """Bytes of one transport row (SPEC section 3): 720 (fp8), 800 (fp8_ds_mla), 1296 (bf16) with an indexer;
     the MLA row alone (576 / 656 / 1152) without. Raises ValueError on an unknown format."""
@@ -34,7 +52,7 @@ class CacheFormat:
 
     kv_format: str = "fp8_ds_mla"  # "bf16" | "fp8" | "fp8_ds_mla"
     ds_mla_scale: str = "pow2"  # "pow2" (current vLLM / FlashMLA) | "raw" (older vLLM writers)
-    k_scale: float = 1.0  # fp8 only: x / k_scale, > 0 and finite
+    k_scale: float = 1.0  # fp8 only: x / k_scale, a finite positive normal float32 (scale_problem)
     has_indexer: bool = True
 
     def __post_init__(self):
@@ -42,8 +60,8 @@ class CacheFormat:
             raise ValueError(f"kv_format = {self.kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
         if self.ds_mla_scale not in ("pow2", "raw"):
             raise ValueError(f"ds_mla_scale = {self.ds_mla_scale!r}; expected 'pow2' or 'raw'")
-        if not (self.k_scale > 0 and self.k_scale != float("inf")):
-            raise ValueError(f"k_scale = {self.k_scale} must be finite and > 0")
+        if why := scale_problem(self.k_scale):
+            raise ValueError(f"k_scale = {self.k_scale!r} {why}")
 
     @property
     def mla_row_bytes(self) -> int:
@@ -53,6 +71,12 @@ class CacheFormat:
     def row_bytes(self) -> int:
         """Transport row bytes (SPEC section 3)."""
         return transport_row_bytes(self.kv_format, self.has_indexer)
+
+
+def q_lora_rank_problem(q_lora_rank: int) -> str | None:
+    """Why q_lora_rank (the width of q_c) cannot be the dispatch's, or None: DispatchParams takes a multiple of 8
+    in [8, 4096] (pcpkv/publish/dispatch.h). The callers name the argument."""
+    return None if 8 <= q_lora_rank <= 4096 and q_lora_rank % 8 == 0 else "must be a multiple of 8 in [8, 4096]"
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:
@@ -206,8 +230,8 @@ class ModelSpec:
             if got != want:
                 raise ValueError(f"{key} = {got}; pcpkv's cache layouts need {want}")
         q_lora_rank = _read(config, "q_lora_rank", int)
-        if not (8 <= q_lora_rank <= 4096 and q_lora_rank % 8 == 0):
-            raise ValueError(f"q_lora_rank = {q_lora_rank} must be a multiple of 8 in [8, 4096]")
+        if why := q_lora_rank_problem(q_lora_rank):
+            raise ValueError(f"q_lora_rank = {q_lora_rank} {why}")
         eps = {}
         for key in ("rms_norm_eps", "index_norm_eps"):
             eps[key] = _read(config, key, float, 1e-6)

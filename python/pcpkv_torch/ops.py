@@ -80,10 +80,14 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     `written`: extra tensors the caller wants declared as mutated (torch.compile ordering).
 
     Raises ValueError (nothing written) for a bad topk_fill_mode, topk_fill_mode "tail" without
-    topk_indexer_rows in [0, T], a wrong dtype/shape/device, q_c without q_c_out, a missing indexer
-    input, a bad format, a table whose geometry cannot hold fmt's rows, row_dests slots of another row size
-    or too few rows, or device tables that do not match their host copies; on CPU also for a slot out of
-    range or repeated, or a position outside the table."""
+    topk_indexer_rows in [0, T], a wrong dtype/shape/device, q_c without q_c_out, a q_c width that is not a
+    q_lora_rank (zero included: its null data pointer would read as "no Q norm"), an output (q_c_out, kv_c_out,
+    k_pe_out, index_k_out, topk_fill) sharing memory with an input, a table or another output, a tensor of
+    written + targets.tensors + row_dests.tensors (named written[i] in that order) sharing memory with an input
+    or a table (they may repeat each other), a missing indexer input, a bad format, a table whose geometry
+    cannot hold fmt's rows, row_dests slots of another row size or too few rows, or device tables that do not
+    match their host copies; on CPU also for a slot out of range or repeated, or a position outside the
+    table."""
     num_tokens = kv.shape[0] if isinstance(kv, Tensor) and kv.dim() >= 1 else 0
     if topk_fill_mode not in ("full", "tail", "none"):
         raise ValueError(f"dispatch: topk_fill_mode = {topk_fill_mode!r} must be 'full', 'tail' or 'none'")

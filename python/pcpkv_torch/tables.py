@@ -45,6 +45,17 @@ def _describe(t) -> str:
     return f"{t.dtype} {list(t.shape)} strides {list(t.stride())} on {t.device}"
 
 
+def first_overlap(writes: Sequence[tuple], reads: Sequence[tuple] = ()):
+    """The first pair ((name, tensor), (name, tensor)) of a tensor of `writes` and another of `writes` or one of
+    `reads` (each a sequence of (name, tensor or None)) whose memory overlaps, or None. Overlap is of the
+    tensors' byte extents by address (csrc/common.h first_overlap, the dispatch op's own check): a view of
+    another storage over the same memory counts; reads are not compared with each other."""
+    writes = [(n, t) for n, t in writes if t is not None]
+    reads = [(n, t) for n, t in reads if t is not None]
+    hit = torch.ops.pcpkv.first_overlap([t for _, t in writes], [t for _, t in reads], True)
+    return (writes[hit[0]], (writes + reads)[hit[1]]) if hit else None
+
+
 def _mla_geometry(cache, fmt: CacheFormat, name: str) -> tuple:
     """(num_blocks, block_size, row_stride, block_stride) in bytes that a dispatch writes through for an MLA
     cache uint8 [num_blocks, block_size, fmt.mla_row_bytes] (unit inner stride, rows and blocks not
@@ -163,8 +174,9 @@ class CacheTargets:
         uint8 [num_blocks, block_size, fmt.mla_row_bytes] and, when fmt.has_indexer, as many index_caches
         uint8 [num_blocks, block_size, 132] (ignored otherwise). Every replica must have the dtype, shape,
         strides and device of the first of its kind (the table records one geometry; a smaller replica would
-        be written past its end). Raises ValueError naming the argument and index otherwise, or when a list
-        is empty."""
+        be written past its end), and no two caches may share memory (the same replica twice, an indexer cache
+        inside an MLA cache). Raises ValueError naming the argument and index otherwise, or when a list is
+        empty."""
         if isinstance(mla_caches, torch.Tensor) or not mla_caches:
             raise ValueError("CacheTargets.from_caches: mla_caches must be a non-empty list of MLA caches, got "
                              f"{_describe(mla_caches) if isinstance(mla_caches, torch.Tensor) else mla_caches!r}")
@@ -181,6 +193,13 @@ class CacheTargets:
             if idx[0].device != mla_caches[0].device:
                 raise ValueError(f"CacheTargets.from_caches: index_caches are on {idx[0].device} but mla_caches on "
                                  f"{mla_caches[0].device}")
+        hit = first_overlap([(f"mla_caches[{i}]", c) for i, c in enumerate(mla_caches)] +
+                            [(f"index_caches[{i}]", c) for i, c in enumerate(idx or [])])
+        if hit:
+            (a, ta), (b, tb) = hit
+            raise ValueError(f"CacheTargets.from_caches: {a} ({_describe(ta)}) shares memory with {b} "
+                             f"({_describe(tb)}): a dispatch writes every cache of every replica, so they must not "
+                             "overlap")
         return CacheTargets.from_pointers(
             [c.data_ptr() for c in mla_caches], [c.data_ptr() for c in idx] if idx else None, like_mla=mla_caches[0],
             like_index=idx[0] if idx else None, fmt=fmt, tensors=mla_caches + (idx or []))

@@ -42,6 +42,8 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
     as a host float, so a tensor is read with ``.item()`` once per tensor object and version (a host sync on
     CUDA; inference-mode tensors have no version: read once). Pass a Python float to avoid the read; a
     scale changed in place under inference mode is not seen. Ignored for "auto" and "fp8_ds_mla" (as vLLM).
+    For "fp8" it must be a finite, positive, normal float32: 0, negatives, nan, inf and subnormals (1e-45,
+    where vLLM's x / scale would saturate every value) raise.
   * Caches: pcpkv honours the caches' real block and row strides and requires the indexer cache to have the
     MLA cache's (num_blocks, block_size); vLLM derives its indexer block stride from the shape. Identical
     for the contiguous caches vLLM allocates. An indexer cache without an MLA cache raises (pcpkv's cache
@@ -50,7 +52,9 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
   * Outputs: pcpkv writes ``q_c_out``, ``kv_c_out``, ``k_pe_out`` and ``index_k_out`` for every token (later
     vLLM versions skip ``index_k_out`` rows of negative slots; on a shared layer both leave it untouched). ``q_c_out`` must be a contiguous bf16
     [T, q_lora_rank] tensor (None: allocated, as in vLLM). The top-k buffer's first T rows are filled with -1
-    on indexer layers (as in vLLM; its other rows are untouched), so they must be contiguous int32.
+    on indexer layers (as in vLLM; its other rows are untouched), so they must be contiguous int32. No output
+    (the outputs, those top-k rows, the caches written) may share memory with an input or another output (an
+    in-place q_c_out = q_c included): pcpkv's kernels read and write rows in any order.
   * ``write_kv_output=True`` (in-place kv_c / k_pe outputs) raises: pass ``kv_c_out`` / ``k_pe_out``.
     ``indexer_slot_mapping`` must be None or ``slot_mapping`` itself (pcpkv writes both caches at one slot).
   * Activations must be bf16 (the only activation dtype of pcpkv's kernels).
@@ -69,9 +73,9 @@ from typing import Optional
 
 import torch
 
-from .model import CacheFormat
+from .model import FLT_MAX, CacheFormat, q_lora_rank_problem, scale_problem
 from .ops import dispatch
-from .tables import CacheTargets
+from .tables import CacheTargets, first_overlap
 
 __all__ = ["fused_norm_rope", "KV_CACHE_DTYPES", "SIGNATURE_SOURCE"]
 
@@ -88,7 +92,6 @@ KV_CACHE_DTYPES = {
     "fp8_ds_mla": ("fp8_ds_mla", (torch.uint8, torch.float8_e4m3fn), 656),
 }
 
-_F32_MAX = torch.finfo(torch.float32).max
 _MAX_CACHED = 256  # entries per memo below (one per layer and table in an engine)
 
 
@@ -109,6 +112,15 @@ def _rows(t, name: str, T: int, cols: Optional[int], device) -> int:
         _fail(name, f"expected bfloat16 [{T} (positions), {cols if cols is not None else 'n'}] with unit inner "
                     f"stride on {device} (positions' device)", t)
     return t.shape[1]
+
+
+def _q_lora_rank(q_c: Tensor) -> int:
+    """q_c's width [T, q_lora_rank], refused unless pcpkv's dispatch takes it (a zero-width q_c would reach the op
+    as null pointers, which its contract reads as "no Q norm": the caches written, q_c_out not)."""
+    r = q_c.shape[1]
+    if why := q_lora_rank_problem(r):
+        _fail("q_c", f"width q_lora_rank = {r} {why} (pcpkv's dispatch)", q_c)
+    return r
 
 
 def _weight(t, name: str, n: int, device):
@@ -197,8 +209,8 @@ _weights = _Memo()  # norm weight -> contiguous float32 copy
 
 def _k_scale(t: Optional[Tensor], value: float) -> float:
     v = value if t is None else _scales.get((t,), lambda: float(t.detach().reshape(()).item()))
-    if not 0 < v <= _F32_MAX:  # a float32 in the kernels: 1e300 would be refused there as pcpkv's k_scale = inf
-        _fail("mla_k_scale", f"= {v} must be finite (as float32) and > 0")
+    if why := scale_problem(v):  # a float32 in the kernels: 1e300 would be refused there as pcpkv's k_scale = inf
+        _fail("mla_k_scale", f"= {v!r} {why}")
     return v
 
 
@@ -277,8 +289,9 @@ def fused_norm_rope(
     tokens of one layer (see the module docstring for the source and every difference). Returns q_c_out.
 
     Inputs (bf16 activations with unit inner stride; row strides free, e.g. splits of one projection):
-    positions int64 [T]; q_c [T, q_lora_rank] with q_rms_norm_w [q_lora_rank] and q_rms_eps; kv_c [T, 512]
-    (kv_a_proj's latent part, before its RMSNorm) with kv_rms_norm_w [512] and kv_rms_eps; k_pe [T, 64];
+    positions int64 [T]; q_c [T, q_lora_rank] (a multiple of 8 in [8, 4096], as pcpkv's dispatch takes) with
+    q_rms_norm_w [q_lora_rank] and q_rms_eps; kv_c [T, 512] (kv_a_proj's latent part, before its RMSNorm) with
+    kv_rms_norm_w [512] and kv_rms_eps; k_pe [T, 64];
     k_rope_cos_sin_cache [max_position, 64] (any float dtype); on indexer layers (has_indexer) index_k
     [T, 128] with its LayerNorm index_k_layer_norm_w / _bias [128] and index_k_layer_norm_eps, and
     index_k_rope_cos_sin_cache (same values as k_rope_cos_sin_cache); topk_indices_buffer int32 [>= T, topk].
@@ -309,7 +322,7 @@ def fused_norm_rope(
                                                                           index_k_layer_norm_eps)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             _fail(name, f"= {v!r} must be a float")
-        if not 0 <= v <= _F32_MAX:  # the kernels take float32: 1e300 would reach them as inf, named as pcpkv's eps
+        if not 0 <= v <= FLT_MAX:  # the kernels take float32: 1e300 would reach them as inf, named as pcpkv's eps
             _fail(name, f"= {v!r} must be finite (as float32) and >= 0")
     # The op's schema takes tensors (or None) only: anything else is refused here, naming the argument.
     for name, v, optional in (
@@ -328,6 +341,7 @@ def fused_norm_rope(
     if positions.dim() != 1 or q_c.dim() != 2:
         _fail("positions" if positions.dim() != 1 else "q_c", "expected int64 [num_tokens] positions and "
               "q_c [num_tokens, q_lora_rank]", positions if positions.dim() != 1 else q_c)
+    _q_lora_rank(q_c)  # before q_c_out is allocated from it
     scale_t, scale_v = _scale_args(mla_k_scale)
     if q_c_out is None:  # as vLLM: allocated here, returned
         q_c_out = torch.empty((positions.shape[0], q_c.shape[-1]), dtype=torch.bfloat16, device=q_c.device)
@@ -357,7 +371,8 @@ def _fused_norm_rope_impl(
     if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.dtype != torch.int64:
         _fail("positions", "expected int64 [num_tokens]", positions)
     T, device = positions.shape[0], positions.device
-    r = _rows(q_c, "q_c", T, None, device)
+    _rows(q_c, "q_c", T, None, device)
+    r = _q_lora_rank(q_c)
     _weight(q_rms_norm_w, "q_rms_norm_w", r, device)
     _rows(kv_c, "kv_c", T, 512, device)
     _weight(kv_rms_norm_w, "kv_rms_norm_w", 512, device)
@@ -392,7 +407,7 @@ def _fused_norm_rope_impl(
                                       "of a token at one slot")
     if not has_indexer:
         indexer_k_cache = None  # a shared layer writes no indexer row (vLLM drops it too)
-    targets, written = None, []
+    targets, mla, idx = None, None, None
     writes_idx = indexer_k_cache is not None and mla_kv_cache is not None
     if slot_mapping is not None and (mla_kv_cache is not None or indexer_k_cache is not None):
         if mla_kv_cache is None:
@@ -406,11 +421,27 @@ def _fused_norm_rope_impl(
             _fail("index_k_out", "needs indexer_k_cache when mla_kv_cache is given (pcpkv's MLA-only write has no "
                                  "indexer output)")
         fmt = CacheFormat(kv_format, ds_mla_scale, k_scale, has_indexer=idx is not None)
-        targets = _cache_targets(mla, idx, fmt)
-        written = [mla] + ([idx] if idx is not None else [])
     else:
         slot_mapping = None  # vLLM's profiling run: no cache is written
         fmt = CacheFormat(kv_format, ds_mla_scale, k_scale, has_indexer=has_indexer)
+    # What the call writes against what it reads (and the other writes), before the cache table goes to the device.
+    reads = [("positions", positions), ("q_c", q_c), ("q_rms_norm_w", q_rms_norm_w), ("kv_c", kv_c),
+             ("kv_rms_norm_w", kv_rms_norm_w), ("k_pe", k_pe), ("k_rope_cos_sin_cache", k_rope_cos_sin_cache),
+             ("slot_mapping", slot_mapping), ("mla_k_scale", mla_k_scale)]
+    if fmt.has_indexer:
+        reads += [("index_k", index_k), ("index_k_layer_norm_w", index_k_layer_norm_w),
+                  ("index_k_layer_norm_bias", index_k_layer_norm_bias),
+                  ("index_k_rope_cos_sin_cache", index_k_rope_cos_sin_cache)]
+    hit = first_overlap([("q_c_out", q_c_out), ("kv_c_out", kv_c_out), ("k_pe_out", k_pe_out),
+                         ("index_k_out", index_k_out), ("topk_indices_buffer", topk),
+                         ("mla_kv_cache", mla_kv_cache if mla is not None else None),
+                         ("indexer_k_cache", indexer_k_cache if idx is not None else None)], reads)
+    if hit:
+        (a, ta), (b, tb) = hit
+        _fail(a, f"shares memory with {b} ({_describe(tb)}): pcpkv reads the inputs and writes the outputs row by "
+                 "row in any order, so an output must not overlap an input or another output", ta)
+    if mla is not None:
+        targets = _cache_targets(mla, idx, fmt)
 
     def f32(w):  # the layer's norm weights, converted once (not per call, nor inside a graph capture)
         return w if w.dtype == torch.float32 and w.is_contiguous() else _weights.get(
@@ -423,7 +454,8 @@ def _fused_norm_rope_impl(
              slot_mapping=slot_mapping, targets=targets, q_c_out=q_c_out, kv_c_out=kv_c_out, k_pe_out=k_pe_out,
              index_k_out=index_k_out, topk_fill=topk, q_eps=float(q_rms_eps), kv_eps=float(kv_rms_eps),
              index_eps=float(index_k_layer_norm_eps), mla_rope_interleaved=True,
-             index_rope_interleaved=index_rope_interleave, index_hadamard=False, written=written)
+             index_rope_interleaved=index_rope_interleave, index_hadamard=False,
+             written=[t for t in (mla, idx) if t is not None])
 
 
 _fused_norm_rope_op = torch.library.custom_op(

@@ -8,6 +8,8 @@ After every rejected call the caches still hold only guard bytes, the staging bu
 outputs only their poison: nothing was written (on CUDA: checked after a synchronize, so nothing was
 launched that wrote either)."""
 
+import re
+
 import pytest
 
 from helpers import DEVICES, GUARD, POISON_I32, World, pk, torch
@@ -72,6 +74,20 @@ def test_dispatch_errors_name_the_argument(device):
     call("rope_cos_sin: expected", rope_cos_sin=w.rope_cos_sin[:, :32])
     call("q_c and q_c_out go together", q_c_out=None)
     call("q_norm_w", q_norm_w=wt["q_norm_w"][:8])
+    # a zero-width q_c has null data pointers, which the kernel contract reads as "no Q norm" (it wrote the rest)
+    no_q = torch.zeros(M, 0, dtype=torch.bfloat16, device=w.device)
+    call(r"dispatch: q_c: q_lora_rank \(its width\) = 0 must be a multiple of 8", q_c=no_q, q_c_out=no_q.clone(),
+         q_norm_w=torch.ones(0, device=w.device))
+    # outputs sharing memory with an input or another output (in place; kv_c_out's last row is k_pe_out's first)
+    call(r"dispatch: q_c_out \(.*\) shares memory with q_c \(", q_c=loc["q_c_out"])
+    outs = torch.zeros(M * 576, dtype=torch.bfloat16, device=w.device)
+    call(r"dispatch: kv_c_out \(.*\) shares memory with k_pe_out \(", kv_c_out=outs[:M * 512].view(M, 512),
+         k_pe_out=outs[M * 448:M * 512].view(M, 64))
+    call(r"dispatch: topk_fill \(.*\) shares memory with slot_mapping \(",
+         slot_mapping=loc["topk"].view(-1)[:2 * M].view(torch.int64))
+    # an input inside a replica the tables write (written[0]: targets.tensors[0], rank 0's MLA cache)
+    call(r"dispatch: written\[0\] \(.*\) shares memory with kv \(",
+         kv=w.flat(w.mla[0])[:M * 1024].view(torch.bfloat16).view(M, 512))
     call("index_k, index_ln_w and index_ln_b are required", index_k=None)
     call("index_k / index_k_out given but has_indexer=False", fmt=pk.CacheFormat("fp8_ds_mla", has_indexer=False),
          row_dests=None)
@@ -128,6 +144,8 @@ def test_combine_insert_fence_errors_name_the_argument(device):
         pk.combine(rows, w.gathered, w.mla[0], None, fmt=fmt)
     with pytest.raises(ValueError, match="k_scale = nan"):  # the raw op checks what CacheFormat checks
         torch.ops.pcpkv.combine(rows, w.gathered, w.mla[0], w.idx[0], "fp8_ds_mla", "pow2", float("nan"), True)
+    with pytest.raises(ValueError, match="k_scale = 1e-45 must be a finite, positive, normal float32"):  # subnormal
+        torch.ops.pcpkv.combine(rows, w.gathered, w.mla[0], w.idx[0], "fp8_ds_mla", "pow2", 1e-45, True)
     if device == "cuda":
         # the combine kernel loads rows in 16-byte chunks: a misaligned rows tensor is refused, not launched
         flat = torch.zeros(rows.numel() + 16, dtype=torch.uint8, device=w.device)
@@ -182,6 +200,14 @@ def test_plan_refuses_positions_past_the_model():
 def test_host_side_errors():
     with pytest.raises(ValueError, match="kv_format"):
         pk.CacheFormat("fp4")
+    # k_scale: a finite positive normal float32 (the subnormals 1e-45 and 1e-39 and 1e300, inf as float32, passed)
+    for bad in (1e-45, 1e-39, 0.0, -1.0, float("nan"), float("inf"), 1e300):
+        with pytest.raises(ValueError, match=re.escape(f"k_scale = {bad!r} must be a finite, positive, normal float32")):
+            pk.CacheFormat("fp8", k_scale=bad)
+    with pytest.raises(ValueError, match="k_scale = '0.5' must be a number"):  # was a TypeError
+        pk.CacheFormat("fp8", k_scale="0.5")
+    for ok in (2.0 ** -126, 0.05, 1, 3.4e38):
+        assert pk.CacheFormat("fp8", k_scale=ok).k_scale == ok
     with pytest.raises(ValueError, match="block-size|block_size"):
         pk.make_plan(2, [pk.Request(5)], block_size=12)
     plan = small_plan(2)

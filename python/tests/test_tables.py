@@ -111,6 +111,13 @@ def test_from_caches_checks_every_replica():
         pk.CacheTargets.from_caches(mla[0], idx, fmt)  # a tensor, not a list of them
     with pytest.raises(ValueError, match=r"index_caches\[0\]"):
         pk.CacheTargets.from_caches(mla, [mla[0]] * 3, fmt)  # the MLA cache passed as the indexer's
+    # caches sharing memory (each passes the geometry checks): the same replica twice, an indexer cache inside an
+    # MLA replica's bytes (with idx[0]'s strides), were accepted
+    with pytest.raises(ValueError, match=r"mla_caches\[0\] \(.*\) shares memory with mla_caches\[1\]"):
+        pk.CacheTargets.from_caches([mla[0], mla[0], mla[2]], idx, fmt)
+    inside = torch.as_strided(mla[1], idx[0].shape, idx[0].stride(), mla[1].storage_offset())
+    with pytest.raises(ValueError, match=r"mla_caches\[1\] \(.*\) shares memory with index_caches\[1\]"):
+        pk.CacheTargets.from_caches(mla, [idx[0], inside, idx[2]], fmt)
     # a layer without an indexer ignores index_caches
     assert len(pk.CacheTargets.from_caches(mla, None, pk.CacheFormat("fp8_ds_mla", has_indexer=False))) == 3
 

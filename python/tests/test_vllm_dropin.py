@@ -178,6 +178,11 @@ def bad_cases(device):
         (dict(mla_kv_cache_dtype="bfloat16"), "mla_kv_cache_dtype"),
         (dict(mla_kv_cache_dtype="auto"), "mla_kv_cache"),  # a uint8 656-byte cache is not a bf16 one
         (dict(q_c=lambda a: f16(a["q_c"])), "q_c"),
+        # widths pcpkv's dispatch does not take: 0 (null pointers, which the op read as "no Q norm": it wrote the
+        # caches and raised nothing), 12 and 4104 (refused by the op only, as "dispatch: q_lora_rank")
+        *[(dict(q_c=lambda a, n=n: torch.zeros((T, n), dtype=torch.bfloat16, device=device),
+                q_rms_norm_w=lambda a, n=n: torch.ones(n, device=device), q_c_out=None),
+           rf"q_c: width q_lora_rank = {n} must be a multiple of 8 in \[8, 4096\]") for n in (0, 12, 4104)],
         (dict(kv_c=lambda a: a["kv_c"][:, :256]), "kv_c"),
         (dict(k_pe=lambda a: a["k_pe"][:-1]), "k_pe"),
         (dict(positions=lambda a: a["positions"].int()), "positions"),
@@ -202,6 +207,11 @@ def bad_cases(device):
         (dict(index_k_layer_norm_eps=-1.0), "index_k_layer_norm_eps"),
         (dict(mla_k_scale=1e300, mla_kv_cache_dtype="fp8", mla_kv_cache=lambda a: a["mla_kv_cache"][..., :576]),
          "mla_k_scale"),
+        # not a finite positive normal float32: subnormals (1e-45, 1e-39; a float32 tensor of 1e-45) were accepted
+        *[(dict(mla_k_scale=v, mla_kv_cache_dtype="fp8", mla_kv_cache=lambda a: a["mla_kv_cache"][..., :576]),
+           r"mla_k_scale: = .* must be a finite, positive, normal float32")
+          for v in (1e-45, 1e-39, lambda a: torch.tensor([1e-45], device=device), -0.5, float("nan"), float("inf"),
+                    lambda a: torch.tensor([0.0], device=device))],
         (dict(ds_mla_scale="recip"), "ds_mla_scale"),
         (dict(has_indexer=1), "has_indexer"),
         # another device than positions' (meta stands in for a GPU where there is none)
@@ -230,6 +240,57 @@ def test_bad_arguments_name_the_argument(device):
         assert "fused_norm_rope" in str(e.value), f"{name}: {e.value}"
         for k in WRITTEN:
             assert_bytes_equal(orig[k].view(torch.uint8), before[k].view(torch.uint8), f"{name}: {k} was written")
+
+
+def overlap_cases(device):
+    """(argument overrides, output, the argument it shares memory with): each passes every other check."""
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    shifted = torch.ones((T + 1, Q_LORA), **bf16)  # q_c rows 1.. and q_c_out rows ..T-1 of one buffer
+    outs = torch.full((T * 576,), POISON_BF16, **bf16)  # kv_c_out, then k_pe_out starting one row early
+    mla_bytes = lambda a: a["mla_kv_cache"].view(-1)  # noqa: E731
+    return [
+        (dict(q_c=lambda a: a["q_c_out"]), "q_c_out", "q_c"),  # in place
+        (dict(q_c=shifted[1:], q_c_out=shifted[:T]), "q_c_out", "q_c"),
+        (dict(kv_c_out=outs[:T * 512].view(T, 512), k_pe_out=outs[T * 448:T * 512].view(T, 64)), "kv_c_out",
+         "k_pe_out"),
+        (dict(index_k_out=lambda a: a["index_k"].as_strided((T, 128), (128, 1))), "index_k_out", "index_k"),
+        (dict(kv_c=lambda a: mla_bytes(a)[:T * 1024].view(torch.bfloat16).view(T, 512)), "mla_kv_cache", "kv_c"),
+        (dict(indexer_k_cache=lambda a: mla_bytes(a)[-NUM_BLOCKS * BLOCK_SIZE * 132:].view(
+            NUM_BLOCKS, BLOCK_SIZE, 132)), "mla_kv_cache", "indexer_k_cache"),
+        (dict(slot_mapping=lambda a: a["topk_indices_buffer"].view(-1)[:2 * T].view(torch.int64)),
+         "topk_indices_buffer", "slot_mapping"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_sharing_memory_are_refused(device):
+    """An output (q_c_out, kv_c_out, k_pe_out, index_k_out, the top-k rows, the caches written) sharing memory with
+    an input or another output was accepted (in place, rows shifted by one, a cache holding kv_c, the indexer cache
+    inside the MLA cache): refused naming both, with no byte of any argument changed."""
+    for over, out, other in overlap_cases(device):
+        a = vllm_inputs(device, "fp8_ds_mla", seed=5)
+        for k, v in over.items():
+            a[k] = v(a) if callable(v) else v
+        before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
+        with pytest.raises(ValueError, match=rf"fused_norm_rope: {out}: shares memory with {other} \("):
+            fused_norm_rope(**a)
+        for k, v in before.items():
+            assert_bytes_equal(a[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8),
+                               f"{out} / {other}: {k} was written")
+
+
+def test_top_k_rows_past_the_tokens_may_hold_an_input():
+    """Only topk_indices_buffer[:T] is written: an input in the rows past T shares no written byte."""
+    a = vllm_inputs("cpu", "fp8_ds_mla", seed=5)
+    want = clone_outputs(a)
+    got = clone_outputs(a)
+    tail = got["topk_indices_buffer"][T:].view(-1)[:2 * T].view(torch.int64)
+    tail.copy_(a["slot_mapping"])
+    got["slot_mapping"] = tail
+    fused_norm_rope(**got)
+    pcpkv_reference(want)
+    got["topk_indices_buffer"][T:] = POISON_I32  # the input's bytes, put back to the poison to compare the rest
+    assert_same(got, want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
