@@ -112,3 +112,26 @@ def test_examples_refuse_flags_before_any_work(argv, match, capsys, monkeypatch)
             prefill.main(argv + ["--device", "cpu"])
         assert e.value.code == 2
         assert re.search(match, capsys.readouterr().err)
+
+
+def test_examples_print_an_error_with_one_prefix(capsys):
+    # A library error reached the examples' error line as "pcpkv: error: rank 0: pcpkv: rope: ...": the extension's
+    # own "pcpkv: " (csrc/common.h) after run_cli's. One prefix, then who, then the message.
+    from pcpkv_torch.examples.prefill import run_cli
+
+    def bad_rope():  # pcpkv::Error from the core, through translate_errors: ValueError "pcpkv: rope: ..."
+        torch.ops.pcpkv.rope_table(0, "default", 10000.0, 1.0, 4096, 32.0, 1.0, 1.0, 1.0)
+
+    def failed_run():
+        raise RuntimeError("pcpkv: fence: timed out")
+
+    def own_check():  # a message of the examples' own, without the prefix: kept whole
+        raise ValueError("--tokens = 0 must be >= 1")
+
+    for entry, who, code, line in [
+            (bad_rope, "rank 0: ", 2, "pcpkv: error: rank 0: rope: num_positions = 0 must be >= 1"),
+            (bad_rope, "", 2, "pcpkv: error: rope: num_positions = 0 must be >= 1"),
+            (failed_run, "rank 3: ", 3, "pcpkv: error: rank 3: fence: timed out"),
+            (own_check, "rank 1: ", 2, "pcpkv: error: rank 1: --tokens = 0 must be >= 1")]:
+        assert run_cli(entry, who) == code
+        assert capsys.readouterr().err == line + "\n"

@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv {
 namespace {
@@ -48,7 +50,10 @@ const std::vector<EnvVar>& env_registry() {
        "ranks (src/ranks/bootstrap.cpp)"},
       {"PCPKV_LOCAL_WORLD_SIZE", "processes on this host (set by `pcpkv launch`)", "PCPKV_WORLD_SIZE",
        "ranks (src/ranks/bootstrap.cpp)"},
-      {"PCPKV_PDL", "1: launch kernels with programmatic dependent launch (pcpkv/core/pdl.h)", "off",
+      {"PCPKV_PDL",
+       "1: launch kernels with programmatic dependent launch (pcpkv/core/pdl.h); 0 or empty: off; any other value is "
+       "refused",
+       "off",
        "core/cuda (src/core/cuda/pdl_switch.cpp)"},
       {"PCPKV_RANK", "this process's rank (set by `pcpkv launch`)", "unset: not a `pcpkv launch` rank",
        "ranks (src/ranks/bootstrap.cpp)"},
@@ -69,6 +74,13 @@ const char* read_env(const char* name) {
   PCPKV_CHECK(!std::string_view(name).starts_with("PCPKV_") || find_env_var(name) != nullptr,
               "read_env: {} is not in the registry of environment variables (src/core/env.cpp)", name);
   return std::getenv(name);
+}
+
+bool read_env_switch(const char* name) {
+  const char* v = read_env(name);
+  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "0") == 0) return false;
+  PCPKV_CHECK(std::strcmp(v, "1") == 0, "{}: must be 1 (on) or 0 / empty / unset (off), got '{}'", name, clip(v));
+  return true;
 }
 
 }  // namespace pcpkv

@@ -2,14 +2,12 @@
 // Check it reports, the one-process and the one-process-per-rank comparisons, and its switch PCPKV_CHECK_REPLICAS.
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <string>
 
 #include <fmt/format.h>
 
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
-#include "pcpkv/core/input_limits.h"
 #include "pcpkv/device/replica_hash.h"
 #include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/ranks/bootstrap.h"
@@ -42,13 +40,7 @@ std::string site_text(const ReplicaCheckSite& site) {
 
 }  // namespace
 
-bool replica_check_from_env() {
-  const char* v = read_env("PCPKV_CHECK_REPLICAS");
-  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "0") == 0) return false;
-  PCPKV_CHECK(std::strcmp(v, "1") == 0, "PCPKV_CHECK_REPLICAS: must be 1 (on) or 0 / empty / unset (off), got '{}'",
-              clip(v));
-  return true;
-}
+bool replica_check_from_env() { return read_env_switch("PCPKV_CHECK_REPLICAS"); }
 
 int64_t replica_hash_bytes_per_slot(const CacheFormat& fmt) {
   return mla_row_bytes(fmt.kv_format) + (fmt.has_indexer ? kIndexerSlotBytes : 0);

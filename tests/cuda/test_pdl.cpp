@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,30 @@ std::vector<T> dev_get(const T* p, size_t n) {
   std::vector<T> h(n);
   cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
   return h;
+}
+
+// PCPKV_PDL follows the one rule of the switches (read_env_switch): a value other than 1, 0 or empty is refused,
+// naming the variable and the value, not taken for off. It needs the switch undecided: ctest runs it in its own
+// process (gtest_discover_tests), and it comes first in this file for a run of the whole binary. A refused value
+// leaves the switch undecided. Needs no GPU.
+TEST(Pdl, SwitchRefusesOddValuesOfTheVariable) {
+  for (const char* odd : {"yes", "true", "2"}) {
+    ::setenv("PCPKV_PDL", odd, 1);
+    try {
+      (void)pdl::enabled();
+      ADD_FAILURE() << "PCPKV_PDL='" << odd << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("PCPKV_PDL: must be 1 (on) or 0 / empty / unset (off), got '") +
+                                           odd + "'"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  ::setenv("PCPKV_PDL", "1", 1);
+  EXPECT_TRUE(pdl::enabled());
+  ::unsetenv("PCPKV_PDL");
+  EXPECT_TRUE(pdl::enabled()) << "decided once per process";
+  pdl::set_enabled(false);
 }
 
 TEST(Pdl, SwitchDefaultsOffAndCanBeSet) {

@@ -126,6 +126,39 @@ TEST(EnvRegistry, ReadEnvReadsRegisteredNamesAndRefusesOthers) {
   ::unsetenv("RANK_OF_NOTHING");
 }
 
+// The one rule of the on/off switches (read_env_switch): "1" on; unset, empty or "0" off; any other value refused,
+// naming the variable and the value. PCPKV_PDL took every value but "1" for off, silently (its reader,
+// src/core/cuda/pdl_switch.cpp, is tested in tests/cuda/test_pdl.cpp).
+TEST(EnvRegistry, SwitchesTakeOneZeroOrEmptyAndRefuseAnythingElse) {
+  for (const char* name : {"PCPKV_PDL", "PCPKV_CHECK_REPLICAS"}) {
+    SCOPED_TRACE(name);
+    const pcpkv::EnvVar* var = pcpkv::find_env_var(name);
+    ASSERT_NE(var, nullptr);
+    EXPECT_NE(std::string(var->meaning).find("any other value is refused"), std::string::npos) << var->meaning;
+    ::unsetenv(name);
+    EXPECT_FALSE(pcpkv::read_env_switch(name));
+    ::setenv(name, "1", 1);
+    EXPECT_TRUE(pcpkv::read_env_switch(name));
+    for (const char* off : {"0", ""}) {
+      ::setenv(name, off, 1);
+      EXPECT_FALSE(pcpkv::read_env_switch(name)) << "'" << off << "'";
+    }
+    for (const char* odd : {"yes", "true", "on", "2", " 1", "1 ", "01"}) {
+      ::setenv(name, odd, 1);
+      try {
+        (void)pcpkv::read_env_switch(name);
+        ADD_FAILURE() << "'" << odd << "' was accepted";
+      } catch (const pcpkv::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string(name) + ": must be 1 (on) or 0 / empty / unset (off), got '" +
+                                             odd + "'"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+    ::unsetenv(name);
+  }
+}
+
 TEST(EnvRegistry, InfoListsEveryVariable) {
   ScratchDir dir;
   ::setenv("PCPKV_DISPATCH_VARIANT", "simple", 1);

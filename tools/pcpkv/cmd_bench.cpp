@@ -3,7 +3,8 @@
 // bytes, GB/s, fraction of the device-to-device copy bandwidth of the same run, time over its byte floor,
 // speedup over collect, CUDA-graph replay time). --json FILE / --markdown FILE save the same.
 // Flags are checked first (bad input: exit code 2, naming the flag and value); then, built without CUDA or
-// run without a GPU, it says so and exits with 2.
+// run without a GPU, it says so and exits with 2. A replica-check row that fails gives exit code 1, after the
+// report and its files are written (bench_exit_code).
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -517,6 +518,10 @@ void run(const BenchArgs& a, const CheckedBench& c, const std::string& command) 
   const cuda::BenchReport rep =
       cuda::run_bench(o, [](const std::string& line) { std::fprintf(stderr, "pcpkv bench: %s\n", line.c_str()); });
   report(rep, a, command);
+  // After the tables and the files: a failed replica-check row fails the run (exit code 1).
+  std::string failed;
+  if (const int code = cuda::bench_exit_code(rep, &failed); code != 0)
+    throw CLI::RuntimeError(fmt::format("replica check failed: {}", failed), code);
 }
 
 #else  // !PCPKV_HAVE_CUDA

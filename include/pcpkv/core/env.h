@@ -29,4 +29,10 @@ const EnvVar* find_env_var(std::string_view name);
 /// read unchecked.
 const char* read_env(const char* name);
 
+/// A PCPKV_* on/off switch, read through read_env: true for "1", false when unset, empty or "0". Any other value
+/// throws pcpkv::Error naming the variable and the value ("PCPKV_PDL: must be 1 (on) or 0 / empty / unset (off),
+/// got 'yes'"): a typo must not turn a switch off silently. The one rule of every switch (PCPKV_CHECK_REPLICAS,
+/// PCPKV_PDL).
+bool read_env_switch(const char* name);
+
 }  // namespace pcpkv

@@ -14,9 +14,9 @@
 //     completed, so a chain never overlaps more than two kernels.
 // Both device calls are no-ops when the kernel was launched without the attribute (and before sm_90).
 //
-// The switch: pdl::enabled() is off by default and on when PCPKV_PDL=1 is in the environment;
-// set_enabled() overrides it for the process. pcpkv's launchers take an explicit bool; engines pass
-// pdl::enabled().
+// The switch: pdl::enabled() is off by default and on when PCPKV_PDL=1 is in the environment (0 or empty: off;
+// any other value is refused: read_env_switch of pcpkv/core/env.h); set_enabled() overrides it for the process.
+// pcpkv's launchers take an explicit bool; engines pass pdl::enabled().
 //
 // The host part needs no CUDA headers; the launch helper and the device calls exist only under nvcc.
 #pragma once
@@ -27,7 +27,8 @@
 
 namespace pcpkv::pdl {
 
-/// Whether PDL launches are on for this process (PCPKV_PDL=1, or set_enabled(true)).
+/// Whether PDL launches are on for this process (PCPKV_PDL=1, or set_enabled(true)). Throws pcpkv::Error naming
+/// PCPKV_PDL and its value when it is set to anything but 1, 0 or empty (and set_enabled was not called).
 bool enabled();
 /// Overrides the environment for the rest of the process.
 void set_enabled(bool on);

@@ -159,4 +159,9 @@ struct BenchReport {
 /// Throws pcpkv::Error on bad options or when no device is usable.
 BenchReport run_bench(const BenchOptions& options, const std::function<void(const std::string&)>& progress = {});
 
+/// `pcpkv bench`'s exit code for `report`: 1 (a verification check failed, README's exit codes) when a
+/// replica-check row failed, else 0. `why` (may be null) gets one clause per failed row, "glm-5 PCP 8 fp8_ds_mla:
+/// <the check's detail>", joined by "; ". Host code in every build (bench/bench_exit_code.cpp).
+int bench_exit_code(const BenchReport& report, std::string* why = nullptr);
+
 }  // namespace pcpkv::cuda

@@ -21,8 +21,9 @@ namespace pcpkv {
 
 class Bootstrap;
 
-/// PCPKV_CHECK_REPLICAS: true for "1", false when unset, empty or "0". Throws pcpkv::Error naming the variable
-/// and its value for anything else (a typo must not switch a debug check off silently).
+/// PCPKV_CHECK_REPLICAS (read_env_switch of pcpkv/core/env.h): true for "1", false when unset, empty or "0".
+/// Throws pcpkv::Error naming the variable and its value for anything else (a typo must not switch a debug check
+/// off silently).
 bool replica_check_from_env();
 
 /// Bytes one slot hashes: mla_row_bytes(fmt.kv_format), plus 128 + 4 (indexer data and scale) on an indexer layer.

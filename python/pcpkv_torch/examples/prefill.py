@@ -226,11 +226,13 @@ def hf_check(model, make, ids, args, device) -> bool:
 
 def run_cli(entry, who: str = "") -> int:
     """Runs entry(); refused input (ValueError, exit 2) or a failed run (RuntimeError, MemoryError, exit 3) is
-    one line "pcpkv: error: <who><message>" on stderr, no traceback. Shared by the examples."""
+    one line "pcpkv: error: <who><message>" on stderr, no traceback. Shared by the examples. The "pcpkv: " the
+    extension puts before a library error (csrc/common.h translate_errors) is dropped: the line has one prefix
+    ("pcpkv: error: rank 0: rope: ...", not "pcpkv: error: rank 0: pcpkv: rope: ...")."""
     try:
         return entry()
     except (ValueError, RuntimeError, MemoryError) as e:
-        print(f"pcpkv: error: {who}{e}", file=sys.stderr)
+        print(f"pcpkv: error: {who}{str(e).removeprefix('pcpkv: ')}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 3
 
 
