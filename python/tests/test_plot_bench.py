@@ -169,3 +169,22 @@ def test_bad_markdown_names_the_table(tmp_path, edit, field):
     r = run(p)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert field in r.stderr, r.stderr
+
+
+RESULTS_MD_TAIL = os.path.join(os.path.dirname(SCRIPT), "..", "docs", "results", "2026-12-02e-h200",
+                               "dispatch_cs_ab", "m_tail_1.md")
+
+
+def test_reads_a_tail_fill_markdown_with_replica_check_rows():
+    """A run of 2026-12-02 (--topk-fill tail): its replica-check stage rows, counted in no transport total, are
+    not a transport's stages, and a single-rank fill column of "fused, tail" is a fused fill."""
+    with open(RESULTS_MD_TAIL, encoding="utf-8") as f:
+        text = f.read()
+    assert "| replica-check |" in text and "| fused, tail |" in text  # what this test is about
+    doc = read_markdown(text)
+    runs = {(r["model"], r["transport"]): r for r in doc["runs"]}
+    assert len(doc["runs"]) == 6 and len(runs) == 6
+    assert [s["name"] for s in runs[("glm-5", "direct")]["stages"]] == ["dispatch", "fence"]
+    assert all(s["name"] != "replica-check" for r in doc["runs"] for s in r["stages"])
+    assert [(s["tokens"], s["fused_topk"]) for s in doc["single_rank"]] == [
+        (4096, True), (4096, False), (32768, True), (32768, False)]
