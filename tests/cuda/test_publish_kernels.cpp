@@ -495,43 +495,58 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
   tc.fmt = cc.fmt;
   tc.num_targets = 2;
   tc.misalign = cc.misalign;
-  Targets combine_tg(tc, num_slots), insert_tg(tc, num_slots);
+  Targets insert_tg(tc, num_slots);
 
   // Combine: random transport rows (every byte random: a pure copy must move them unchanged).
   const TransportRowLayout layout = transport_row_layout(cc.fmt);
   std::vector<uint8_t> rows(static_cast<size_t>(N * layout.row_bytes));
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<uint8_t>(test::hash64(5, i));
   DeviceBuffer d_rows = upload(rows);
-  std::vector<CombineParams> dev_jobs;
-  for (int d = 0; d < tc.num_targets; ++d) {
-    CombineParams p;
-    p.rows = rows.data();
-    p.num_src_ranks = W;
-    p.max_local_tokens = M;
-    p.row_bytes = layout.row_bytes;
-    p.slot_mapping = slots.data();
-    p.fmt = cc.fmt;
-    p.target = combine_tg.host[static_cast<size_t>(d)];
-    combine_reference(p);
-    p.rows = d_rows.data();
-    p.slot_mapping = d_slots.as<const int64_t>();
-    p.target = combine_tg.dev_view[static_cast<size_t>(d)];
-    dev_jobs.push_back(p);
+  // Slot mappings: strided (above); a prefill's consecutive slots from 0 (the batched kernels store a batch's
+  // indexer scales at once); consecutive from 2 with each rank's last row padding (batches that start off a
+  // multiple of their size or hold a -1 keep the per-row stores).
+  std::vector<int64_t> prefill(static_cast<size_t>(N)), shifted(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) {
+    prefill[static_cast<size_t>(i)] = i;
+    shifted[static_cast<size_t>(i)] = i % M == M - 1 ? -1 : i + 2;
   }
-  // Every combine kernel (rows per warp 1, 2, 4; 123 rows per job: batches cross job boundaries and the
-  // last batch is partial), each on re-poisoned targets.
-  for (int rows_per_warp : {1, 2, 4}) {
-    SCOPED_TRACE(fmt::format("combine rows_per_warp {}", rows_per_warp));
-    for (Mirror& m : combine_tg.mla) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
-    for (Mirror& m : combine_tg.idx) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
-    cuda_detail::launch_combine(dev_jobs.data(), static_cast<int>(dev_jobs.size()), nullptr, rows_per_warp);
-    PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::pair<const char*, const std::vector<int64_t>*> patterns[] = {
+      {"strided", &slots}, {"prefill", &prefill}, {"shifted", &shifted}};
+  for (const auto& [pattern, combine_slots] : patterns) {
+    SCOPED_TRACE(fmt::format("combine slots {}", pattern));
+    Targets combine_tg(tc, num_slots);
+    DeviceBuffer d_combine_slots = upload(*combine_slots);
+    std::vector<CombineParams> dev_jobs;
     for (int d = 0; d < tc.num_targets; ++d) {
-      EXPECT_TRUE(same(combine_tg.mla[static_cast<size_t>(d)], fmt::format("combine target {} mla", d)));
-      EXPECT_TRUE(same(combine_tg.idx[static_cast<size_t>(d)], fmt::format("combine target {} indexer", d)));
+      CombineParams p;
+      p.rows = rows.data();
+      p.num_src_ranks = W;
+      p.max_local_tokens = M;
+      p.row_bytes = layout.row_bytes;
+      p.slot_mapping = combine_slots->data();
+      p.fmt = cc.fmt;
+      p.target = combine_tg.host[static_cast<size_t>(d)];
+      combine_reference(p);
+      p.rows = d_rows.data();
+      p.slot_mapping = d_combine_slots.as<const int64_t>();
+      p.target = combine_tg.dev_view[static_cast<size_t>(d)];
+      dev_jobs.push_back(p);
     }
+    // Every combine kernel (rows per warp 1, 2, 4; 123 rows per job: batches cross job boundaries and the
+    // last batch is partial), each on re-poisoned targets.
+    for (int rows_per_warp : {1, 2, 4}) {
+      SCOPED_TRACE(fmt::format("combine rows_per_warp {}", rows_per_warp));
+      for (Mirror& m : combine_tg.mla) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
+      for (Mirror& m : combine_tg.idx) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
+      cuda_detail::launch_combine(dev_jobs.data(), static_cast<int>(dev_jobs.size()), nullptr, rows_per_warp);
+      PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
+      for (int d = 0; d < tc.num_targets; ++d) {
+        EXPECT_TRUE(same(combine_tg.mla[static_cast<size_t>(d)], fmt::format("combine target {} mla", d)));
+        EXPECT_TRUE(same(combine_tg.idx[static_cast<size_t>(d)], fmt::format("combine target {} indexer", d)));
+      }
+    }
+    EXPECT_THROW(cuda_detail::launch_combine(dev_jobs.data(), 1, nullptr, 3), Error);
   }
-  EXPECT_THROW(cuda_detail::launch_combine(dev_jobs.data(), 1, nullptr, 3), Error);
 
   // Insert: random bf16 rows with outliers (and a few non-finite values).
   std::vector<uint16_t> kv = test::random_bf16(N, 512, 21), kpe = test::random_bf16(N, 64, 22, 2, 3.0),

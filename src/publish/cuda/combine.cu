@@ -129,6 +129,13 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
         if (a.has_indexer && lane == 31) scale[r] = __ldcs(reinterpret_cast<const uint32_t*>(row + a.index_scale_offset));
       }
     }
+    // The batch's scales in one store when its kRows slots are consecutive, of one job and start at a multiple
+    // of kRows (a prefill's rows): they are then adjacent and 4 * kRows-byte aligned in one indexer block's
+    // scale region, and one store replaces kRows partial-sector ones (docs/perf.md section 28).
+    bool scales_packed = kRows > 1 && a.has_indexer && a.store_align >= 4 * kRows && slot[0] >= 0 &&
+                         (slot[0] & (kRows - 1)) == 0 && a.j[jn[0]].index_block_mask >= kRows - 1;
+#pragma unroll
+    for (int r = 1; r < kRows; ++r) scales_packed = scales_packed && slot[r] == slot[0] + r && jn[r] == jn[0];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (slot[r] < 0) continue;  // uniform across the warp
@@ -152,7 +159,15 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
           }
         }
       }
-      if (a.has_indexer && lane == 31) store_bytes<4>(iblock + j.index_scale_base + ioff * 4, &scale[r], a.store_align);
+      if (a.has_indexer && lane == 31 && !scales_packed)
+        store_bytes<4>(iblock + j.index_scale_base + ioff * 4, &scale[r], a.store_align);
+    }
+    if (scales_packed && lane == 31) {
+      const CombineJobArgs& j = a.j[jn[0]];
+      const int64_t sl = slot[0];
+      uint8_t* dst = j.index_base + (sl >> j.index_block_shift) * j.index_block_stride + j.index_scale_base +
+                     (sl & j.index_block_mask) * 4;
+      store_bytes<4 * kRows>(dst, scale, 4 * kRows);
     }
   }
 }
