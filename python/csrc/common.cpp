@@ -35,28 +35,32 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarTy
   check_dense(t, name, {n}, dtype, device);
 }
 
+ByteRange byte_range(const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0 || t.const_data_ptr() == nullptr) return {};
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return {t.device(), lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<ByteRange>& writes,
+                                                       const std::vector<ByteRange>& reads, bool writes_pairwise) {
+  const size_t n = writes.size() + reads.size();
+  for (size_t i = 0; i < writes.size(); ++i)
+    for (size_t j = writes_pairwise ? i + 1 : writes.size(); j < n; ++j) {
+      const ByteRange &a = writes[i], &b = j < writes.size() ? writes[j] : reads[j - writes.size()];
+      if (a.lo < a.hi && b.lo < b.hi && a.device == b.device && a.lo < b.hi && b.lo < a.hi)
+        return std::make_pair(i, j);
+    }
+  return std::nullopt;
+}
+
 std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& writes,
                                                        const std::vector<at::Tensor>& reads, bool writes_pairwise) {
-  struct Span {
-    c10::Device device;
-    uintptr_t lo, hi;  // lo == hi: no memory
-  };
-  auto span = [](const at::Tensor& t) {
-    if (!t.defined() || t.numel() == 0 || t.const_data_ptr() == nullptr) return Span{c10::Device(c10::kCPU), 0, 0};
-    int64_t last = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-    return Span{t.device(), lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())};
-  };
-  std::vector<Span> s;
-  for (const auto* list : {&writes, &reads})
-    for (const at::Tensor& t : *list) s.push_back(span(t));
-  for (size_t i = 0; i < writes.size(); ++i)
-    for (size_t j = writes_pairwise ? i + 1 : writes.size(); j < s.size(); ++j)
-      if (s[i].lo < s[i].hi && s[j].lo < s[j].hi && s[i].device == s[j].device && s[i].lo < s[j].hi &&
-          s[j].lo < s[i].hi)
-        return std::make_pair(i, j);
-  return std::nullopt;
+  std::vector<ByteRange> w, r;
+  for (const at::Tensor& t : writes) w.push_back(byte_range(t));
+  for (const at::Tensor& t : reads) r.push_back(byte_range(t));
+  return first_overlap(w, r, writes_pairwise);
 }
 
 namespace {
@@ -76,6 +80,12 @@ void refuse_overlap(const char* op, const Named& writes, const Named& reads, boo
   TORCH_CHECK_VALUE(false, op, ": ", a, " (", describe(ta), ") shares memory with ", b, " (", describe(tb),
                     "): an output must not overlap an input or another output (rows are read and written in any "
                     "order)");
+}
+
+// The caches a combine / insert writes (target_of checked them; the index cache only on a layer with an indexer).
+Named written_caches(const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                     const pcpkv::CacheFormat& fmt) {
+  return {{"mla_cache", mla_cache}, {"index_cache", fmt.has_indexer ? *index_cache : at::Tensor()}};
 }
 
 }  // namespace
@@ -311,6 +321,10 @@ pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tenso
   p.row_bytes = rows.size(2);
   check_vector(slot_mapping, "combine: slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  // Rows are copied in any order (on the GPU by many blocks at once): a cache overlapping the rows, the slots or
+  // the other cache would read or clobber bytes another row writes.
+  refuse_overlap("combine", written_caches(mla_cache, index_cache, p.fmt),
+                 {{"rows", rows}, {"slot_mapping", slot_mapping}}, true);
   return p;
 }
 
@@ -334,6 +348,11 @@ pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor&
     check_dense(*index_k, "insert: index_k", {T, 128}, at::kBFloat16, dev);
     p.index_k = static_cast<const uint16_t*>(index_k->data_ptr());
   }
+  // As in combine: rows are quantized and stored in any order, so no cache may overlap an input or the other cache.
+  refuse_overlap("insert", written_caches(mla_cache, index_cache, p.fmt),
+                 {{"kv_c", kv_c}, {"k_pe", k_pe}, {"index_k", index_k.value_or(at::Tensor())},
+                  {"slot_mapping", slot_mapping}},
+                 true);
   return p;
 }
 

@@ -43,12 +43,23 @@ void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, a
 /// A 1-d contiguous tensor of n elements of `dtype` on `device`.
 void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device);
 
-/// The first pair of tensors whose elements share memory: (i, j) indexes writes ++ reads, i into writes and j either
-/// into writes (j > i, only when writes_pairwise) or past it into reads. A tensor's bytes are its extent
-/// [data_ptr, data_ptr + (1 + sum((size - 1) * stride)) * itemsize): two interleaved views of one buffer count as
-/// overlapping. Compares addresses, not storages (from_blob views of one buffer are two storages); undefined,
-/// empty and storage-less (meta) tensors overlap nothing, tensors on two devices never. Pairs within reads are
-/// not compared (inputs may share memory, e.g. splits of one projection).
+/// Bytes [lo, hi) of memory on `device`; lo == hi: no memory (overlaps nothing).
+struct ByteRange {
+  c10::Device device = c10::Device(c10::kCPU);
+  uintptr_t lo = 0, hi = 0;
+};
+/// A tensor's extent [data_ptr, data_ptr + (1 + sum((size - 1) * stride)) * itemsize) on its device: two
+/// interleaved views of one buffer overlap. Undefined, empty and storage-less (meta) tensors: no memory.
+ByteRange byte_range(const at::Tensor& t);
+
+/// The first pair of ranges sharing a byte: (i, j) indexes writes ++ reads, i into writes and j either into writes
+/// (j > i, only when writes_pairwise) or past it into reads. Ranges on two devices never overlap. Pairs within
+/// reads are not compared (inputs may share memory, e.g. splits of one projection). The one overlap contract of
+/// the ops and of the Python tables (torch.ops.pcpkv.first_overlap / first_range_overlap).
+std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<ByteRange>& writes,
+                                                       const std::vector<ByteRange>& reads, bool writes_pairwise);
+/// The same over the tensors' byte_range: compares addresses, not storages (from_blob views of one buffer are two
+/// storages).
 std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& writes,
                                                        const std::vector<at::Tensor>& reads, bool writes_pairwise);
 

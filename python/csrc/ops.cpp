@@ -351,11 +351,30 @@ at::Tensor replica_hash_weights(int64_t n) {
   return w;
 }
 
-// first_overlap (csrc/common.h) for the Python entry points that name their own arguments: [] or [i, j].
-std::vector<int64_t> first_overlap_op(at::TensorList writes, at::TensorList reads, bool writes_pairwise) {
-  const auto hit = first_overlap(writes.vec(), reads.vec(), writes_pairwise);
+static std::vector<int64_t> as_list(const std::optional<std::pair<size_t, size_t>>& hit) {
   if (!hit) return {};
   return {static_cast<int64_t>(hit->first), static_cast<int64_t>(hit->second)};
+}
+
+// first_overlap (csrc/common.h) for the Python entry points that name their own arguments: [] or [i, j].
+std::vector<int64_t> first_overlap_op(at::TensorList writes, at::TensorList reads, bool writes_pairwise) {
+  return as_list(first_overlap(writes.vec(), reads.vec(), writes_pairwise));
+}
+
+// first_overlap of the entries of one pointer table (Python's CacheTargets / RowDests constructors): entry i spans
+// [ptrs[i], ptrs[i] + sizes[i]) of the table's one address space; every pair is compared. [] or [i, j].
+std::vector<int64_t> first_range_overlap(const at::Tensor& ptrs, at::IntArrayRef sizes) {
+  const std::vector<uint8_t*> p = read_pointer_table(ptrs, "first_range_overlap: ptrs");
+  TORCH_CHECK_VALUE(sizes.size() == p.size(), "first_range_overlap: ", p.size(), " pointers but ", sizes.size(),
+                    " sizes");
+  std::vector<ByteRange> r(p.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    TORCH_CHECK_VALUE(sizes[i] >= 0, "first_range_overlap: sizes[", i, "] = ", sizes[i], " is negative");
+    const auto lo = reinterpret_cast<uintptr_t>(p[i]), n = static_cast<uintptr_t>(sizes[i]);
+    r[i].lo = lo;
+    r[i].hi = n > UINTPTR_MAX - lo ? UINTPTR_MAX : lo + n;  // not wrapped to below lo: it still covers its bytes
+  }
+  return as_list(first_overlap(r, {}, true));
 }
 
 TORCH_LIBRARY(pcpkv, m) {
@@ -364,6 +383,7 @@ TORCH_LIBRARY(pcpkv, m) {
         &rope_table);
   m.def("replica_hash_weights(int n) -> Tensor", &replica_hash_weights);
   m.def("first_overlap(Tensor[] writes, Tensor[] reads, bool writes_pairwise) -> int[]", &first_overlap_op);
+  m.def("first_range_overlap(Tensor ptrs, int[] sizes) -> int[]", &first_range_overlap);
   m.def("make_plan(int pcp_world, int block_size, int[] is_decode, int[] num_new_tokens, int[] context_lens, "
         "int extra_blocks, bool reserve_null_block, bool shuffle_blocks, int seed, str local_order=\"request\", "
         "str decode_ownership=\"replicated\") -> (Tensor positions, "

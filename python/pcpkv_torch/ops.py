@@ -121,7 +121,8 @@ def combine(rows: Tensor, slot_mapping: Tensor, mla_cache: Tensor, index_cache: 
     slot_mapping[i] >= 0 (int64 [num_src_ranks * max_local_tokens], the plan's gathered_slot_mapping) is
     copied byte for byte into mla_cache uint8 [num_blocks, block_size, fmt.mla_row_bytes] and, with an
     indexer, index_cache uint8 [num_blocks, block_size, 132]. Raises ValueError on a bad argument (CPU: also a
-    slot out of range or repeated)."""
+    slot out of range or repeated), and, naming both, when a cache shares memory with rows, slot_mapping or the
+    other cache (by address range; checked before anything is written, on every device)."""
     torch.ops.pcpkv.combine(rows, slot_mapping, mla_cache, index_cache, fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale,
                             fmt.has_indexer)
 
@@ -131,7 +132,8 @@ def insert(kv_c: Tensor, k_pe: Tensor, index_k: Optional[Tensor], slot_mapping: 
     """Collect path (SPEC section 5): quantize-and-insert gathered bf16 rows kv_c [N, 512], k_pe [N, 64],
     index_k [N, 128] (None when the layer has no indexer; fmt.has_indexer must agree), contiguous, with
     slot_mapping int64 [N], into the caches (shapes as in combine). Quantizes from the bf16 values, so the
-    bytes differ from the fused path's (each has its own CPU reference). Raises ValueError on a bad argument."""
+    bytes differ from the fused path's (each has its own CPU reference). Raises ValueError on a bad argument, and,
+    naming both, when a cache shares memory with an input or the other cache (as combine)."""
     if (index_k is not None) != fmt.has_indexer:
         raise ValueError(f"insert: index_k is {'given' if index_k is not None else 'missing'} but "
                          f"fmt.has_indexer = {fmt.has_indexer}")

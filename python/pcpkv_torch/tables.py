@@ -56,6 +56,16 @@ def first_overlap(writes: Sequence[tuple], reads: Sequence[tuple] = ()):
     return (writes[hit[0]], (writes + reads)[hit[1]]) if hit else None
 
 
+def _refuse_overlapping(what: str, entries: Sequence[tuple]) -> None:
+    """ValueError naming the first two of `entries` ((name, address, size in bytes): the entries of one pointer
+    table) whose byte ranges overlap. The check is csrc's first_overlap on address ranges, the ops' own."""
+    hit = torch.ops.pcpkv.first_range_overlap(pointer_table([p for _, p, _ in entries]), [n for _, _, n in entries])
+    if hit:
+        (a, pa, na), (b, pb, nb) = entries[hit[0]], entries[hit[1]]
+        raise ValueError(f"{what}: {a} = {pa:#x} ({na} B) overlaps {b} = {pb:#x} ({nb} B): every entry is written "
+                         "through, so no two may share memory")
+
+
 def _mla_geometry(cache, fmt: CacheFormat, name: str) -> tuple:
     """(num_blocks, block_size, row_stride, block_stride) in bytes that a dispatch writes through for an MLA
     cache uint8 [num_blocks, block_size, fmt.mla_row_bytes] (unit inner stride, rows and blocks not
@@ -137,7 +147,8 @@ class CacheTargets:
         the memory at every address must be at least that large (pcpkv cannot check a raw address). The table
         lives on `device` (default: like_mla's), which must be of like_mla's device type.
         Raises ValueError naming the argument when a geometry cannot hold fmt's rows, the two caches' blocks
-        differ, a pointer list is empty, has a null entry or the wrong length, or the devices disagree."""
+        differ, a pointer list is empty, has a null entry or the wrong length, the devices disagree, or two
+        replicas (of those sizes at those addresses, MLA and indexer caches alike) overlap, naming both."""
         if not isinstance(fmt, CacheFormat):
             raise ValueError(f"CacheTargets: fmt must be a CacheFormat, got {type(fmt).__name__}")
         mla_ptrs = _pointers(mla_ptrs, "CacheTargets: mla_ptrs")
@@ -162,6 +173,11 @@ class CacheTargets:
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.device.type != device.type:
                 raise ValueError(f"CacheTargets: tensors[{i}] ({_describe(t)}) is not a tensor on {device.type}")
+        # the bytes a dispatch writes through each record (the geometry's last slot ends there)
+        mla_bytes = (mla[0] - 1) * mla[3] + (mla[1] - 1) * mla[2] + fmt.mla_row_bytes
+        idx_bytes = (mla[0] - 1) * idx_stride + mla[1] * 132
+        _refuse_overlapping("CacheTargets", [(f"mla_ptrs[{i}]", p, mla_bytes) for i, p in enumerate(mla_ptrs)] +
+                            [(f"index_ptrs[{i}]", p, idx_bytes) for i, p in enumerate(idx_ptrs)])
         host = torch.ops.pcpkv.make_cache_targets(
             pointer_table(mla_ptrs), pointer_table(idx_ptrs), mla[0], mla[1], mla[2], mla[3], idx_stride,
             fmt.kv_format, fmt.has_indexer)
@@ -236,12 +252,15 @@ class RowDests:
         """Destinations at raw addresses (e.g. peer_pointers() of a symmetric staging buffer) for a dispatch
         on `device`; give row_bytes / max_rows of the slots so that dispatch can check a call against them
         (each address must then hold max_rows * row_bytes bytes; without them nothing can be checked).
-        Raises ValueError naming the argument for an empty list, a null address, or a row_bytes / max_rows
-        that is not a positive integer."""
+        Raises ValueError naming the argument for an empty list, a null address, a row_bytes / max_rows
+        that is not a positive integer, or two slots that overlap (each max_rows * row_bytes bytes, an unknown
+        factor counting as 1: without them only a repeated address is refused), naming both."""
         vals = _pointers(ptrs, "RowDests: ptrs")
         for name, v in (("row_bytes", row_bytes), ("max_rows", max_rows)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"RowDests: {name} = {v!r} must be a positive integer (or None)")
+        slot_bytes = (max_rows or 1) * (row_bytes or 1)  # every destination receives row 0 at least
+        _refuse_overlapping("RowDests", [(f"ptrs[{i}]", p, slot_bytes) for i, p in enumerate(vals)])
         device = torch.device(device)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.device.type != device.type:
@@ -254,8 +273,9 @@ class RowDests:
         """Rank src_rank's slot in every peer's staging workspace (uint8 [2, U, W, M, row_bytes], see
         allocate_staging): dests[d] = &staging[d][buffer, ubatch, src_rank, 0, 0]. Records row_bytes and M,
         so a dispatch whose rows do not fit is refused. Raises ValueError when staging is empty, a workspace
-        is not a contiguous uint8 5-d tensor, the workspaces differ in shape or device, or src_rank / buffer /
-        ubatch is out of range."""
+        is not a contiguous uint8 5-d tensor, the workspaces differ in shape or device, src_rank / buffer /
+        ubatch is out of range, or two of the slots overlap (e.g. one workspace listed twice: RowDests: ptrs[i]
+        is staging[i]'s slot)."""
         if isinstance(staging, torch.Tensor) or not staging:
             raise ValueError("staging: expected a non-empty list of staging workspaces (one per destination rank), "
                              f"got {_describe(staging) if isinstance(staging, torch.Tensor) else staging!r}")

@@ -177,6 +177,96 @@ def test_combine_insert_fence_errors_name_the_argument(device):
     assert int(w.fence_state.epochs.count_nonzero()) == 0, "a rejected fence advanced an epoch"
 
 
+def over(buf, like, offset=0):
+    """A tensor of like's dtype, shape and strides over the bytes of buf (uint8 [n]) from byte `offset`."""
+    v = buf[offset:offset + (buf.numel() - offset) // like.element_size() * like.element_size()].view(like.dtype)
+    return torch.as_strided(v, like.shape, like.stride(), v.storage_offset())
+
+
+def extent(t):
+    """Bytes from t's first to just past its last element (csrc/common.h byte_range)."""
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def end_to_end(*tensors):
+    """Contiguous copies of `tensors`, laid end to end in one buffer: each ends exactly where the next begins."""
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    buf = torch.empty(sum(nbytes), dtype=torch.uint8, device=tensors[0].device)
+    views, at = [], 0
+    for t, n in zip(tensors, nbytes):
+        views.append(buf[at:at + n].view(t.dtype).view(t.shape))
+        views[-1].copy_(t)
+        at += n
+    for a, b in zip(views, views[1:]):
+        assert a.data_ptr() + extent(a) == b.data_ptr(), "the views must touch"
+    return views
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_insert_refuse_caches_sharing_memory(device):
+    """combine and insert read their inputs and write the caches row by row in any order: a cache sharing memory
+    with an input or with the other cache was accepted (what lands then depends on that order). Refused naming
+    both tensors, before anything is written; views of one buffer that only touch are accepted."""
+    plan = small_plan(2)
+    fmt = pk.CacheFormat("fp8_ds_mla")
+    w = World(plan, fmt, device, seed=5)
+    mla, idx, n = w.mla[0], w.idx[0], w.M
+    rows = w.staging[0][0, 0]
+    kv_c, k_pe, idx_k = (torch.ones(n, d, dtype=torch.bfloat16, device=w.device) for d in (512, 64, 128))
+    slots = w.local[0]["slot_mapping"]
+    # One buffer with a non-zero pattern behind the overlapping tensors: a write would change it.
+    buf = (torch.arange(extent(mla) + extent(rows) + 4096, device=w.device) % 251 + 1).to(torch.uint8)
+    shared_mla = over(buf, mla)
+    # slot mappings inside a cache hold real slots: without the check the call would write
+    shared_gathered, shared_slots = over(buf, w.gathered, 8), over(buf, slots, extent(mla) - 8)
+    shared_gathered.copy_(w.gathered)
+    shared_slots.copy_(slots)
+    before = buf.clone()
+    cases = {
+        "combine: mla_cache .* index_cache": lambda: pk.combine(rows, w.gathered, shared_mla, over(buf, idx, 4096),
+                                                                 fmt=fmt),
+        # the last byte of the last slot is the first byte of rows
+        "combine: mla_cache .* rows": lambda: pk.combine(over(buf, rows, extent(mla) - 1), w.gathered, shared_mla,
+                                                         idx, fmt=fmt),
+        "combine: index_cache .* slot_mapping": lambda: pk.combine(rows, shared_gathered, mla,
+                                                                   over(buf, idx), fmt=fmt),
+        "insert: mla_cache .* index_cache": lambda: pk.insert(kv_c, k_pe, idx_k, slots, shared_mla,
+                                                              over(buf, idx, extent(mla) - 132), fmt=fmt),
+        "insert: mla_cache .* kv_c": lambda: pk.insert(over(buf, kv_c, 1024), k_pe, idx_k, slots, shared_mla, idx,
+                                                       fmt=fmt),
+        "insert: index_cache .* index_k": lambda: pk.insert(kv_c, k_pe, over(buf, idx_k, 256), slots, mla,
+                                                            over(buf, idx), fmt=fmt),
+        "insert: mla_cache .* slot_mapping": lambda: pk.insert(kv_c, k_pe, idx_k, shared_slots, shared_mla, idx,
+                                                               fmt=fmt),
+    }
+    for names, call in cases.items():
+        a, b = names.split(" .* ")
+        with pytest.raises(ValueError, match=rf"{a} \(.*\) shares memory with {b} \("):
+            call()
+        if w.device.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(buf, before), f"{names}: the shared buffer was written"
+        assert_nothing_written(w, names)
+
+    # Adjacent views: inputs ending where a cache begins, the two caches end to end. Each call must be accepted and
+    # write what it writes into separate tensors.
+    for r in range(w.W):
+        w.dispatch(r, row_dests=w.dests[r])
+    pk.fence(w.fence_state, 0, written=w.staging)
+    rows_a, mla_a, idx_a, slots_a = end_to_end(rows, mla, idx, w.gathered)
+    pk.combine(rows_a, slots_a, mla_a, idx_a, fmt=fmt)
+    pk.combine(rows, w.gathered, mla, idx, fmt=fmt)
+    assert bool((mla != GUARD).any()) and bool((idx != GUARD).any()), "combine wrote nothing to compare"
+    assert torch.equal(mla_a, mla) and torch.equal(idx_a, idx), "combine over adjacent views"
+    w.poison()
+    loc = w.local[0]
+    kv_a, mla_a, idx_a, k_pe_a, idx_k_a, slots_a = end_to_end(loc["kv"], mla, idx, loc["k_pe"], loc["index_k"], slots)
+    pk.insert(kv_a, k_pe_a, idx_k_a, slots_a, mla_a, idx_a, fmt=fmt)
+    pk.insert(loc["kv"], loc["k_pe"], loc["index_k"], slots, mla, idx, fmt=fmt)
+    assert bool((mla != GUARD).any()) and bool((idx != GUARD).any()), "insert wrote nothing to compare"
+    assert torch.equal(mla_a, mla) and torch.equal(idx_a, idx), "insert over adjacent views"
+
+
 def test_plan_refuses_positions_past_the_model():
     # DeepSeek-V3.2: max_position_embeddings 163840 (its HF config); positions 0..163839 are the model's.
     reqs = [pk.Request(200000), pk.Request(1, 9, decode=True)]

@@ -1,6 +1,8 @@
 """Layout helpers and pointer tables: cache views and dequantization on hand-made bytes, staging/peer tables
 from tensors and from symmetric-memory handles (duck-typed: PyTorch's ``buffer_ptrs``, pcpkv's ``ptrs``)."""
 
+import re
+
 import pytest
 
 from helpers import pk, torch
@@ -164,6 +166,13 @@ def test_from_pointers_row_dests_and_fence_state_check_what_they_record():
     with pytest.raises(ValueError, match="row_bytes"):
         pk.RowDests.from_pointers([staging[0].data_ptr()], "cpu", row_bytes=0)
 
+    # the ranges of one pointer table: a range past the top of the address space still covers its end
+    assert torch.ops.pcpkv.first_range_overlap(pk.pointer_table([2 ** 64 - 8, 2 ** 64 - 4]), [100, 1]) == [0, 1]
+    with pytest.raises(ValueError, match="2 pointers but 1 sizes"):
+        torch.ops.pcpkv.first_range_overlap(pk.pointer_table([8, 16]), [8])
+    with pytest.raises(ValueError, match=r"sizes\[1\] = -1"):
+        torch.ops.pcpkv.first_range_overlap(pk.pointer_table([8, 16]), [8, -1])
+
     pads = pk.allocate_fence_pads(2, num_barriers=2)
     assert pk.FenceState.local(pads, num_barriers=2).world == 2
     with pytest.raises(ValueError, match="pads"):
@@ -183,3 +192,53 @@ def test_from_pointers_row_dests_and_fence_state_check_what_they_record():
         pk.FenceState([ptrs[0], ptrs[1] + 4], world=2)
     with pytest.raises(ValueError, match=r"pad_ptrs\[0\]"):
         pk.FenceState([0, ptrs[1]], world=2)
+
+
+def test_pointer_tables_refuse_overlapping_entries():
+    """CacheTargets.from_pointers / RowDests.from_pointers accepted entries whose bytes overlap (an address twice, an
+    address inside another replica): a dispatch writes every entry, so one would overwrite another's rows. Refused
+    naming both entries; entries that touch without overlapping are accepted."""
+    fmt = pk.CacheFormat("fp8_ds_mla")
+    like_mla = pk.allocate_mla_cache(3, 16, fmt.kv_format, row_pad=16, block_pad=64)
+    like_idx = pk.allocate_indexer_cache(3, 16, block_pad=32)
+    # the bytes a dispatch writes through one record: up to the last slot's end (not the last block's padding)
+    mla_bytes = 2 * like_mla.stride(0) + 15 * like_mla.stride(1) + 656
+    idx_bytes = 2 * like_idx.stride(0) + 16 * 132
+    buf = (torch.arange(2 * mla_bytes + 2 * idx_bytes) % 251 + 1).to(torch.uint8)  # poisoned, must stay so
+    before = buf.clone()
+    m0, i0 = buf.data_ptr(), buf.data_ptr() + 2 * mla_bytes
+
+    def targets(mla_ptrs, idx_ptrs):
+        return pk.CacheTargets.from_pointers(mla_ptrs, idx_ptrs, like_mla=like_mla, like_index=like_idx, fmt=fmt)
+
+    refused = [
+        ("mla_ptrs[0]", "mla_ptrs[1]", [m0, m0], [i0, i0 + idx_bytes]),                    # the same replica twice
+        ("mla_ptrs[0]", "mla_ptrs[1]", [m0, m0 + mla_bytes // 2], [i0, i0 + idx_bytes]),  # half a cache in
+        ("mla_ptrs[0]", "mla_ptrs[1]", [m0, m0 + mla_bytes - 1], [i0, i0 + idx_bytes]),   # one byte in common
+        ("index_ptrs[0]", "index_ptrs[1]", [m0, m0 + mla_bytes], [i0, i0 + idx_bytes - 4]),
+        ("mla_ptrs[1]", "index_ptrs[0]", [m0, m0 + mla_bytes], [m0 + 2 * mla_bytes - 132, i0 + idx_bytes]),
+    ]
+    for a, b, mp, ip in refused:
+        with pytest.raises(ValueError, match=rf"CacheTargets: {re.escape(a)} = .* overlaps {re.escape(b)} = "):
+            targets(mp, ip)
+    # end to end in one buffer: accepted
+    assert len(targets([m0, m0 + mla_bytes], [i0, i0 + idx_bytes])) == 2
+    # no indexer: index pointers are not recorded, so they cannot collide
+    no_idx = pk.CacheFormat("fp8_ds_mla", has_indexer=False)
+    assert len(pk.CacheTargets.from_pointers([m0, m0 + mla_bytes], None, like_mla=like_mla, like_index=None,
+                                             fmt=no_idx)) == 2
+
+    staging = pk.allocate_staging(2, 5, fmt, fill=0)
+    slot = 5 * fmt.row_bytes  # max_rows * row_bytes: a staging slot
+    p = staging.data_ptr()
+    with pytest.raises(ValueError, match=r"RowDests: ptrs\[0\] = .* overlaps ptrs\[1\] = "):
+        pk.RowDests.from_staging([staging, staging], 0)  # one workspace listed twice
+    with pytest.raises(ValueError, match=r"RowDests: ptrs\[1\] = .* overlaps ptrs\[2\] = "):
+        pk.RowDests.from_pointers([p, p + slot, p + 2 * slot - fmt.row_bytes], "cpu", row_bytes=fmt.row_bytes,
+                                  max_rows=5)
+    with pytest.raises(ValueError, match=r"RowDests: ptrs\[0\] = .* overlaps ptrs\[1\] = "):
+        pk.RowDests.from_pointers([p, p], "cpu")  # without the slot size: a repeated address still collides
+    assert len(pk.RowDests.from_pointers([p, p + slot, p + 2 * slot], "cpu", row_bytes=fmt.row_bytes, max_rows=5)) == 3
+    assert len(pk.RowDests.from_pointers([p, p + 1], "cpu")) == 2  # unknown sizes: only one byte is known
+    # a table constructor writes nothing; checked as for every refused call
+    assert torch.equal(buf, before) and int(staging.count_nonzero()) == 0
