@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "support/fork_ranks.h"
+#include "support/error_of.h"
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/core/error.h"
 
@@ -288,12 +289,7 @@ TEST(BootstrapEnv, MalformedValuesNameTheVariable) {
 }
 
 std::string env_error() {
-  try {
-    bootstrap_config_from_env();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
+  return test::error_of([] { bootstrap_config_from_env(); });
 }
 
 // WORLD_SIZE=2 without RANK (or RANK alone) ran silently as one process; MASTER_PORT=99999 was accepted.

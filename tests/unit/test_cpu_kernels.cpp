@@ -15,6 +15,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/rope.h"
 #include "support/bytes.h"
+#include "support/error_of.h"
 #include "support/guard.h"
 #include "support/random_bf16.h"
 
@@ -574,17 +575,7 @@ TEST(CpuKernels, StaticFp8DividesByTheScale) {
 
 // ---- bad parameters: pcpkv::Error naming the field, nothing written -------------------------------------
 
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const FenceTimeout&) {
-    return "unexpected FenceTimeout";
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 TEST(CpuKernels, BadParametersThrowBeforeWriting) {
   const CacheFormat f = make_fmt(KvFormat::kFp8DsMla);

@@ -3,9 +3,12 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
+
+using test::error_of;
 
 TEST(Layout, RowSizes) {
   EXPECT_EQ(mla_row_bytes(KvFormat::kBf16), 1152);
@@ -85,22 +88,14 @@ TEST(Layout, BadGeometries) {
 // overflow inside validate_geometry; now refused naming the fields, and the largest accepted cache addresses
 // its last row without overflow.
 TEST(Layout, HugeGeometriesRefusedWithoutOverflow) {
-  const auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   MlaCacheGeometry g{int64_t{1} << 62, 1 << 30, int64_t{1} << 40, int64_t{1} << 62};
-  EXPECT_EQ(message([&] { validate_geometry(g, KvFormat::kFp8DsMla); }),
+  EXPECT_EQ(error_of([&] { validate_geometry(g, KvFormat::kFp8DsMla); }),
             "mla cache: row_stride = 1099511627776 B times block_size = 1073741824 exceeds 281474976710656 B");
   g = dense_mla_geometry(KvFormat::kBf16, int64_t{1} << 40, 64);
-  EXPECT_EQ(message([&] { validate_geometry(g, KvFormat::kBf16); }),
+  EXPECT_EQ(error_of([&] { validate_geometry(g, KvFormat::kBf16); }),
             "mla cache: num_blocks = 1099511627776 times block_stride = 73728 B exceeds 281474976710656 B");
   IndexerCacheGeometry ig{int64_t{1} << 62, 64, int64_t{1} << 40};
-  EXPECT_EQ(message([&] { validate_geometry(ig); }),
+  EXPECT_EQ(error_of([&] { validate_geometry(ig); }),
             "indexer cache: num_blocks = 4611686018427387904 times block_stride = 1099511627776 B exceeds "
             "281474976710656 B");
   g = dense_mla_geometry(KvFormat::kFp8DsMla, kMaxCacheBytes / (64 * 656), 64);
