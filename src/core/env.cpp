@@ -21,7 +21,8 @@ std::vector<EnvVar> sorted(std::vector<EnvVar> v) {
 
 const std::vector<EnvVar>& env_registry() {
   static const std::vector<EnvVar> kRegistry = sorted({
-      {"PCPKV_ALLOW_NONLOCAL_MASTER", "1: accept a torchrun MASTER_ADDR that does not look like this host",
+      {"PCPKV_ALLOW_NONLOCAL_MASTER", "1: accept a torchrun MASTER_ADDR that does not look like this host; 0 or empty: "
+       "off; any other value is refused",
        "unset: MASTER_ADDR must be a loopback address, localhost or this host's name",
        "ranks (src/ranks/bootstrap.cpp)"},
       {"PCPKV_BOOTSTRAP", "path of rank 0's rendezvous socket (set by `pcpkv launch` for each rank)",
