@@ -41,8 +41,10 @@ const std::vector<EnvVar>& env_registry() {
        "CLI (tools/pcpkv/main.cpp)"},
       {"PCPKV_DEVICE", "GPU index every rank process uses, in [0, visible devices)",
        "unset: local rank % visible devices", "ranks (src/ranks/launcher.cpp)"},
-      {"PCPKV_DISPATCH_VARIANT", "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf",
-       "warp (any other value too)", "publish/cuda (src/publish/cuda/dispatch.cu)"},
+      {"PCPKV_DISPATCH_VARIANT",
+       "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf; any other non-empty value is "
+       "refused",
+       "unset or empty: warp", "publish/cuda (src/publish/cuda/dispatch.cu, src/publish/dispatch_variant.cpp)"},
       {"PCPKV_JOB_ID", "names a torchrun-style job (its token is derived from it)",
        "unset: the run id and the command line name the job", "ranks (src/ranks/bootstrap.cpp)"},
       {"PCPKV_JOB_TOKEN", "per-job token every rank presents (set by `pcpkv launch`; torchrun jobs may set it)",
