@@ -660,6 +660,10 @@ TEST(CpuKernels, BadCombineAndInsertThrowBeforeWriting) {
   b.slots[6] = -1;
   ip.fmt.k_scale = NAN;
   EXPECT_NE(error_of([&] { insert_reference(ip); }).find("fmt.k_scale = nan"), std::string::npos);
+  // A subnormal scale (x / 1e-45 is inf for every |x| > 2^-21) was accepted: scale_problem's rule.
+  ip.fmt.k_scale = 1e-45f;
+  EXPECT_NE(error_of([&] { insert_reference(ip); }).find("fmt.k_scale = 1e-45 must be a finite, positive, normal float32"),
+            std::string::npos);
   EXPECT_TRUE(b.mla.untouched("mla after bad combine/insert"));
   EXPECT_TRUE(b.idx.untouched("indexer after bad combine/insert"));
 }

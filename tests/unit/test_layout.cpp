@@ -1,6 +1,11 @@
 // Byte layouts (SPEC section 3): row sizes, offsets in 64 bits, strides, staging geometry.
 #include <gtest/gtest.h>
 
+#include <cfloat>
+#include <cmath>
+#include <optional>
+#include <string>
+
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"
 #include "support/error_of.h"
@@ -101,6 +106,26 @@ TEST(Layout, HugeGeometriesRefusedWithoutOverflow) {
   g = dense_mla_geometry(KvFormat::kFp8DsMla, kMaxCacheBytes / (64 * 656), 64);
   EXPECT_NO_THROW(validate_geometry(g, KvFormat::kFp8DsMla));
   EXPECT_LE(g.row_offset(g.num_slots() - 1) + 656, g.bytes());
+}
+
+// scale_problem: the normal float32 range, decided on the value given. Subnormal k_scales (1e-45, 1e-39) were
+// accepted by the C++ format checks (only 0, negatives and non-finite values were refused), so x / k_scale was inf
+// for every |x| > 2^-21.
+TEST(Layout, ScaleProblemAcceptsExactlyTheNormalFloat32Range) {
+  for (double ok : {static_cast<double>(FLT_MIN), 0.05, 1.0, 0.135234, 3.4e38, static_cast<double>(FLT_MAX)})
+    EXPECT_EQ(scale_problem(ok), std::nullopt) << ok;
+  const double below_min = std::nextafter(static_cast<double>(FLT_MIN), 0.0);  // rounds to FLT_MIN as a float
+  const double above_max = std::nextafter(static_cast<double>(FLT_MAX), 1e300);
+  for (double bad : {0.0, -0.0, -1.0, -static_cast<double>(FLT_MAX), 1e-45, 1e-39, 1e-300, below_min, above_max,
+                     1e39, 1e300, static_cast<double>(NAN), static_cast<double>(INFINITY),
+                     -static_cast<double>(INFINITY)}) {
+    const std::optional<std::string> why = scale_problem(bad);
+    ASSERT_TRUE(why.has_value()) << bad;
+    EXPECT_EQ(*why,
+              "must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as "
+              "1e-45, nan and inf are refused)")
+        << bad;
+  }
 }
 
 TEST(Layout, StagingGeometry) {
