@@ -49,6 +49,8 @@ CUDA_SOURCES = ("publish/cuda/combine.cu", "publish/cuda/insert.cu", "publish/cu
                 "consumers/cuda/sparse_mla_mma.cu", "consumers/cuda/lse_merge_kernels.cu")
 # Device symmetric memory of pcpkv_torch.distributed (csrc/symmetric_cuda.cpp): ranks/cuda/symmetric_vmm.cpp.
 CUDA_SOURCES += ("ranks/cuda/symmetric_vmm.cpp",)
+# dispatch*.cu's CUDA-free half: the variant names and the PCPKV_DISPATCH_VARIANT rule (dispatch_variant.h).
+CUDA_SOURCES += ("publish/dispatch_variant.cpp",)
 CUDA_SOURCES_IF_PRESENT = ("core/cuda/pdl_switch.cpp",)
 
 

@@ -284,7 +284,7 @@ ConsumerBenchResult bench_consumers(const ConsumerBenchConfig& cfg, const ModelC
   ap.fmt = fmt;
   ap.indices = d_topk.as<int32_t>();
   ap.topk = cfg.topk;
-  ap.softmax_scale = static_cast<float>(model.softmax_scale());
+  ap.softmax_scale = sparse_mla_softmax_scale(model.softmax_scale());
   ap.out = d_out.as<float>();
   ap.lse = d_lse.as<float>();
   const double att_flop = 2.0 * keys * Hq * (576.0 + 512.0);

@@ -96,13 +96,10 @@ pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& 
     pcpkv::CacheFormat f;
     f.kv_format = pcpkv::parse_kv_format(kv_format, "kv_format");
     f.ds_mla_scale = pcpkv::parse_ds_mla_scale(ds_mla_scale, "ds_mla_scale");
+    // pcpkv::scale_problem, the rule pcpkv_torch.model.scale_problem mirrors; checked before the float32 cast.
+    if (const auto why = pcpkv::scale_problem(k_scale)) PCPKV_FAIL("k_scale = {} {}", k_scale, *why);
     f.k_scale = static_cast<float>(k_scale);
     f.has_indexer = has_indexer;
-    // As CacheFormat (pcpkv_torch.model.scale_problem): x / a subnormal k_scale is inf for every |x| > 2^-21.
-    PCPKV_CHECK(std::isnormal(f.k_scale) && f.k_scale > 0.0f,
-                "k_scale = {} must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, "
-                "subnormals such as 1e-45, nan and inf are refused)",
-                k_scale);
     return f;
   });
 }

@@ -128,8 +128,8 @@ pcpkv::SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Ten
   check_dense(lse, "sparse_mla: lse", {T, H}, at::kFloat, dev);
   TORCH_CHECK_VALUE(mla_cache.defined() && mla_cache.device() == dev, "sparse_mla: mla_cache: expected a tensor on ",
                     dev, ", got ", describe(mla_cache));
-  TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0.0, "sparse_mla: softmax_scale = ",
-                    softmax_scale, " must be finite and > 0");
+  // The float32 the kernels read, checked as given (1e300 would become inf, 1e-50 zero).
+  const float scale = translate_errors([&] { return pcpkv::sparse_mla_softmax_scale(softmax_scale); });
   TORCH_CHECK_VALUE(scale_read == "fp32" || scale_read == "bf16", "sparse_mla: scale_read = '", scale_read,
                     "'; expected 'fp32' or 'bf16'");
   pcpkv::SparseMlaParams p;
@@ -141,7 +141,7 @@ pcpkv::SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Ten
   p.mla_cache = static_cast<const uint8_t*>(mla_cache.data_ptr());
   p.indices = indices.data_ptr<int32_t>();
   p.topk = static_cast<int32_t>(indices.size(1));
-  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softmax_scale = scale;
   p.scales_as_bf16 = scale_read == "bf16";
   p.out = out.data_ptr<float>();
   p.lse = lse.data_ptr<float>();

@@ -86,7 +86,8 @@ def sparse_mla(q: Tensor, mla_cache: Tensor, indices: Tensor, *, fmt: CacheForma
     Inputs: q bfloat16 [T, H, 576] (q_nope absorbed by W_UK | q_pe), contiguous; mla_cache uint8
     [num_blocks, block_size, fmt.mla_row_bytes] (allocate_mla_cache, padded strides ok) in fmt.kv_format
     (fmt.k_scale read for "fp8"; fmt.has_indexer ignored); indices int32 [T, K] (K >= 1, cache slots, the
-    indexer's output); softmax_scale > 0 (ModelSpec / model config: qk_head_dim^-0.5 * mscale^2).
+    indexer's output); softmax_scale a finite, positive, normal float32 (ModelSpec / model config:
+    qk_head_dim^-0.5 * mscale^2; checked as given, before the float32 the kernels read).
     out float32 [T, H, 512] and lse float32 [T, H]: optional buffers. scale_read: "fp32" (the stored
     fp8_ds_mla tile scales) or "bf16" (rounded to bf16 first, as FlashMLA's SM90 reader does; pow2 scales
     read the same either way). kernel (CUDA only, checked everywhere): "mma" (bf16 tensor cores, default)

@@ -27,7 +27,8 @@ def scale_problem(value) -> str | None:
     """Why `value` cannot be a scale the kernels divide by (fp8's k_scale: the cache stores x / k_scale), or None:
     it must be a number whose float32 is finite, positive and normal. 0, negatives, nan and inf are refused, and
     subnormals (1e-45): x / 2^-149 is inf for every |x| > 2^-21, and flush-to-zero arithmetic reads it as 0.
-    The callers name the argument and its value."""
+    The callers name the argument and its value. The same rule and text as C++'s pcpkv::scale_problem
+    (pcpkv/core/layout.h), which the raw ops check."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return "must be a number"
     if FLT_MIN <= value <= FLT_MAX:  # nan compares false

@@ -460,6 +460,10 @@ def test_consumer_errors_name_the_argument(device):
     attn_call("mla_cache", fmt=pk.CacheFormat("bf16"))
     attn_call("softmax_scale = -1", softmax_scale=-1.0)
     attn_call("softmax_scale = nan", softmax_scale=float("nan"))
+    # checked as given, not as the float32 the kernels read (1e300 became inf, 1e-50 zero, 1e-40 a subnormal)
+    attn_call(r"softmax_scale = 1e\+300 must be a finite, positive, normal float32", softmax_scale=1e300)
+    attn_call("softmax_scale = 1e-50 must be", softmax_scale=1e-50)
+    attn_call("softmax_scale = 1e-40 must be", softmax_scale=1e-40)
     attn_call("scale_read = 'fp16'", scale_read="fp16")
     attn_call("kernel = 'fast'", kernel="fast")
     if device == "cpu":

@@ -167,7 +167,7 @@ Served serve(const Problem& pr, const PcpPlan& plan, const PublishResult& pub, i
   ap.fmt = pr.cfg->fmt;
   ap.indices = s.topk_slots.data();
   ap.topk = topk;
-  ap.softmax_scale = static_cast<float>(pr.model->softmax_scale());
+  ap.softmax_scale = sparse_mla_softmax_scale(pr.model->softmax_scale());
   float poison;
   const uint32_t pb = 0xa5a5a5a5u;
   std::memcpy(&poison, &pb, 4);
@@ -292,7 +292,7 @@ void run_dcp(const Problem& pr, const PcpPlan& plan, const PublishResult& pub, c
     ap.fmt = fmt;
     ap.indices = idx.data();
     ap.topk = topk;
-    ap.softmax_scale = static_cast<float>(pr.model->softmax_scale());
+    ap.softmax_scale = sparse_mla_softmax_scale(pr.model->softmax_scale());
     ap.out = outs.data() + static_cast<size_t>(d) * N * Hq * 512;
     ap.lse = lses.data() + static_cast<size_t>(d) * N * Hq;
     auto t0 = Clock::now();

@@ -21,7 +21,8 @@ std::vector<EnvVar> sorted(std::vector<EnvVar> v) {
 
 const std::vector<EnvVar>& env_registry() {
   static const std::vector<EnvVar> kRegistry = sorted({
-      {"PCPKV_ALLOW_NONLOCAL_MASTER", "1: accept a torchrun MASTER_ADDR that does not look like this host",
+      {"PCPKV_ALLOW_NONLOCAL_MASTER", "1: accept a torchrun MASTER_ADDR that does not look like this host; 0 or empty: "
+       "off; any other value is refused",
        "unset: MASTER_ADDR must be a loopback address, localhost or this host's name",
        "ranks (src/ranks/bootstrap.cpp)"},
       {"PCPKV_BOOTSTRAP", "path of rank 0's rendezvous socket (set by `pcpkv launch` for each rank)",
@@ -40,8 +41,10 @@ const std::vector<EnvVar>& env_registry() {
        "CLI (tools/pcpkv/main.cpp)"},
       {"PCPKV_DEVICE", "GPU index every rank process uses, in [0, visible devices)",
        "unset: local rank % visible devices", "ranks (src/ranks/launcher.cpp)"},
-      {"PCPKV_DISPATCH_VARIANT", "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf",
-       "warp (any other value too)", "publish/cuda (src/publish/cuda/dispatch.cu)"},
+      {"PCPKV_DISPATCH_VARIANT",
+       "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf; any other non-empty value is "
+       "refused",
+       "unset or empty: warp", "publish/cuda (src/publish/cuda/dispatch.cu, src/publish/dispatch_variant.cpp)"},
       {"PCPKV_JOB_ID", "names a torchrun-style job (its token is derived from it)",
        "unset: the run id and the command line name the job", "ranks (src/ranks/bootstrap.cpp)"},
       {"PCPKV_JOB_TOKEN", "per-job token every rank presents (set by `pcpkv launch`; torchrun jobs may set it)",

@@ -1,6 +1,8 @@
 // Byte layouts (SPEC section 3): names, dense geometries, validation, transport rows.
 #include "pcpkv/core/layout.h"
 
+#include <cfloat>
+
 #include "pcpkv/core/error.h"
 
 namespace pcpkv {
@@ -27,6 +29,15 @@ DsMlaScale parse_ds_mla_scale(const std::string& s, const char* field) {
   if (s == "pow2") return DsMlaScale::kPow2;
   if (s == "raw") return DsMlaScale::kRaw;
   PCPKV_FAIL("--{}: unknown fp8_ds_mla scale rule '{}'; known: pow2, raw", field, s);
+}
+
+std::optional<std::string> scale_problem(double scale) {
+  // On the value given, as Python's scale_problem: nan fails both comparisons, and every double in the range rounds
+  // to a normal, finite float32 (the few just outside that would round into it are refused too).
+  if (scale >= static_cast<double>(FLT_MIN) && scale <= static_cast<double>(FLT_MAX)) return std::nullopt;
+  return std::string(
+      "must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, "
+      "nan and inf are refused)");
 }
 
 MlaCacheGeometry dense_mla_geometry(KvFormat f, int64_t num_blocks, int32_t block_size) {

@@ -823,7 +823,8 @@ std::optional<BootstrapConfig> bootstrap_config_from_env() {
   check_local(c, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
   const char* master = env("MASTER_ADDR");
   const std::string master_addr = master ? master : "127.0.0.1";
-  const bool allow = env(kEnvAllowNonlocal) && std::string(env(kEnvAllowNonlocal)) == "1";
+  // A switch: "yes" or "true" is refused by name rather than read as off (and then as "not this host").
+  const bool allow = read_env_switch(kEnvAllowNonlocal);
   PCPKV_CHECK(allow || address_is_local(master_addr),
               "bootstrap: MASTER_ADDR='{}' is not this host; pcpkv's rendezvous and symmetric memory are "
               "single-host (a Unix-domain socket and file-descriptor passing); run the ranks of one host "

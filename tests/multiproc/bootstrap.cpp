@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "support/fork_ranks.h"
+#include "support/error_of.h"
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/core/error.h"
 
@@ -288,12 +289,30 @@ TEST(BootstrapEnv, MalformedValuesNameTheVariable) {
 }
 
 std::string env_error() {
-  try {
-    bootstrap_config_from_env();
-  } catch (const Error& e) {
-    return e.what();
+  return test::error_of([] { bootstrap_config_from_env(); });
+}
+
+// PCPKV_ALLOW_NONLOCAL_MASTER=yes was read as off (only "1" counted), and the error then blamed MASTER_ADDR.
+TEST(BootstrapEnv, AllowNonlocalMasterIsASwitch) {
+  EnvGuard g;  // MASTER_ADDR unset: 127.0.0.1, this host, so only the switch can refuse
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("MASTER_PORT", "29500", 1);
+  for (const char* off : {"", "0"}) {
+    ::setenv("PCPKV_ALLOW_NONLOCAL_MASTER", off, 1);
+    EXPECT_NO_THROW(bootstrap_config_from_env()) << "'" << off << "'";
   }
-  return "(no error)";
+  for (const char* odd : {"yes", "true", "2", " 1"}) {
+    ::setenv("PCPKV_ALLOW_NONLOCAL_MASTER", odd, 1);
+    const std::string e = env_error();
+    EXPECT_NE(e.find(std::string("PCPKV_ALLOW_NONLOCAL_MASTER: must be 1 (on) or 0 / empty / unset (off), got '") +
+                     odd + "'"),
+              std::string::npos)
+        << e;
+  }
+  // A long value is clipped, not quoted whole.
+  ::setenv("PCPKV_ALLOW_NONLOCAL_MASTER", std::string(5000, 'y').c_str(), 1);
+  EXPECT_LT(env_error().size(), 1000u);
 }
 
 // WORLD_SIZE=2 without RANK (or RANK alone) ran silently as one process; MASTER_PORT=99999 was accepted.

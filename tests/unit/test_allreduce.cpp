@@ -16,6 +16,7 @@
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
+#include "support/error_of.h"
 #include "support/random_bf16.h"
 
 namespace pcpkv {
@@ -23,15 +24,7 @@ namespace {
 
 constexpr uint16_t kPoison = 0xA5A5;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 /// W ranks' workspaces in one host allocation each, header zeroed (as setup must leave it).
 struct HostWorld {

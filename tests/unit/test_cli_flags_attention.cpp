@@ -57,6 +57,7 @@ TEST(CliFlagsAttention, MessagesNameTheFlag) {
   expect_refused("--k-scale=-1", {"--k-scale", "-1"});
   expect_refused("--k-scale inf", {"--k-scale", "inf"});
   expect_refused("--k-scale 1e-60", {"--k-scale", "1e-60"});  // rounds to 0 as the fp32 the cache stores
+  expect_refused("--k-scale 1e-40", {"--k-scale", "1e-40", "normal float32"});  // a subnormal float32
 }
 
 TEST(CliFlagsAttention, OtherFlagsBeforeTheHeader) {

@@ -72,6 +72,7 @@ TEST(CliFlagsLaunch, MpPublishScalesAndNames) {
   expect_refused_alone("mp-publish", "--fence-timeout-ms=-1", {"--fence-timeout-ms", "-1"});
   expect_refused_alone("mp-publish", "--k-scale 0", {"--k-scale", "0"});
   expect_refused_alone("mp-publish", "--k-scale nan", {"--k-scale", "nan"});
+  expect_refused_alone("mp-publish", "--k-scale 1e-45", {"--k-scale", "1e-45", "normal float32"});  // subnormal
   expect_refused_alone("mp-publish", "--flush-l2-mb=-1", {"--flush-l2-mb", "-1"});
   expect_refused_alone("mp-publish", "--link-gbps inf", {"--link-gbps", "inf"});
   expect_refused_alone("mp-publish", "--collect-via shm", {"--collect-via", "shm"});

@@ -231,27 +231,29 @@ TEST(CliRunFixes, SaveFailureAfterTheRunKeepsTheReport) {
   }
 }
 
+// Subnormal float32 scales (1e-40, 1e-45) were accepted: x / k_scale was then inf for every |x| > 2^-21.
 TEST(CliRunFixes, KScaleIsCheckedAsFloat32) {
   ScratchDir dir;
-  for (const char* v : {"1e-300", "1e39", "1e-46"}) {
+  for (const char* v : {"1e-300", "1e39", "1e-46", "1e-40", "1e-45"}) {
     const CliResult r = run_cli(std::string("run --kv-format fp8 --k-scale ") + v, dir);
     EXPECT_EQ(r.exit_code, 2) << v << r.err;
     EXPECT_EQ(r.err.rfind("pcpkv: error: --k-scale: ", 0), 0u) << r.err;
     EXPECT_NE(r.err.find(v), std::string::npos) << r.err;
     EXPECT_EQ(r.err.find("fmt.k_scale"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("must be a finite, positive, normal float32"), std::string::npos) << r.err;
     EXPECT_TRUE(dir.files().empty());
   }
 }
 
-// --k-scale 1e-45 saturates most values; a PASS there checks little, and the report says so.
+// --k-scale 1e-6 saturates most values; a PASS there checks little, and the report says so.
 TEST(CliRunFixes, ManySaturatedValuesGiveANote) {
   ScratchDir dir;
   const std::string base = "run --pcp 2 --tokens 64 --decodes 1 --backend cpu --transport direct --kv-format fp8 ";
-  CliResult r = run_cli(base + "--k-scale 1e-45", dir);
+  CliResult r = run_cli(base + "--k-scale 1e-6", dir);
   ASSERT_NE(r.exit_code, 2) << r.err;
   EXPECT_NE(r.out.find("note: fp8 bound: up to"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("the bound check is weak"), std::string::npos) << r.out;
-  r = run_cli(base + "--k-scale 1e-45 --json", dir);
+  r = run_cli(base + "--k-scale 1e-6 --json", dir);
   const auto j = nlohmann::json::parse(r.out);
   bool found = false;
   for (const auto& n : j["notes"]) {

@@ -13,6 +13,7 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
 #include "pcpkv/core/rope.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
@@ -20,15 +21,7 @@ namespace {
 // The message of the pcpkv::Error parse_hf_config throws ("no error" when it accepts the text). Any other
 // exception type fails the test: the CLI would report it as an internal error (exit 3).
 std::string error_of(const std::string& json_text, const std::string& base = {}) {
-  try {
-    parse_hf_config(json_text, base, nullptr, false, "user.json");
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "not a pcpkv::Error: " << e.what();
-    return e.what();
-  }
-  return "no error";
+  return test::error_of([&] { parse_hf_config(json_text, base, nullptr, false, "user.json"); });
 }
 
 void expect_error(const std::string& json_text, const std::vector<std::string>& parts, const std::string& base = {}) {
@@ -204,14 +197,7 @@ TEST(ConfigLoader, UnknownRopeSubKeysAreNoted) {
   ASSERT_EQ(notes.remarks.size(), 1u);
   expect_parts(remark_on(notes, "rope_scaling.bogus"), {"not a RoPE key pcpkv knows"});
   EXPECT_TRUE(notes.ignored.empty());
-  const std::string msg = [&] {
-    try {
-      parse_hf_config(text, {}, nullptr, /*strict=*/true, "user.json");
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  }();
+  const std::string msg = test::error_of([&] { parse_hf_config(text, {}, nullptr, /*strict=*/true, "user.json"); });
   expect_parts(msg, {"unknown key 'rope_scaling.bogus'", "strict"});
 
   // GLM-5's rope_parameters: the same, and YaRN keys under the default type are named as unused.

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -13,6 +15,7 @@
 #include "pcpkv/consumers/sparse_mla.h"
 #include "pcpkv/publish/checks.h"
 #include "support/consumers_fixture.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
@@ -212,6 +215,38 @@ TEST(ConsumersSparseMlaRef, MmaBoundCoversTheBf16WeightsAndTruncatingSums) {
   EXPECT_GT(SparseMlaBound::lse_bound(10.0, 64, 3.0, 0, m), SparseMlaBound::lse_bound(10.0, 64, 3.0));
   EXPECT_STREQ(to_string(SparseMlaKernel::kMma), "mma");
   EXPECT_STREQ(to_string(SparseMlaKernel::kSimt), "simt");
+}
+
+// softmax_scale arrives as a double (the model config, a Python float) and the kernels read a float32: a bare cast
+// made 1e300 inf and 1e-50 zero, and the error then named the float (or, for a subnormal, there was none).
+TEST(ConsumersSparseMlaRef, SoftmaxScaleIsCheckedAsGivenBeforeTheFloat32Cast) {
+  EXPECT_EQ(sparse_mla_softmax_scale(0.135234), 0.135234f);
+  EXPECT_EQ(sparse_mla_softmax_scale(0.0625), 0.0625f);
+  for (const auto& [bad, shown] : std::vector<std::pair<double, std::string>>{
+           {1e300, "1e+300"}, {1e-50, "1e-50"}, {1e39, "1e+39"}, {1e-40, "1e-40"}, {0.0, "0"}, {-1.0, "-1"},
+           {static_cast<double>(NAN), "nan"}, {static_cast<double>(INFINITY), "inf"}}) {
+    EXPECT_EQ(test::error_of([&] { sparse_mla_softmax_scale(bad); }),
+              "sparse_mla: softmax_scale = " + shown +
+                  " must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such "
+                  "as 1e-45, nan and inf are refused)");
+  }
+}
+
+// The reference's validation follows the same rules on the float32 fields: a subnormal softmax_scale or fp8
+// k_scale passed it.
+TEST(ConsumersSparseMlaRef, SubnormalScalesAreRefused) {
+  AttentionCase c;
+  c.fmt = format_of(KvFormat::kFp8);
+  c.build();
+  SparseMlaParams p = c.params();
+  p.softmax_scale = 1e-40f;
+  EXPECT_NE(test::error_of([&] { sparse_mla_reference(p); }).find("sparse_mla: softmax_scale = 1e-40 must be"),
+            std::string::npos);
+  p = c.params();
+  p.fmt.k_scale = 1e-45f;
+  EXPECT_NE(test::error_of([&] { sparse_mla_reference(p); }).find("sparse_mla: k_scale = 1e-45 must be"),
+            std::string::npos);
+  EXPECT_TRUE(std::all_of(c.out.begin(), c.out.end(), [](float v) { return v == 1234.5f; }));
 }
 
 TEST(ConsumersSparseMlaRef, SoftmaxScaleOfThePresets) {

@@ -11,6 +11,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/checks.h"
 #include "support/bytes.h"
+#include "support/error_of.h"
 #include "support/publish_case.h"
 
 namespace pcpkv {
@@ -295,15 +296,7 @@ TEST(CpuBackend, ProfileCountsBytesOfThePerfModel) {
 
 // ---- bad input: pcpkv::Error naming the field, thrown before any write ---------------------------------
 
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 TEST(CpuBackend, BadInputThrowsNamingTheField) {
   CaseSpec spec;

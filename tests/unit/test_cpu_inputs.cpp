@@ -10,6 +10,7 @@
 #include "pcpkv/core/inputs.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
@@ -22,15 +23,7 @@ PcpPlan plan_of(int32_t pcp, std::vector<RequestSpec> requests, int32_t block_si
   return make_plan(pc);
 }
 
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 TEST(Inputs, SeededShapesAndIndependentOfRankCount) {
   const ModelConfig m = preset("glm-5");

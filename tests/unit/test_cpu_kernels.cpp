@@ -15,6 +15,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/rope.h"
 #include "support/bytes.h"
+#include "support/error_of.h"
 #include "support/guard.h"
 #include "support/random_bf16.h"
 
@@ -574,17 +575,7 @@ TEST(CpuKernels, StaticFp8DividesByTheScale) {
 
 // ---- bad parameters: pcpkv::Error naming the field, nothing written -------------------------------------
 
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const FenceTimeout&) {
-    return "unexpected FenceTimeout";
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 TEST(CpuKernels, BadParametersThrowBeforeWriting) {
   const CacheFormat f = make_fmt(KvFormat::kFp8DsMla);
@@ -669,6 +660,10 @@ TEST(CpuKernels, BadCombineAndInsertThrowBeforeWriting) {
   b.slots[6] = -1;
   ip.fmt.k_scale = NAN;
   EXPECT_NE(error_of([&] { insert_reference(ip); }).find("fmt.k_scale = nan"), std::string::npos);
+  // A subnormal scale (x / 1e-45 is inf for every |x| > 2^-21) was accepted: scale_problem's rule.
+  ip.fmt.k_scale = 1e-45f;
+  EXPECT_NE(error_of([&] { insert_reference(ip); }).find("fmt.k_scale = 1e-45 must be a finite, positive, normal float32"),
+            std::string::npos);
   EXPECT_TRUE(b.mla.untouched("mla after bad combine/insert"));
   EXPECT_TRUE(b.idx.untouched("indexer after bad combine/insert"));
 }

@@ -130,7 +130,7 @@ TEST(EnvRegistry, ReadEnvReadsRegisteredNamesAndRefusesOthers) {
 // naming the variable and the value. PCPKV_PDL took every value but "1" for off, silently (its reader,
 // src/core/cuda/pdl_switch.cpp, is tested in tests/cuda/test_pdl.cpp).
 TEST(EnvRegistry, SwitchesTakeOneZeroOrEmptyAndRefuseAnythingElse) {
-  for (const char* name : {"PCPKV_PDL", "PCPKV_CHECK_REPLICAS"}) {
+  for (const char* name : {"PCPKV_PDL", "PCPKV_CHECK_REPLICAS", "PCPKV_ALLOW_NONLOCAL_MASTER"}) {
     SCOPED_TRACE(name);
     const pcpkv::EnvVar* var = pcpkv::find_env_var(name);
     ASSERT_NE(var, nullptr);

@@ -13,9 +13,12 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/ranks/fence.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
+
+using test::error_of;
 
 using Clock = std::chrono::steady_clock;
 
@@ -168,21 +171,14 @@ TEST(Fence, ProcessesSharingMemory) {
 
 TEST(Fence, BadSetupThrows) {
   Pads pads(2, 1);
-  auto msg = [](auto&& fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
-  };
-  EXPECT_NE(msg([&] { HostFence(2, 2, 1, pads.ptrs); }).find("rank = 2 is out of range [0, 2)"), std::string::npos);
-  EXPECT_NE(msg([&] { HostFence(0, 3, 1, pads.ptrs); }).find("2 pads for world = 3"), std::string::npos);
-  EXPECT_NE(msg([&] { HostFence(0, 2, 0, pads.ptrs); }).find("num_barriers = 0"), std::string::npos);
+  EXPECT_NE(error_of([&] { HostFence(2, 2, 1, pads.ptrs); }).find("rank = 2 is out of range [0, 2)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { HostFence(0, 3, 1, pads.ptrs); }).find("2 pads for world = 3"), std::string::npos);
+  EXPECT_NE(error_of([&] { HostFence(0, 2, 0, pads.ptrs); }).find("num_barriers = 0"), std::string::npos);
   std::vector<uint64_t*> misaligned = {pads.ptrs[0], reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(pads.ptrs[1]) + 4)};
-  EXPECT_NE(msg([&] { HostFence(0, 2, 1, misaligned); }).find("pads[1]"), std::string::npos);
+  EXPECT_NE(error_of([&] { HostFence(0, 2, 1, misaligned); }).find("pads[1]"), std::string::npos);
   HostFence ok(0, 2, 1, pads.ptrs);
-  EXPECT_NE(msg([&] { ok.arrive_and_wait(1, 10); }).find("barrier_idx = 1 is out of range"), std::string::npos);
+  EXPECT_NE(error_of([&] { ok.arrive_and_wait(1, 10); }).find("barrier_idx = 1 is out of range"), std::string::npos);
 }
 
 }  // namespace

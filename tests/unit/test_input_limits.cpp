@@ -20,20 +20,14 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/safetensors.h"
 #include "support/cli_util.h"
+#include "support/error_of.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using pcpkv_test::ScratchDir;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const pcpkv::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using pcpkv::test::error_of;
 
 std::string nested(int levels, const std::string& inner = "") {
   return std::string(static_cast<size_t>(levels), '[') + inner + std::string(static_cast<size_t>(levels), ']');

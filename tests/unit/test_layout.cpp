@@ -1,11 +1,19 @@
 // Byte layouts (SPEC section 3): row sizes, offsets in 64 bits, strides, staging geometry.
 #include <gtest/gtest.h>
 
+#include <cfloat>
+#include <cmath>
+#include <optional>
+#include <string>
+
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
+
+using test::error_of;
 
 TEST(Layout, RowSizes) {
   EXPECT_EQ(mla_row_bytes(KvFormat::kBf16), 1152);
@@ -85,27 +93,39 @@ TEST(Layout, BadGeometries) {
 // overflow inside validate_geometry; now refused naming the fields, and the largest accepted cache addresses
 // its last row without overflow.
 TEST(Layout, HugeGeometriesRefusedWithoutOverflow) {
-  const auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   MlaCacheGeometry g{int64_t{1} << 62, 1 << 30, int64_t{1} << 40, int64_t{1} << 62};
-  EXPECT_EQ(message([&] { validate_geometry(g, KvFormat::kFp8DsMla); }),
+  EXPECT_EQ(error_of([&] { validate_geometry(g, KvFormat::kFp8DsMla); }),
             "mla cache: row_stride = 1099511627776 B times block_size = 1073741824 exceeds 281474976710656 B");
   g = dense_mla_geometry(KvFormat::kBf16, int64_t{1} << 40, 64);
-  EXPECT_EQ(message([&] { validate_geometry(g, KvFormat::kBf16); }),
+  EXPECT_EQ(error_of([&] { validate_geometry(g, KvFormat::kBf16); }),
             "mla cache: num_blocks = 1099511627776 times block_stride = 73728 B exceeds 281474976710656 B");
   IndexerCacheGeometry ig{int64_t{1} << 62, 64, int64_t{1} << 40};
-  EXPECT_EQ(message([&] { validate_geometry(ig); }),
+  EXPECT_EQ(error_of([&] { validate_geometry(ig); }),
             "indexer cache: num_blocks = 4611686018427387904 times block_stride = 1099511627776 B exceeds "
             "281474976710656 B");
   g = dense_mla_geometry(KvFormat::kFp8DsMla, kMaxCacheBytes / (64 * 656), 64);
   EXPECT_NO_THROW(validate_geometry(g, KvFormat::kFp8DsMla));
   EXPECT_LE(g.row_offset(g.num_slots() - 1) + 656, g.bytes());
+}
+
+// scale_problem: the normal float32 range, decided on the value given. Subnormal k_scales (1e-45, 1e-39) were
+// accepted by the C++ format checks (only 0, negatives and non-finite values were refused), so x / k_scale was inf
+// for every |x| > 2^-21.
+TEST(Layout, ScaleProblemAcceptsExactlyTheNormalFloat32Range) {
+  for (double ok : {static_cast<double>(FLT_MIN), 0.05, 1.0, 0.135234, 3.4e38, static_cast<double>(FLT_MAX)})
+    EXPECT_EQ(scale_problem(ok), std::nullopt) << ok;
+  const double below_min = std::nextafter(static_cast<double>(FLT_MIN), 0.0);  // rounds to FLT_MIN as a float
+  const double above_max = std::nextafter(static_cast<double>(FLT_MAX), 1e300);
+  for (double bad : {0.0, -0.0, -1.0, -static_cast<double>(FLT_MAX), 1e-45, 1e-39, 1e-300, below_min, above_max,
+                     1e39, 1e300, static_cast<double>(NAN), static_cast<double>(INFINITY),
+                     -static_cast<double>(INFINITY)}) {
+    const std::optional<std::string> why = scale_problem(bad);
+    ASSERT_TRUE(why.has_value()) << bad;
+    EXPECT_EQ(*why,
+              "must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as "
+              "1e-45, nan and inf are refused)")
+        << bad;
+  }
 }
 
 TEST(Layout, StagingGeometry) {

@@ -6,17 +6,13 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/model.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
 
 std::string error_of(const std::string& json_text, const std::string& base = {}, bool strict = false) {
-  try {
-    parse_hf_config(json_text, base, nullptr, strict, "test.json");
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
+  return test::error_of([&] { parse_hf_config(json_text, base, nullptr, strict, "test.json"); });
 }
 
 TEST(Model, PresetsMatchSpec) {

@@ -8,6 +8,7 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/plan.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
@@ -129,12 +130,7 @@ TEST(Plan, SlotFormula) {
 }
 
 std::string plan_error(const PlanConfig& c) {
-  try {
-    make_plan(c);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
+  return test::error_of([&] { make_plan(c); });
 }
 
 TEST(Plan, BadConfigsNameFieldAndValue) {
@@ -157,12 +153,7 @@ TEST(Plan, BadConfigsNameFieldAndValue) {
 }
 
 std::string positions_error(const PcpPlan& p, int64_t max_positions, const std::string& origin = "plan") {
-  try {
-    validate_positions(p, max_positions, origin);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
+  return test::error_of([&] { validate_positions(p, max_positions, origin); });
 }
 
 TEST(Plan, PositionsPastTheModelNameRequestAndPosition) {
@@ -187,12 +178,8 @@ TEST(Plan, SlotMappingValidation) {
   const std::vector<int64_t> ok = {16, 17, -1, 40};
   EXPECT_NO_THROW(validate_slot_mapping(ok.data(), 4, 64, "slot_mapping", 16));
   auto msg = [](std::vector<int64_t> v, int64_t null_slots) {
-    try {
-      validate_slot_mapping(v.data(), static_cast<int64_t>(v.size()), 64, "slot_mapping", null_slots);
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
+    return test::error_of(
+        [&] { validate_slot_mapping(v.data(), static_cast<int64_t>(v.size()), 64, "slot_mapping", null_slots); });
   };
   EXPECT_EQ(msg({16, 64}, 0), "slot_mapping[1] = 64 is out of range [0, 64) (or -1 to skip)");
   EXPECT_EQ(msg({16, -2}, 0), "slot_mapping[1] = -2 is out of range [0, 64) (or -1 to skip)");

@@ -10,10 +10,13 @@
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/plan.h"
+#include "support/error_of.h"
 #include "support/publish_case.h"
 
 namespace pcpkv {
 namespace {
+
+using test::error_of;
 
 using Rows = std::vector<std::vector<int64_t>>;
 
@@ -181,25 +184,17 @@ TEST(PlanModes, OneRankLocalOrderMovesWholeFreshPrefill) {
 }
 
 TEST(PlanModes, BadNamesNameTheFieldAndValue) {
-  auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   EXPECT_EQ(parse_local_order("request"), LocalOrder::kRequest);
   EXPECT_EQ(parse_local_order("local"), LocalOrder::kLocal);
   EXPECT_EQ(parse_decode_ownership("replicated"), DecodeOwnership::kReplicated);
   EXPECT_EQ(parse_decode_ownership("round_robin"), DecodeOwnership::kRoundRobin);
-  const std::string a = message([] { parse_local_order("fifo", "--local-order"); });
+  const std::string a = error_of([] { parse_local_order("fifo", "--local-order"); });
   EXPECT_NE(a.find("--local-order: unknown local order 'fifo'; expected request or local"), std::string::npos) << a;
-  const std::string b = message([] { parse_decode_ownership("round-robin", "--decode-owner"); });
+  const std::string b = error_of([] { parse_decode_ownership("round-robin", "--decode-owner"); });
   EXPECT_NE(b.find("--decode-owner: unknown decode ownership 'round-robin'; expected replicated or round_robin"),
             std::string::npos)
       << b;
-  EXPECT_NE(message([] { parse_local_order(""); }).find("local_order: unknown local order ''"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_local_order(""); }).find("local_order: unknown local order ''"), std::string::npos);
 }
 
 TEST(PlanModes, ValidateCatchesAWrongOwner) {

@@ -14,6 +14,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/serving/router.h"
+#include "support/error_of.h"
 #include "support/random_bf16.h"
 
 namespace pcpkv {
@@ -21,15 +22,7 @@ namespace {
 
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 RouterConfig small_config(int64_t experts, int64_t n_group, int64_t topk_group, int64_t top_k) {
   RouterConfig c;

@@ -13,6 +13,7 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/safetensors.h"
+#include "support/error_of.h"
 
 namespace fs = std::filesystem;
 using pcpkv::SafetensorsReader;
@@ -58,17 +59,7 @@ std::vector<uint8_t> raw_file(const std::string& header, const std::vector<uint8
   return out;
 }
 
-// Runs f, expects a pcpkv::Error, and returns its message.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const pcpkv::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected pcpkv::Error";
-  return {};
-}
+using pcpkv::test::error_of;
 
 template <class T>
 std::vector<T> random_vector(size_t n, uint32_t seed) {

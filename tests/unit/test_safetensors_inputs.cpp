@@ -24,6 +24,7 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
 #include "pcpkv/core/safetensors.h"
+#include "support/error_of.h"
 
 namespace fs = std::filesystem;
 using namespace pcpkv;
@@ -45,16 +46,7 @@ class TempDir {
   fs::path path_;
 };
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected pcpkv::Error";
-  return {};
-}
+using pcpkv::test::error_of;
 
 PlanConfig batch(int32_t pcp) {
   PlanConfig pc;

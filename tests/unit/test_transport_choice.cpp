@@ -7,6 +7,7 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/transport_choice.h"
+#include "support/error_of.h"
 
 namespace pcpkv {
 namespace {
@@ -20,12 +21,7 @@ Topology one_host(int P, bool nccl) {
 }
 
 std::string error_of(const Topology& t) {
-  try {
-    choose_transport(t);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
+  return test::error_of([&] { choose_transport(t); });
 }
 
 TEST(TransportChoice, SameHostAllPeerAccessIsDirect) {

@@ -2,12 +2,13 @@
 #include "batch_flags.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
+#include "pcpkv/core/layout.h"
 
 #include "pcpkv/flag_checks.h"
 
@@ -102,12 +103,8 @@ std::vector<Transport> parse_transport_list(const std::string& s) {
 
 CacheFormat parse_format_flags(const BatchFlags& f) {
   const std::string k_scale_typed = f.k_scale_text.empty() ? fmt::format("{}", f.k_scale) : f.k_scale_text;
-  PCPKV_CHECK(std::isfinite(f.k_scale) && f.k_scale > 0, "--k-scale: must be positive and finite, got {}",
-              k_scale_typed);
-  // 1e-300 would round to 0 and 1e39 to inf, and later checks would name the rounded value, not the one typed.
-  PCPKV_CHECK(static_cast<float>(f.k_scale) > 0 && std::isfinite(static_cast<float>(f.k_scale)),
-              "--k-scale: {} does not fit a float32 (the cache stores it as fp32: about 1.4e-45 to 3.4e38)",
-              k_scale_typed);
+  // Checked as given: 1e-300 would round to 0 and 1e39 to inf, and later checks would name the rounded value.
+  if (const auto why = scale_problem(f.k_scale)) PCPKV_FAIL("--k-scale: {}, got {}", *why, clip(k_scale_typed));
   PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: must be indexer or shared, got '{}'", f.layer);
   CacheFormat fmt;
   fmt.kv_format = parse_kv_format(f.kv_format, "kv-format");

@@ -371,10 +371,8 @@ CheckedOptions check_flags(const AttentionOptions& o) {
   PCPKV_CHECK(o.topk >= 1 && o.topk <= 8192, "--topk: must be in [1, 8192], got {}", o.topk);
   PCPKV_CHECK(o.dcp >= 1 && o.dcp <= 64, "--dcp: must be in [1, 64] (1: off), got {}", o.dcp);
   PCPKV_CHECK(o.dcp_interleave >= 1, "--dcp-interleave: must be >= 1, got {}", o.dcp_interleave);
-  PCPKV_CHECK(std::isfinite(o.k_scale) && o.k_scale > 0, "--k-scale: must be positive and finite, got {}", o.k_scale);
-  // A value below the smallest float would round to 0 and be refused later under the internal name.
-  PCPKV_CHECK(static_cast<float>(o.k_scale) > 0 && std::isfinite(static_cast<float>(o.k_scale)),
-              "--k-scale: {} does not fit a float (the cache stores it as fp32)", o.k_scale);
+  // Checked as given: a value below the smallest float would round to 0 and be refused later under the internal name.
+  if (const auto why = scale_problem(o.k_scale)) PCPKV_FAIL("--k-scale: {}, got {}", *why, o.k_scale);
   check_block_size_flag(o.block_size);
   c.cfg.fmt.kv_format = parse_kv_format(o.kv_format, "kv-format");
   c.cfg.fmt.ds_mla_scale = parse_ds_mla_scale(o.ds_mla_scale, "ds-mla-scale");

@@ -3,6 +3,7 @@
 // (fence latency per layer), `bench-allreduce`, `bench-link`, and what they share (rank_command.cpp).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,9 +39,11 @@ std::unique_ptr<Bootstrap> connect_world();
 /// pcpkv::Error saying why when CUDA is asked for and unavailable.
 RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved);
 
-/// Runs fn as one rank: pcpkv::Error and other exceptions are printed as "pcpkv <cmd>: rank r: error: ..."
-/// and the other ranks are told (Bootstrap::abort); returns the exit code (FenceTimeout and bootstrap
-/// failures: kExitPeerFailed, bad input: 2, other: 3).
+/// Runs fn as one rank and returns fn's result, or for an exception its exit code, after printing it as
+/// "pcpkv: error: <cmd> rank r: ..." (one line) and telling the other ranks (Bootstrap::abort; world may be
+/// null before the rendezvous): FenceTimeout and "bootstrap:" errors kExitPeerFailed, other pcpkv::Error (bad
+/// input) 2, a CLI::Error (CLI::RuntimeError: a command's chosen exit code) its own code and message (none
+/// printed when empty), any other exception 3 ("internal: ...").
 int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn);
 
 }  // namespace pcpkv::cli

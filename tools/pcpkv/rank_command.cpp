@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "error_line.h"
@@ -71,6 +72,14 @@ int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& f
     print_error(fmt::format("{}: {}", who, msg));
     if (world) world->abort(clip_middle(msg));
     return msg.rfind("bootstrap:", 0) == 0 ? kExitPeerFailed : 2;
+  } catch (const CLI::Error& e) {
+    // CLI::RuntimeError(message, code): how a command chooses its exit code (3 for a failed --save). Keep the
+    // code, and the message when there is one, as main() does outside a rank; it is not an internal error.
+    const std::string msg = e.what();
+    if (!msg.empty()) print_error(fmt::format("{}: {}", who, msg));
+    if (world && e.get_exit_code() != 0)
+      world->abort(clip_middle(msg.empty() ? fmt::format("exit code {}", e.get_exit_code()) : msg));
+    return e.get_exit_code();
   } catch (const std::exception& e) {
     print_error(fmt::format("{}: internal: {}", who, e.what()));
     if (world) world->abort(clip_middle(e.what()));

@@ -41,7 +41,7 @@ struct SparseMlaParams {
   CacheFormat fmt;                   // kv_format and k_scale (static fp8) are read
   const int32_t* indices = nullptr;  // [T, topk] cache slots, -1 = skip
   int32_t topk = 0;                  // >= 1
-  float softmax_scale = 0.0f;        // ModelConfig::softmax_scale(), > 0
+  float softmax_scale = 0.0f;        // ModelConfig::softmax_scale() through sparse_mla_softmax_scale()
   bool scales_as_bf16 = false;       // fp8_ds_mla: read tile scales rounded to bf16 (FlashMLA's SM90 reader;
                                      // consumers::ds_mla_read_scale); other formats ignore it
   // ---- outputs ----
@@ -49,7 +49,14 @@ struct SparseMlaParams {
   float* lse = nullptr;              // [T, H] fp32, natural log
 };
 
-/// Host-side validation (host pointers): sizes, scale, geometry, every index -1 or in [0, num_slots).
+/// SparseMlaParams::softmax_scale from a double (ModelConfig::softmax_scale(), a Python float): the float32 the
+/// kernels read. Throws pcpkv::Error naming the value given ("sparse_mla: softmax_scale = 1e+300 must be ...")
+/// unless it is finite, > 0 and a normal float32 (pcpkv::scale_problem of pcpkv/core/layout.h): a bare cast turns
+/// 1e300 into inf and 1e-50 into 0, and the kernels' own check would then name the float, not the value given.
+float sparse_mla_softmax_scale(double softmax_scale);
+
+/// Host-side validation (host pointers): sizes, scales (softmax_scale and the fp8 k_scale: normal float32s,
+/// scale_problem), geometry, every index -1 or in [0, num_slots).
 /// Throws pcpkv::Error, e.g. "sparse_mla: indices[5, 17] = 9000 is out of range [0, 8192)".
 void validate_sparse_mla(const SparseMlaParams& p);
 

@@ -32,7 +32,7 @@ const char* read_env(const char* name);
 /// A PCPKV_* on/off switch, read through read_env: true for "1", false when unset, empty or "0". Any other value
 /// throws pcpkv::Error naming the variable and the value ("PCPKV_PDL: must be 1 (on) or 0 / empty / unset (off),
 /// got 'yes'"): a typo must not turn a switch off silently. The one rule of every switch (PCPKV_CHECK_REPLICAS,
-/// PCPKV_PDL).
+/// PCPKV_PDL, PCPKV_ALLOW_NONLOCAL_MASTER).
 bool read_env_switch(const char* name);
 
 }  // namespace pcpkv

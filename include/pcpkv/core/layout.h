@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace pcpkv {
@@ -37,9 +38,19 @@ constexpr int64_t mla_row_bytes(KvFormat f) {
 struct CacheFormat {
   KvFormat kv_format = KvFormat::kFp8DsMla;
   DsMlaScale ds_mla_scale = DsMlaScale::kPow2;
-  float k_scale = 1.0f;      // per-tensor scale of the static fp8 format (x / k_scale); > 0, finite
+  float k_scale = 1.0f;      // per-tensor scale of the static fp8 format (x / k_scale); scale_problem() is empty
   bool has_indexer = true;   // false: "shared" layer (IndexShare) with no indexer K
 };
+
+/// Why `scale` cannot be the static fp8 k_scale (SPEC section 3: the cache stores x / k_scale as E4M3, and the
+/// kernels divide in float32), or nullopt when it can: it must lie in the normal float32 range
+/// [2^-126 (FLT_MIN), FLT_MAX], so its float32 is finite, positive and normal. Refused: 0, negatives, nan, inf,
+/// values beyond FLT_MAX (inf as float32), and subnormals: x / a subnormal k_scale is inf for every |x| > 2^-21
+/// (x / 2^-149 overflows), and flush-to-zero arithmetic reads the scale as 0. The one rule of every reader
+/// (validate_cache_format, the CLI's --k-scale, pcpkv_torch's make_format and its Python scale_problem); sparse
+/// MLA's softmax_scale, the other float32 scale callers give as a double, follows it too (sparse_mla_softmax_scale).
+/// The text starts with "must be"; callers name the field and the value: "fmt.k_scale = 1e-45 must be ...".
+std::optional<std::string> scale_problem(double scale);
 
 // ---- fp8_ds_mla row offsets ----------------------------------------------------------------------
 constexpr int64_t kDsMlaKvcOffset = 0;      // 512 e4m3

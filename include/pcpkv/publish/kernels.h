@@ -29,19 +29,23 @@ struct DispatchJob {
 };
 
 enum class DispatchVariant : uint8_t {
-  kAuto,      // the default (currently kWarp; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf overrides)
+  kAuto,      // the default (currently kWarp; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf overrides,
+              // any other non-empty value is refused)
   kSimple,    // persistent CTAs of 4 warps, one token per CTA iteration, loads at the top of each iteration
   kPrefetch,  // same, but the next token's inputs are loaded before the current token is processed
   kWarp,      // persistent, one token per warp, no CTA barrier (dispatch_warp.cu); layouts that are not
               // 16-byte aligned and q_lora_rank > 2048 run the simple kernel instead
   kWarpPrefetch,  // kWarp + a bulk L2 prefetch of each warp's next token ("warp_pf")
 };
+/// Names of the variants; unlike the launchers these two are defined in pcpkv_core
+/// (src/publish/dispatch_variant.cpp), so CPU builds have them too.
 const char* to_string(DispatchVariant v);
 /// "auto" | "simple" | "prefetch" | "warp" | "warp_pf"; throws pcpkv::Error otherwise.
 DispatchVariant parse_dispatch_variant(const std::string& s);
 
 /// Enqueues the fused dispatch of every job (one kernel launch for up to 8 jobs that share weights, rope
-/// table and format; more launches otherwise). Throws pcpkv::Error on a bad parameter (nothing enqueued).
+/// table and format; more launches otherwise). Throws pcpkv::Error on a bad parameter, or (variant kAuto) on a
+/// PCPKV_DISPATCH_VARIANT that names no variant; nothing is enqueued then.
 /// pdl: launch with programmatic stream serialization (pcpkv/core/pdl.h); the kernel waits for the previous
 /// kernel before it reads or writes anything but the device tables of targets / row destinations, which
 /// must not be written by the preceding kernel.

@@ -81,7 +81,8 @@ constexpr const char* kEnvAllowNonlocal = "PCPKV_ALLOW_NONLOCAL_MASTER";
 /// variables is present (a plain single-process run). Throws pcpkv::Error naming the variable and value
 /// when one is malformed or half set (RANK=abc, RANK >= WORLD_SIZE, WORLD_SIZE without RANK, LOCAL_RANK
 /// alone, LOCAL_WORLD_SIZE != WORLD_SIZE or LOCAL_RANK != RANK (single host), MASTER_PORT outside
-/// [1, 65535], a remote MASTER_ADDR, ...).
+/// [1, 65535], a remote MASTER_ADDR, PCPKV_ALLOW_NONLOCAL_MASTER other than 1 / 0 / empty (read_env_switch of
+/// pcpkv/core/env.h), ...).
 std::optional<BootstrapConfig> bootstrap_config_from_env();
 
 /// A fresh random per-job token (128 bits from /dev/urandom, hex).

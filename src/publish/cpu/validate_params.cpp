@@ -36,8 +36,8 @@ void validate_cache_format(const CacheFormat& fmt) {
               "fmt.kv_format = {} is not a KvFormat", static_cast<int>(fmt.kv_format));
   PCPKV_CHECK(fmt.ds_mla_scale == DsMlaScale::kPow2 || fmt.ds_mla_scale == DsMlaScale::kRaw,
               "fmt.ds_mla_scale = {} is not a DsMlaScale", static_cast<int>(fmt.ds_mla_scale));
-  PCPKV_CHECK(std::isfinite(fmt.k_scale) && fmt.k_scale > 0.0f, "fmt.k_scale = {} must be finite and > 0",
-              fmt.k_scale);
+  // Whatever kv_format (as before): a subnormal scale passed here and made x / k_scale inf.
+  if (const auto why = scale_problem(fmt.k_scale)) PCPKV_FAIL("fmt.k_scale = {} {}", fmt.k_scale, *why);
 }
 
 void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const char* name) {

@@ -26,6 +26,7 @@
 #include "core/cuda/check.h"
 #include "publish/cuda/dispatch_args.cuh"
 #include "publish/cuda/kernel_util.cuh"
+#include "publish/dispatch_variant.h"
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/core/env.h"
@@ -423,15 +424,10 @@ int resident_ctas(KernelFn fn) {
 // fastest layer variant (warp:separate:1) for staging and direct in 22 of 24 (model, P, kv) cases.
 constexpr DispatchVariant kDefaultVariant = DispatchVariant::kWarp;
 
+// kAuto: PCPKV_DISPATCH_VARIANT when set (an unknown value throws pcpkv::Error), else kDefaultVariant.
 DispatchVariant resolve_variant(DispatchVariant v) {
   if (v != DispatchVariant::kAuto) return v;
-  if (const char* env = read_env("PCPKV_DISPATCH_VARIANT")) {
-    if (std::strcmp(env, "simple") == 0) return DispatchVariant::kSimple;
-    if (std::strcmp(env, "prefetch") == 0) return DispatchVariant::kPrefetch;
-    if (std::strcmp(env, "warp") == 0) return DispatchVariant::kWarp;
-    if (std::strcmp(env, "warp_pf") == 0) return DispatchVariant::kWarpPrefetch;
-  }
-  return kDefaultVariant;
+  return dispatch_variant_from_env(read_env(kEnvDispatchVariant)).value_or(kDefaultVariant);
 }
 
 // Fields that must agree between jobs sharing one launch.
@@ -447,7 +443,8 @@ bool same_common(const DispatchParams& a, const DispatchParams& b) {
 
 uint64_t addr(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
-void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchVariant variant, bool pdl) {
+// v: a resolved variant (never kAuto; launch_dispatch resolves it).
+void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchVariant v, bool pdl) {
   const DispatchParams& p0 = jobs[0].params;
   DispatchArgs a;
   std::memset(&a, 0, sizeof(a));
@@ -540,7 +537,6 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
   if (a.total_tokens == 0) return;
 
   const int ql = c.num_q_leaves > 2 * kThreads ? 4 : 2;  // leaves per thread
-  const DispatchVariant v = resolve_variant(variant);
   const bool aligned = c.load_align == 16 && c.store_align == 16;
   KernelFn fn = nullptr;
   int64_t grid = 0;
@@ -562,24 +558,6 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
 }
 
 }  // namespace
-
-const char* to_string(DispatchVariant v) {
-  switch (v) {
-    case DispatchVariant::kAuto: return "auto";
-    case DispatchVariant::kSimple: return "simple";
-    case DispatchVariant::kPrefetch: return "prefetch";
-    case DispatchVariant::kWarp: return "warp";
-    case DispatchVariant::kWarpPrefetch: return "warp_pf";
-  }
-  return "?";
-}
-
-DispatchVariant parse_dispatch_variant(const std::string& s) {
-  for (DispatchVariant v : {DispatchVariant::kAuto, DispatchVariant::kSimple, DispatchVariant::kPrefetch,
-                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch})
-    if (s == to_string(v)) return v;
-  PCPKV_FAIL("dispatch variant '{}' is not auto, simple, prefetch, warp or warp_pf", s);
-}
 
 void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream, DispatchVariant variant, bool pdl) {
   PCPKV_CHECK(num_jobs >= 0, "dispatch: num_jobs = {} must be >= 0", num_jobs);
@@ -603,6 +581,8 @@ void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream,
       PCPKV_CHECK(hp.num_tokens == 0 || hp.slot_mapping != nullptr || hp.num_targets == 0,
                   "dispatch: job {}: slot_mapping is null", i);
   }
+  // kAuto resolved once, before anything is enqueued: a bad PCPKV_DISPATCH_VARIANT throws here.
+  const DispatchVariant v = resolve_variant(variant);
   // Group consecutive jobs that can share a launch.
   int first = 0;
   while (first < num_jobs) {
@@ -614,7 +594,7 @@ void launch_dispatch(const DispatchJob* jobs, int num_jobs, cudaStream_t stream,
       dests += jobs[last].params.num_row_dests;
       ++last;
     }
-    launch_group(jobs + first, last - first, stream, variant, pdl);
+    launch_group(jobs + first, last - first, stream, v, pdl);
     first = last;
   }
 }

@@ -1,0 +1,41 @@
+// Names of the dispatch kernel variants (pcpkv/publish/kernels.h) and the PCPKV_DISPATCH_VARIANT rule
+// (dispatch_variant.h). CUDA-free: in pcpkv_core, so the CPU build tests them too.
+#include "publish/dispatch_variant.h"
+
+#include <string>
+
+#include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
+
+namespace pcpkv::cuda_detail {
+
+const char* to_string(DispatchVariant v) {
+  switch (v) {
+    case DispatchVariant::kAuto: return "auto";
+    case DispatchVariant::kSimple: return "simple";
+    case DispatchVariant::kPrefetch: return "prefetch";
+    case DispatchVariant::kWarp: return "warp";
+    case DispatchVariant::kWarpPrefetch: return "warp_pf";
+  }
+  return "?";
+}
+
+DispatchVariant parse_dispatch_variant(const std::string& s) {
+  for (DispatchVariant v : {DispatchVariant::kAuto, DispatchVariant::kSimple, DispatchVariant::kPrefetch,
+                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch})
+    if (s == to_string(v)) return v;
+  PCPKV_FAIL("dispatch variant '{}' is not auto, simple, prefetch, warp or warp_pf", clip(s));
+}
+
+std::optional<DispatchVariant> dispatch_variant_from_env(const char* value) {
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  // Not "auto": the variable exists to pick a kernel for kAuto; unset or empty is the way to get the default.
+  for (DispatchVariant v :
+       {DispatchVariant::kSimple, DispatchVariant::kPrefetch, DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch})
+    if (std::string(value) == to_string(v)) return v;
+  PCPKV_FAIL("{}: '{}' is not a dispatch variant; accepted: simple, prefetch, warp, warp_pf (empty or unset: the "
+             "default)",
+             kEnvDispatchVariant, clip(value));
+}
+
+}  // namespace pcpkv::cuda_detail
