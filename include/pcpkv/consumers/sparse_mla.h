@@ -55,6 +55,10 @@ struct SparseMlaParams {
 /// 1e300 into inf and 1e-50 into 0, and the kernels' own check would then name the float, not the value given.
 float sparse_mla_softmax_scale(double softmax_scale);
 
+/// The float32 scales of `p` (softmax_scale; k_scale for "fp8"): normal float32s (scale_problem). Throws
+/// pcpkv::Error naming the field and value. The one scale rule of validate_sparse_mla and the CUDA launcher.
+void validate_sparse_mla_scales(const SparseMlaParams& p);
+
 /// Host-side validation (host pointers): sizes, scales (softmax_scale and the fp8 k_scale: normal float32s,
 /// scale_problem), geometry, every index -1 or in [0, num_slots).
 /// Throws pcpkv::Error, e.g. "sparse_mla: indices[5, 17] = 9000 is out of range [0, 8192)".

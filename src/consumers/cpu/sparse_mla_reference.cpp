@@ -19,17 +19,21 @@ float sparse_mla_softmax_scale(double softmax_scale) {
   return static_cast<float>(softmax_scale);
 }
 
+void validate_sparse_mla_scales(const SparseMlaParams& p) {
+  // The float32 fields, named as floats (sparse_mla_softmax_scale names a double's value).
+  if (const auto why = scale_problem(p.softmax_scale))
+    PCPKV_FAIL("sparse_mla: softmax_scale = {} {}", p.softmax_scale, *why);
+  if (p.fmt.kv_format == KvFormat::kFp8) {
+    if (const auto why = scale_problem(p.fmt.k_scale)) PCPKV_FAIL("sparse_mla: k_scale = {} {}", p.fmt.k_scale, *why);
+  }
+}
+
 void validate_sparse_mla(const SparseMlaParams& p) {
   PCPKV_CHECK(p.num_tokens >= 0, "sparse_mla: num_tokens must be >= 0, got {}", p.num_tokens);
   PCPKV_CHECK(p.num_heads >= 1, "sparse_mla: num_heads must be >= 1, got {}", p.num_heads);
   PCPKV_CHECK(p.topk >= 1, "sparse_mla: topk must be >= 1, got {}", p.topk);
-  // The float32 field, named as a float (sparse_mla_softmax_scale names a double's value).
-  if (const auto why = scale_problem(p.softmax_scale))
-    PCPKV_FAIL("sparse_mla: softmax_scale = {} {}", p.softmax_scale, *why);
+  validate_sparse_mla_scales(p);
   validate_geometry(p.geometry, p.fmt.kv_format);
-  if (p.fmt.kv_format == KvFormat::kFp8) {
-    if (const auto why = scale_problem(p.fmt.k_scale)) PCPKV_FAIL("sparse_mla: k_scale = {} {}", p.fmt.k_scale, *why);
-  }
   if (p.num_tokens == 0) return;
   PCPKV_CHECK(p.q && p.mla_cache && p.indices && p.out && p.lse,
               "sparse_mla: q, mla_cache, indices, out and lse must be non-null");

@@ -173,13 +173,8 @@ void sparse_mla(const SparseMlaParams& p, void* stream, SparseMlaKernel kernel) 
               "sparse_mla: num_tokens must be in [0, 2^31), got {}", p.num_tokens);
   PCPKV_CHECK(p.num_heads >= 1, "sparse_mla: num_heads must be >= 1, got {}", p.num_heads);
   PCPKV_CHECK(p.topk >= 1, "sparse_mla: topk must be >= 1, got {}", p.topk);
-  // The reference's rules for both scales (validate_sparse_mla).
-  if (const auto why = scale_problem(p.softmax_scale))
-    PCPKV_FAIL("sparse_mla: softmax_scale = {} {}", p.softmax_scale, *why);
+  validate_sparse_mla_scales(p);
   validate_geometry(p.geometry, p.fmt.kv_format);
-  if (p.fmt.kv_format == KvFormat::kFp8) {
-    if (const auto why = scale_problem(p.fmt.k_scale)) PCPKV_FAIL("sparse_mla: k_scale = {} {}", p.fmt.k_scale, *why);
-  }
   if (p.num_tokens == 0) return;
   PCPKV_CHECK(p.q && p.mla_cache && p.indices && p.out && p.lse, "sparse_mla: a required device pointer is null");
   PCPKV_CHECK(kernel == SparseMlaKernel::kMma || kernel == SparseMlaKernel::kSimt,
