@@ -74,6 +74,8 @@ struct DispatchCase {
   int64_t in_pad = 0;          // extra elements per input row (row strides > widths)
   int64_t misalign = 0;        // bytes every output payload starts past 16-byte alignment
   int num_targets = 2;         // cache targets, each with its own padded geometry
+  bool same_geometry = false;  // every target with target 0's geometry (replicas, as PCP has them): the warp
+                               // kernel's one-offset store path
   int num_dests = 2;           // transport-row destinations
   bool materialize = true;     // q_c_out, kv_c_out, k_pe_out, index_k_out
   int64_t topk_width = 2048;   // 0: no fill
@@ -140,13 +142,14 @@ struct Targets {
 
   Targets(const DispatchCase& c, int64_t num_slots) {
     for (int d = 0; d < c.num_targets; ++d) {
-      const int32_t bs = 4 << (d % 3);
+      const int g = c.same_geometry ? 1 : d;  // 1: padded rows and blocks, block size 8
+      const int32_t bs = 4 << (g % 3);
       const int64_t blocks = (num_slots + bs - 1) / bs;
       MlaCacheGeometry mg = dense_mla_geometry(c.fmt.kv_format, blocks, bs);
-      mg.row_stride += 16 * d;
-      mg.block_stride = mg.row_stride * bs + 32 * d;
+      mg.row_stride += 16 * g;
+      mg.block_stride = mg.row_stride * bs + 32 * g;
       IndexerCacheGeometry ig = dense_indexer_geometry(blocks, bs);
-      ig.block_stride += 16 * d;
+      ig.block_stride += 16 * g;
       mla.emplace_back(mg.bytes(), c.misalign);
       idx.emplace_back(ig.bytes(), c.misalign);
       CacheTarget h, v;
@@ -320,6 +323,14 @@ std::vector<DispatchCase> dispatch_cases() {
       c.fmt = make_fmt(f.f, f.s, indexer, f.k_scale);
       add(c);
     }
+  for (KvFormat f : {KvFormat::kFp8DsMla, KvFormat::kFp8, KvFormat::kBf16}) {  // replicas of one geometry
+    DispatchCase c;
+    c.name = fmt::format("same_geometry_5_targets_{}", to_string(f));
+    c.num_targets = 5;
+    c.same_geometry = true;
+    c.fmt = make_fmt(f, DsMlaScale::kPow2, true, f == KvFormat::kFp8 ? 0.0173f : 1.0f);
+    add(c);
+  }
   {  // DeepSeek-V3.2 dims: q_lora 1536 (192 leaves, padded tree), NeoX indexer rope.
     DispatchCase c;
     c.name = "deepseek_q1536";
