@@ -48,8 +48,8 @@ def _describe(t) -> str:
 def first_overlap(writes: Sequence[tuple], reads: Sequence[tuple] = ()):
     """The first pair ((name, tensor), (name, tensor)) of a tensor of `writes` and another of `writes` or one of
     `reads` (each a sequence of (name, tensor or None)) whose memory overlaps, or None. Overlap is of the
-    tensors' byte extents by address (csrc/common.h first_overlap, the dispatch op's own check): a view of
-    another storage over the same memory counts; reads are not compared with each other."""
+    tensors' byte extents by address (pcpkv::first_overlap of pcpkv/core/byte_range.h, the ops' own check): a
+    view of another storage over the same memory counts; reads are not compared with each other."""
     writes = [(n, t) for n, t in writes if t is not None]
     reads = [(n, t) for n, t in reads if t is not None]
     hit = torch.ops.pcpkv.first_overlap([t for _, t in writes], [t for _, t in reads], True)
@@ -58,7 +58,7 @@ def first_overlap(writes: Sequence[tuple], reads: Sequence[tuple] = ()):
 
 def _refuse_overlapping(what: str, entries: Sequence[tuple]) -> None:
     """ValueError naming the first two of `entries` ((name, address, size in bytes): the entries of one pointer
-    table) whose byte ranges overlap. The check is csrc's first_overlap on address ranges, the ops' own."""
+    table) whose byte ranges overlap. The check is pcpkv::first_overlap on address ranges, the ops' own."""
     hit = torch.ops.pcpkv.first_range_overlap(pointer_table([p for _, p, _ in entries]), [n for _, _, n in entries])
     if hit:
         (a, pa, na), (b, pb, nb) = entries[hit[0]], entries[hit[1]]
