@@ -318,7 +318,8 @@ class FenceState:
                  num_local_ranks: int = 1, device=None, pads: Sequence[torch.Tensor] = ()):
         """pad_ptrs[r]: rank r's pad address (as mapped here; 8-byte aligned, num_barriers * 2 * world int64).
         Raises ValueError naming the argument for a count that is not a positive integer, hosted ranks
-        outside [0, world), a null or misaligned address, or a pad tensor that is not a contiguous int64
+        outside [0, world), a null or misaligned address, two pads that share memory (naming both: a rank's
+        signal would land in another rank's slots), or a pad tensor that is not a contiguous int64
         [num_barriers, 2, world] on the fence's device type."""
         for name, v, lo in (("world", world, 1), ("num_barriers", num_barriers, 1), ("first_rank", first_rank, 0),
                             ("num_local_ranks", num_local_ranks, 1)):
@@ -335,6 +336,8 @@ class FenceState:
         for r, p in enumerate(pad_ptrs):
             if p % 8:
                 raise ValueError(f"FenceState: pad_ptrs[{r}] = {p:#x} is not 8-byte aligned")
+        _refuse_overlapping("FenceState", [(f"pad_ptrs[{r}]", p, num_barriers * 2 * world * 8)
+                                           for r, p in enumerate(pad_ptrs)])
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.world, self.num_barriers, self.first_rank = world, num_barriers, first_rank
         self.pads = list(pads)
