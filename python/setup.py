@@ -26,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 
 def _sources():
     src = os.path.join(ROOT, "src")
-    core = [os.path.join(src, "core", f"{n}.cpp") for n in ("layout", "rope", "plan", "env")]
+    core = [os.path.join(src, "core", f"{n}.cpp") for n in ("layout", "rope", "plan", "env", "byte_range")]
     # transport "auto" (choose_transport and the transport names it returns)
     core += [os.path.join(src, "publish", f"{n}.cpp") for n in ("transport_choice", "transport_names")]
     cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]

@@ -35,24 +35,16 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarTy
   check_dense(t, name, {n}, dtype, device);
 }
 
+int64_t device_space(const c10::Device& d) {
+  return int64_t{static_cast<int8_t>(d.type())} * 256 + (d.index() + 1);  // index -1 (the CPU's): 0
+}
+
 ByteRange byte_range(const at::Tensor& t) {
   if (!t.defined() || t.numel() == 0 || t.const_data_ptr() == nullptr) return {};
   int64_t last = 0;
   for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  return {t.device(), lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())};
-}
-
-std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<ByteRange>& writes,
-                                                       const std::vector<ByteRange>& reads, bool writes_pairwise) {
-  const size_t n = writes.size() + reads.size();
-  for (size_t i = 0; i < writes.size(); ++i)
-    for (size_t j = writes_pairwise ? i + 1 : writes.size(); j < n; ++j) {
-      const ByteRange &a = writes[i], &b = j < writes.size() ? writes[j] : reads[j - writes.size()];
-      if (a.lo < a.hi && b.lo < b.hi && a.device == b.device && a.lo < b.hi && b.lo < a.hi)
-        return std::make_pair(i, j);
-    }
-  return std::nullopt;
+  return pcpkv::byte_range(t.const_data_ptr(), static_cast<uint64_t>((last + 1) * t.element_size()),
+                           device_space(t.device()));
 }
 
 std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& writes,
@@ -60,7 +52,7 @@ std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Ten
   std::vector<ByteRange> w, r;
   for (const at::Tensor& t : writes) w.push_back(byte_range(t));
   for (const at::Tensor& t : reads) r.push_back(byte_range(t));
-  return first_overlap(w, r, writes_pairwise);
+  return pcpkv::first_overlap(w, r, writes_pairwise);
 }
 
 namespace {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "pcpkv/publish/dispatch.h"
+#include "pcpkv/core/byte_range.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"
 
@@ -43,23 +44,18 @@ void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, a
 /// A 1-d contiguous tensor of n elements of `dtype` on `device`.
 void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device);
 
-/// Bytes [lo, hi) of memory on `device`; lo == hi: no memory (overlaps nothing).
-struct ByteRange {
-  c10::Device device = c10::Device(c10::kCPU);
-  uintptr_t lo = 0, hi = 0;
-};
-/// A tensor's extent [data_ptr, data_ptr + (1 + sum((size - 1) * stride)) * itemsize) on its device: two
-/// interleaved views of one buffer overlap. Undefined, empty and storage-less (meta) tensors: no memory.
+/// The one overlap contract of the ops, the Python tables (torch.ops.pcpkv.first_overlap / first_range_overlap) and
+/// the library's own parameter checks: pcpkv::ByteRange and pcpkv::first_overlap (pcpkv/core/byte_range.h).
+using pcpkv::ByteRange;
+/// A tensor's extent [data_ptr, data_ptr + (1 + sum((size - 1) * stride)) * itemsize) in the address space of its
+/// device (device_space): two interleaved views of one buffer overlap, tensors on two devices never do. Undefined,
+/// empty and storage-less (meta) tensors: no memory.
 ByteRange byte_range(const at::Tensor& t);
+/// pcpkv::ByteRange::space of a device: one per (type, index); the CPU's is 0, the library's default.
+int64_t device_space(const c10::Device& d);
 
-/// The first pair of ranges sharing a byte: (i, j) indexes writes ++ reads, i into writes and j either into writes
-/// (j > i, only when writes_pairwise) or past it into reads. Ranges on two devices never overlap. Pairs within
-/// reads are not compared (inputs may share memory, e.g. splits of one projection). The one overlap contract of
-/// the ops and of the Python tables (torch.ops.pcpkv.first_overlap / first_range_overlap).
-std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<ByteRange>& writes,
-                                                       const std::vector<ByteRange>& reads, bool writes_pairwise);
-/// The same over the tensors' byte_range: compares addresses, not storages (from_blob views of one buffer are two
-/// storages).
+/// pcpkv::first_overlap over the tensors' byte_range: compares addresses, not storages (from_blob views of one buffer
+/// are two storages).
 std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& writes,
                                                        const std::vector<at::Tensor>& reads, bool writes_pairwise);
 

@@ -356,7 +356,8 @@ static std::vector<int64_t> as_list(const std::optional<std::pair<size_t, size_t
   return {static_cast<int64_t>(hit->first), static_cast<int64_t>(hit->second)};
 }
 
-// first_overlap (csrc/common.h) for the Python entry points that name their own arguments: [] or [i, j].
+// first_overlap (csrc/common.h, over pcpkv::first_overlap) for the Python entry points that name their own
+// arguments: [] or [i, j].
 std::vector<int64_t> first_overlap_op(at::TensorList writes, at::TensorList reads, bool writes_pairwise) {
   return as_list(first_overlap(writes.vec(), reads.vec(), writes_pairwise));
 }
@@ -370,11 +371,9 @@ std::vector<int64_t> first_range_overlap(const at::Tensor& ptrs, at::IntArrayRef
   std::vector<ByteRange> r(p.size());
   for (size_t i = 0; i < p.size(); ++i) {
     TORCH_CHECK_VALUE(sizes[i] >= 0, "first_range_overlap: sizes[", i, "] = ", sizes[i], " is negative");
-    const auto lo = reinterpret_cast<uintptr_t>(p[i]), n = static_cast<uintptr_t>(sizes[i]);
-    r[i].lo = lo;
-    r[i].hi = n > UINTPTR_MAX - lo ? UINTPTR_MAX : lo + n;  // not wrapped to below lo: it still covers its bytes
+    r[i] = pcpkv::byte_range(p[i], static_cast<uint64_t>(sizes[i]));  // saturated: it still covers its bytes
   }
-  return as_list(first_overlap(r, {}, true));
+  return as_list(pcpkv::first_overlap(r, {}, true));
 }
 
 TORCH_LIBRARY(pcpkv, m) {

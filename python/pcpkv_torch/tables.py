@@ -48,8 +48,8 @@ def _describe(t) -> str:
 def first_overlap(writes: Sequence[tuple], reads: Sequence[tuple] = ()):
     """The first pair ((name, tensor), (name, tensor)) of a tensor of `writes` and another of `writes` or one of
     `reads` (each a sequence of (name, tensor or None)) whose memory overlaps, or None. Overlap is of the
-    tensors' byte extents by address (csrc/common.h first_overlap, the dispatch op's own check): a view of
-    another storage over the same memory counts; reads are not compared with each other."""
+    tensors' byte extents by address (pcpkv::first_overlap of pcpkv/core/byte_range.h, the ops' own check): a
+    view of another storage over the same memory counts; reads are not compared with each other."""
     writes = [(n, t) for n, t in writes if t is not None]
     reads = [(n, t) for n, t in reads if t is not None]
     hit = torch.ops.pcpkv.first_overlap([t for _, t in writes], [t for _, t in reads], True)
@@ -58,7 +58,7 @@ def first_overlap(writes: Sequence[tuple], reads: Sequence[tuple] = ()):
 
 def _refuse_overlapping(what: str, entries: Sequence[tuple]) -> None:
     """ValueError naming the first two of `entries` ((name, address, size in bytes): the entries of one pointer
-    table) whose byte ranges overlap. The check is csrc's first_overlap on address ranges, the ops' own."""
+    table) whose byte ranges overlap. The check is pcpkv::first_overlap on address ranges, the ops' own."""
     hit = torch.ops.pcpkv.first_range_overlap(pointer_table([p for _, p, _ in entries]), [n for _, _, n in entries])
     if hit:
         (a, pa, na), (b, pb, nb) = entries[hit[0]], entries[hit[1]]
@@ -318,7 +318,8 @@ class FenceState:
                  num_local_ranks: int = 1, device=None, pads: Sequence[torch.Tensor] = ()):
         """pad_ptrs[r]: rank r's pad address (as mapped here; 8-byte aligned, num_barriers * 2 * world int64).
         Raises ValueError naming the argument for a count that is not a positive integer, hosted ranks
-        outside [0, world), a null or misaligned address, or a pad tensor that is not a contiguous int64
+        outside [0, world), a null or misaligned address, two pads that share memory (naming both: a rank's
+        signal would land in another rank's slots), or a pad tensor that is not a contiguous int64
         [num_barriers, 2, world] on the fence's device type."""
         for name, v, lo in (("world", world, 1), ("num_barriers", num_barriers, 1), ("first_rank", first_rank, 0),
                             ("num_local_ranks", num_local_ranks, 1)):
@@ -335,6 +336,8 @@ class FenceState:
         for r, p in enumerate(pad_ptrs):
             if p % 8:
                 raise ValueError(f"FenceState: pad_ptrs[{r}] = {p:#x} is not 8-byte aligned")
+        _refuse_overlapping("FenceState", [(f"pad_ptrs[{r}]", p, num_barriers * 2 * world * 8)
+                                           for r, p in enumerate(pad_ptrs)])
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.world, self.num_barriers, self.first_rank = world, num_barriers, first_rank
         self.pads = list(pads)

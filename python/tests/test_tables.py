@@ -192,6 +192,15 @@ def test_from_pointers_row_dests_and_fence_state_check_what_they_record():
         pk.FenceState([ptrs[0], ptrs[1] + 4], world=2)
     with pytest.raises(ValueError, match=r"pad_ptrs\[0\]"):
         pk.FenceState([0, ptrs[1]], world=2)
+    # Pads sharing memory (one pad twice, a pad 8 bytes into another) were accepted: a rank's signal then landed in
+    # another rank's slots. Refused naming both; pads that only touch (one buffer split in two) are accepted.
+    for shared in ([ptrs[0], ptrs[0]], [ptrs[0], ptrs[0] + 8]):
+        with pytest.raises(ValueError, match=r"FenceState: pad_ptrs\[0\] = .* \(64 B\) overlaps pad_ptrs\[1\] = "):
+            pk.FenceState(shared, world=2, num_barriers=2)
+    with pytest.raises(ValueError, match=r"FenceState: pad_ptrs\[0\] = .* overlaps pad_ptrs\[1\] = "):
+        pk.FenceState.local([pads[0], pads[0]], num_barriers=2)
+    one = torch.zeros((2, 2, 2, 2), dtype=torch.int64)
+    assert pk.FenceState.local([one[0], one[1]], num_barriers=2).world == 2
 
 
 def test_pointer_tables_refuse_overlapping_entries():

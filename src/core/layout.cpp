@@ -4,6 +4,7 @@
 #include <cfloat>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv {
 
@@ -22,13 +23,13 @@ KvFormat parse_kv_format(const std::string& s, const char* field) {
   if (s == "bf16") return KvFormat::kBf16;
   if (s == "fp8" || s == "fp8_e4m3") return KvFormat::kFp8;
   if (s == "fp8_ds_mla") return KvFormat::kFp8DsMla;
-  PCPKV_FAIL("--{}: unknown kv cache format '{}'; known: bf16, fp8, fp8_ds_mla", field, s);
+  PCPKV_FAIL("--{}: unknown kv cache format '{}'; known: bf16, fp8, fp8_ds_mla", field, clip(s));
 }
 
 DsMlaScale parse_ds_mla_scale(const std::string& s, const char* field) {
   if (s == "pow2") return DsMlaScale::kPow2;
   if (s == "raw") return DsMlaScale::kRaw;
-  PCPKV_FAIL("--{}: unknown fp8_ds_mla scale rule '{}'; known: pow2, raw", field, s);
+  PCPKV_FAIL("--{}: unknown fp8_ds_mla scale rule '{}'; known: pow2, raw", field, clip(s));
 }
 
 std::optional<std::string> scale_problem(double scale) {

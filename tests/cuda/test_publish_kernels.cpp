@@ -21,6 +21,7 @@
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/rope.h"
 #include "support/bytes.h"
+#include "support/error_of.h"
 #include "support/random_bf16.h"
 #include "support/gpu.h"
 
@@ -590,6 +591,24 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     EXPECT_TRUE(same(insert_tg.mla[static_cast<size_t>(d)], fmt::format("insert target {} mla", d)));
     EXPECT_TRUE(same(insert_tg.idx[static_cast<size_t>(d)], fmt::format("insert target {} indexer", d)));
   }
+  // Two jobs of one launch writing one replica (they run at once) are refused before anything is enqueued,
+  // naming both (validate_combine_jobs / validate_insert_jobs; the launchers accepted them).
+  const std::vector<InsertParams> same_ins = {ins_jobs[0], ins_jobs[0]};
+  EXPECT_NE(test::error_of([&] { cuda_detail::launch_insert_mla(same_ins.data(), 2, nullptr); })
+                .find("insert: jobs[0].target.mla_base (bytes [0x"),
+            std::string::npos);
+  CombineParams comb;
+  comb.rows = d_rows.data();
+  comb.num_src_ranks = W;
+  comb.max_local_tokens = M;
+  comb.row_bytes = layout.row_bytes;
+  comb.slot_mapping = d_slots.as<const int64_t>();
+  comb.fmt = cc.fmt;
+  comb.target = insert_tg.dev_view[0];
+  const std::vector<CombineParams> same_comb = {comb, comb};
+  const std::string e = test::error_of([&] { cuda_detail::launch_combine(same_comb.data(), 2, nullptr); });
+  EXPECT_NE(e.find("combine: jobs[0].target.mla_base (bytes [0x"), std::string::npos) << e;
+  EXPECT_NE(e.find(") overlaps jobs[1].target.mla_base (bytes [0x"), std::string::npos) << e;
 }
 
 std::vector<CopyCase> copy_cases() {

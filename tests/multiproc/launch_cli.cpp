@@ -114,6 +114,31 @@ TEST(LaunchCpuMisc, TorchrunStyleVariables) {
   EXPECT_NE(out[0].output.find("verdict: PASS"), std::string::npos) << out[0].output;
 }
 
+// A switch with an odd value is bad input: exit 2 and one line naming it, inside a torchrun-style rank
+// (PCPKV_ALLOW_NONLOCAL_MASTER, read with the rank's variables) as at the top level (PCPKV_CHECK_REPLICAS, read by
+// every command), not the 4 of a failed rendezvous. Under `pcpkv launch` the ranks meet through PCPKV_BOOTSTRAP,
+// never MASTER_ADDR, so nothing reads PCPKV_ALLOW_NONLOCAL_MASTER there.
+TEST(LaunchCpuMisc, AnOddSwitchIsBadInputInsideARankAsAtTheTopLevel) {
+  const std::string line = "must be 1 (on) or 0 / empty / unset (off), got 'yes'\n";
+  auto env = clean_env();
+  env.push_back({"PCPKV_CHECK_REPLICAS", "yes"});
+  auto r = run_program({"run", "--tokens", "16", "--decodes", "0", "--pcp", "2"}, 60, env);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.output.find("pcpkv: error: PCPKV_CHECK_REPLICAS: " + line), std::string::npos) << r.output;
+  env = clean_env();
+  env.push_back({"RANK", "0"});
+  env.push_back({"WORLD_SIZE", "1"});
+  env.push_back({"MASTER_PORT", "29500"});
+  env.push_back({"PCPKV_ALLOW_NONLOCAL_MASTER", "yes"});
+  r = run_program({"mp-publish", "--backend", "cpu", "--tokens", "8"}, 60, env);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_EQ(r.output, "pcpkv: error: mp-publish rank 0: PCPKV_ALLOW_NONLOCAL_MASTER: " + line) << describe(r);
+  env = clean_env();
+  env.push_back({"PCPKV_ALLOW_NONLOCAL_MASTER", "yes"});
+  r = run_program({"launch", "--nproc", "2", "--", "mp-publish", "--backend", "cpu", "--tokens", "8"}, 120, env);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+}
+
 TEST(LaunchCpuMisc, WrongTokenAndWorldSizeMismatchGiveClearErrors) {
   test::TempDir dir;
   const std::string sock = dir.path + "/rv.sock";

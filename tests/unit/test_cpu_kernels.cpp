@@ -90,6 +90,28 @@ struct Batch {
     p.slot_mapping = slots.data();
     return p;
   }
+  // Combine of transport rows [2][T / 2][row_bytes] into this batch's replica, by its slots.
+  CombineParams combine_params(const uint8_t* rows) {
+    CombineParams c;
+    c.rows = rows;
+    c.num_src_ranks = 2;
+    c.max_local_tokens = T / 2;
+    c.row_bytes = transport_row_layout(fmt).row_bytes;
+    c.slot_mapping = slots.data();
+    c.fmt = fmt;
+    c.target = target();
+    return c;
+  }
+  // Insert of gathered bf16 rows into this batch's replica, kv_c, k_pe and index_k all read from `bf16`.
+  InsertParams insert_params(const uint16_t* bf16) {
+    InsertParams ip;
+    ip.num_tokens = T;
+    ip.kv_c = ip.k_pe = ip.index_k = bf16;
+    ip.slot_mapping = slots.data();
+    ip.fmt = fmt;
+    ip.target = target();
+    return ip;
+  }
 };
 
 // ---- independent re-statement of SPEC section 2 in the canonical order (recursive tree) ----------------
@@ -634,27 +656,13 @@ TEST(CpuKernels, BadCombineAndInsertThrowBeforeWriting) {
   const CacheFormat f = make_fmt(KvFormat::kFp8);
   Batch b(8, f, 91);
   std::vector<uint8_t> rows(8 * 720, 1);
-  CombineParams c;
-  c.rows = rows.data();
-  c.num_src_ranks = 2;
-  c.max_local_tokens = 4;
-  c.row_bytes = 720;
-  c.slot_mapping = b.slots.data();
-  c.fmt = f;
-  c.target = b.target();
+  CombineParams c = b.combine_params(rows.data());
   b.slots[6] = b.slots[1];
   EXPECT_NE(error_of([&] { combine_reference(c); }).find("combine: slot_mapping[6]"), std::string::npos);
   b.slots[6] = 1000;
   EXPECT_NE(error_of([&] { combine_reference(c); }).find("slot_mapping[6] = 1000 is out of range"), std::string::npos);
   std::vector<uint16_t> bf(8 * 512, 0x3f80);
-  InsertParams ip;
-  ip.num_tokens = 8;
-  ip.kv_c = bf.data();
-  ip.k_pe = bf.data();
-  ip.index_k = bf.data();
-  ip.slot_mapping = b.slots.data();
-  ip.fmt = f;
-  ip.target = b.target();
+  InsertParams ip = b.insert_params(bf.data());
   EXPECT_NE(error_of([&] { insert_reference(ip); }).find("insert: slot_mapping[6] = 1000"), std::string::npos);
   b.slots[6] = 5000;  // in range of nothing, but fix and break k_scale instead
   b.slots[6] = -1;
@@ -666,6 +674,100 @@ TEST(CpuKernels, BadCombineAndInsertThrowBeforeWriting) {
             std::string::npos);
   EXPECT_TRUE(b.mla.untouched("mla after bad combine/insert"));
   EXPECT_TRUE(b.idx.untouched("indexer after bad combine/insert"));
+}
+
+// The library's combine / insert / dispatch wrote through overlapping outputs (a replica listed twice, an indexer
+// cache inside the MLA cache, staging rows inside a cache): only the torch ops refused them. Each case names both
+// fields and writes nothing; the CUDA launchers run the same checks (validate_*_shape, validate_*_jobs).
+TEST(CpuKernels, OverlappingOutputsAreRefusedNamingBothFieldsBeforeWriting) {
+  const CacheFormat f = make_fmt(KvFormat::kFp8);
+  Batch b(8, f, 93);
+  std::vector<uint8_t> rows(8 * 720, 1);
+  CombineParams c = b.combine_params(rows.data());
+  const auto refused = [](const std::string& e, const std::string& op, const std::string& a, const std::string& b) {
+    return e.rfind(op + ": " + a + " (bytes [0x", 0) == 0 &&
+           e.find(") overlaps " + b + " (bytes [0x") != std::string::npos &&
+           e.find("an output must not share memory with an input or another output") != std::string::npos;
+  };
+  std::string e;
+  // The indexer cache inside the MLA cache (one byte in), then the staging rows inside the MLA cache.
+  c.target.index_base = b.mla.data() + b.mg.bytes() - 1;
+  e = error_of([&] { combine_reference(c); });
+  EXPECT_TRUE(refused(e, "combine", "target.mla_base", "target.index_base")) << e;
+  c.target = b.target();
+  c.rows = b.mla.data() + 720;
+  e = error_of([&] { combine_reference(c); });
+  EXPECT_TRUE(refused(e, "combine", "target.mla_base", "rows")) << e;
+  c.rows = rows.data();
+  c.slot_mapping = reinterpret_cast<const int64_t*>(b.idx.data());
+  e = error_of([&] { combine_reference(c); });
+  EXPECT_TRUE(refused(e, "combine", "target.index_base", "slot_mapping")) << e;
+  c.slot_mapping = b.slots.data();
+
+  std::vector<uint16_t> bf(8 * 512, 0x3f80);
+  InsertParams ip = b.insert_params(bf.data());  // inputs may share memory
+  ip.index_k = reinterpret_cast<const uint16_t*>(b.idx.data() + 132);
+  e = error_of([&] { insert_reference(ip); });
+  EXPECT_TRUE(refused(e, "insert", "target.index_base", "index_k")) << e;
+  ip.index_k = bf.data();
+  ip.target.mla_base = b.idx.data();
+  e = error_of([&] { insert_reference(ip); });
+  EXPECT_TRUE(refused(e, "insert", "target.mla_base", "target.index_base")) << e;
+  ip.target = b.target();
+
+  // Two jobs of one CUDA launch (validate_*_jobs): one replica twice, a replica over another job's input.
+  CombineParams jobs[2] = {c, c};
+  e = error_of([&] { validate_combine_jobs(jobs, 2); });
+  EXPECT_TRUE(refused(e, "combine", "jobs[0].target.mla_base", "jobs[1].target.mla_base")) << e;
+  Batch other(8, f, 94);
+  jobs[1].target = other.target();
+  jobs[1].rows = b.idx.data();
+  e = error_of([&] { validate_combine_jobs(jobs, 2); });
+  EXPECT_TRUE(refused(e, "combine", "jobs[0].target.index_base", "jobs[1].rows")) << e;
+  InsertParams ins[2] = {ip, ip};
+  ins[1].target = other.target();
+  ins[1].kv_c = reinterpret_cast<const uint16_t*>(other.mla.data());
+  e = error_of([&] { validate_insert_jobs(ins, 2); });
+  EXPECT_TRUE(refused(e, "insert", "jobs[1].target.mla_base", "jobs[1].kv_c")) << e;
+
+  // dispatch: a replica listed twice, transport rows inside a replica, a materialized output over an input.
+  Batch d(8, f, 95);
+  DispatchParams p = d.params();
+  CacheTarget targets[2] = {d.target(), d.target()};
+  p.targets = targets;
+  p.num_targets = 2;
+  e = error_of([&] { dispatch_reference(p); });
+  EXPECT_TRUE(refused(e, "dispatch", "targets[0].mla_base", "targets[1].mla_base")) << e;
+  p.num_targets = 1;
+  uint8_t* dest = d.mla.data() + d.mg.bytes() - 720;
+  p.row_dests = &dest;
+  p.num_row_dests = 1;
+  p.row_bytes = 720;
+  e = error_of([&] { dispatch_reference(p); });
+  EXPECT_TRUE(refused(e, "dispatch", "targets[0].mla_base", "row_dests[0]")) << e;
+  p.num_row_dests = 0;
+  p.kv_c_out = const_cast<uint16_t*>(p.kv) + 512 * 7;
+  e = error_of([&] { dispatch_reference(p); });
+  EXPECT_TRUE(refused(e, "dispatch", "kv_c_out", "kv")) << e;
+  p.kv_c_out = nullptr;
+  std::vector<uint16_t> q_out(8 * kQRank);
+  p.q_c = d.q_c.data();
+  p.q_c_stride = kQRank;
+  p.q_c_out = reinterpret_cast<uint16_t*>(d.idx.data());
+  e = error_of([&] { dispatch_reference(p); });
+  EXPECT_TRUE(refused(e, "dispatch", "targets[0].index_base", "q_c_out")) << e;
+  for (const Batch* x : {&b, &other, &d}) {
+    EXPECT_TRUE(x->mla.untouched("mla after refused overlaps"));
+    EXPECT_TRUE(x->idx.untouched("indexer after refused overlaps"));
+  }
+
+  // Adjacent regions share no byte: an indexer cache right after the MLA cache's last slot, in one allocation.
+  test::GuardedBuffer both(b.mg.bytes() + b.ig.bytes());
+  c.target.mla_base = both.data();
+  c.target.index_base = both.data() + b.mg.bytes();
+  EXPECT_NO_THROW(combine_reference(c));
+  p.q_c_out = q_out.data();
+  EXPECT_NO_THROW(dispatch_reference(p));
 }
 
 TEST(CpuKernels, EmptyBatchIsANoOp) {

@@ -2,7 +2,13 @@
 // the CPU. An unknown value ("wrap") used to run the default kernel without a word.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "pcpkv/core/error.h"
 #include "publish/dispatch_variant.h"
@@ -33,6 +39,40 @@ TEST(DispatchVariantEnv, AnUnknownValueIsRefusedNamingVariableValueAndTheAccepte
   const std::string e = test::error_of([&] { dispatch_variant_from_env(huge.c_str()); });
   EXPECT_NE(e.find("PCPKV_DISPATCH_VARIANT: 'www"), std::string::npos) << e;
   EXPECT_LT(e.size(), 1000u);
+}
+
+// python/README.md and pcpkv_torch.ops listed "simple|prefetch|warp" while the launcher also takes warp_pf: every
+// "PCPKV_DISPATCH_VARIANT=a|b|..." the docs and headers write must list exactly the values the rule accepts.
+TEST(DispatchVariantEnv, EveryDocumentedListIsExactlyTheAcceptedValues) {
+  std::string accepted;
+  for (DispatchVariant v : {DispatchVariant::kAuto, DispatchVariant::kSimple, DispatchVariant::kPrefetch,
+                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch}) {
+    try {
+      dispatch_variant_from_env(to_string(v));
+      if (!accepted.empty()) accepted += '|';
+      accepted += to_string(v);
+    } catch (const Error&) {  // "auto" is refused
+    }
+  }
+  ASSERT_EQ(accepted, "simple|prefetch|warp|warp_pf");
+  namespace fs = std::filesystem;
+  const fs::path root(PCPKV_SOURCE_DIR);
+  std::vector<fs::path> files = {root / "README.md", root / "python" / "README.md"};
+  const std::set<std::string> exts = {".md", ".h", ".cpp", ".cu", ".py"};
+  for (const char* dir : {"docs", "include", "src", "python/pcpkv_torch"})
+    for (const auto& e : fs::recursive_directory_iterator(root / dir))
+      if (e.is_regular_file() && exts.count(e.path().extension().string())) files.push_back(e.path());
+  static const std::regex listed(R"(PCPKV_DISPATCH_VARIANT=([a-z_]+(\|[a-z_]+)*))");
+  int num_lists = 0;
+  for (const fs::path& f : files) {
+    std::ifstream in(f);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string text = ss.str();
+    for (std::sregex_iterator m(text.begin(), text.end(), listed), end; m != end; ++m, ++num_lists)
+      EXPECT_EQ((*m)[1].str(), accepted) << fs::relative(f, root).string();
+  }
+  EXPECT_GE(num_lists, 4);  // python/README.md, pcpkv_torch/ops.py, docs/perf.md, pcpkv/publish/kernels.h
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/layout.h"
 #include "support/error_of.h"
 
@@ -87,6 +88,18 @@ TEST(Layout, BadGeometries) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()), "--kv-format: unknown kv cache format 'fp4'; known: bf16, fp8, fp8_ds_mla");
   }
+}
+
+// A huge name was quoted whole (a 1 MB --kv-format value gave a 1 MB error line): clipped like every quoted value
+// (input_limits.h clip, kMaxQuotedChars), the known names still listed after it.
+TEST(Layout, UnknownFormatNamesAreQuotedClipped) {
+  const std::string huge(100000, 'x');
+  const std::string clipped = clip(huge);
+  EXPECT_EQ(error_of([&] { parse_kv_format(huge, "kv-format"); }),
+            "--kv-format: unknown kv cache format '" + clipped + "'; known: bf16, fp8, fp8_ds_mla");
+  EXPECT_EQ(error_of([&] { parse_ds_mla_scale(huge, "ds-mla-scale"); }),
+            "--ds-mla-scale: unknown fp8_ds_mla scale rule '" + clipped + "'; known: pow2, raw");
+  EXPECT_LT(error_of([&] { parse_kv_format(huge); }).size(), 400u);
 }
 
 // Fuzz finding (fuzz_cache_targets, corpus huge-counts): sizes whose products overflow int64 were signed

@@ -59,13 +59,16 @@ std::vector<std::string> dispatch_kernel_resources();
 // ---- combine (staging -> local caches) -----------------------------------------------------------------
 /// What rows_per_warp = 0 means. Change it only after `pcpkv bench --layer-variants ...` measured it.
 constexpr int kDefaultCombineRowsPerWarp = 1;
-/// Enqueues the combine of every job (one launch for up to 8). Throws pcpkv::Error on a bad parameter.
+/// Enqueues the combine of every job (one launch for up to 8). Throws pcpkv::Error on a bad parameter, or when a
+/// job's caches overlap its inputs or another job's caches or inputs (validate_combine_jobs of pcpkv/publish/cpu.h).
 /// rows_per_warp: 1 (one warp per row, the slot read before the row), 2 or 4 (a warp reads the slots and
 /// rows of that many rows at once, then stores), 0 = kDefaultCombineRowsPerWarp. pdl: see launch_dispatch.
 void launch_combine(const CombineParams* jobs, int num_jobs, CUstream_st* stream, int rows_per_warp = 0,
                     bool pdl = false);
 
 // ---- collect: quantize-and-insert --------------------------------------------------------------------------
+/// Both throw pcpkv::Error on a bad parameter, or when a job's caches overlap its inputs or another job's caches or
+/// inputs (validate_insert_jobs of pcpkv/publish/cpu.h); nothing is enqueued then.
 /// MLA cache rows of every job (kv_c, k_pe); the indexer part is ignored here.
 void launch_insert_mla(const InsertParams* jobs, int num_jobs, CUstream_st* stream);
 /// Indexer-K slots of every job (jobs whose fmt.has_indexer is false are skipped).

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "pcpkv/publish/cpu.h"
+#include "pcpkv/core/byte_range.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/plan.h"
 
@@ -26,6 +28,98 @@ void check_eps(float eps, const char* name) {
 void check_rope_style(RopeStyle s, const char* name) {
   PCPKV_CHECK(s == RopeStyle::kInterleaved || s == RopeStyle::kNeox, "{} = {} is not a RopeStyle", name,
               static_cast<int>(s));
+}
+
+// A region of memory one call reads or writes, named by its field ("target.mla_base", "jobs[1].targets[3].index_base").
+// The name is kept in parts and formatted only for the error: the check runs on every launch (~2.5 us per dispatch of
+// 8 targets with formatted names, measured on the 2-core CI machine).
+struct Region {
+  const char* field;
+  ByteRange range;
+  int index = -1;              // field[index]
+  const char* part = nullptr;  // field.part
+  int job = -1;                // jobs[job].field
+};
+
+std::string name_of(const Region& r) {
+  std::string s = r.job >= 0 ? fmt::format("jobs[{}].{}", r.job, r.field) : std::string(r.field);
+  if (r.index >= 0) s += fmt::format("[{}]", r.index);
+  if (r.part != nullptr) s += fmt::format(".{}", r.part);
+  return s;
+}
+
+// rows rows of width elements of elem_bytes bytes, stride elements apart: ((rows - 1) * stride + width) * elem_bytes
+// bytes (saturated: a hostile count must not wrap to a small range). Strides are checked >= width before.
+ByteRange rows_range(const void* p, int64_t rows, int64_t stride, int64_t width, int64_t elem_bytes) {
+  if (rows <= 0 || width <= 0) return {};
+  const unsigned __int128 n = (static_cast<unsigned __int128>(rows - 1) * static_cast<uint64_t>(stride) +
+                               static_cast<uint64_t>(width)) * static_cast<uint64_t>(elem_bytes);
+  return byte_range(p, n > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(n));
+}
+// rows dense rows of width elements.
+ByteRange dense_rows(const void* p, int64_t rows, int64_t width, int64_t elem_bytes) {
+  return rows_range(p, rows, width, width, elem_bytes);
+}
+
+// The caches a target's rows land in, up to the end of its last slot (the extent of the uint8 [num_blocks,
+// block_size, row] tensors the torch ops take; pcpkv_torch.CacheTargets computes the same). Geometry validated.
+void add_target(std::vector<Region>& out, const CacheTarget& t, const CacheFormat& fmt, const char* field, int index,
+                int job) {
+  // [base, end of the last slot): (num_blocks - 1) block strides, then the last block's rows.
+  const auto extent = [](int64_t num_blocks, int64_t block_stride, int64_t last_block_bytes) -> uint64_t {
+    return num_blocks <= 0 ? 0 : static_cast<uint64_t>((num_blocks - 1) * block_stride + last_block_bytes);
+  };
+  const int64_t mla_last = (t.mla.block_size - 1) * t.mla.row_stride + mla_row_bytes(fmt.kv_format);
+  out.push_back({field, byte_range(t.mla_base, extent(t.mla.num_blocks, t.mla.block_stride, mla_last)), index,
+                 "mla_base", job});
+  if (!fmt.has_indexer) return;
+  const int64_t index_last = int64_t{t.index.block_size} * kIndexerSlotBytes;
+  out.push_back({field, byte_range(t.index_base, extent(t.index.num_blocks, t.index.block_stride, index_last)), index,
+                 "index_base", job});
+}
+
+// Throws naming the first output of `writes` that shares a byte with another output or with an input of `reads`,
+// and that one (first_overlap). The kernels read and write rows in any order (on the GPU many blocks at once), so
+// an output over an input or over another output corrupts rows another token reads or writes.
+void refuse_overlap(const char* op, const std::vector<Region>& writes, const std::vector<Region>& reads) {
+  std::vector<ByteRange> w, r;
+  w.reserve(writes.size());
+  r.reserve(reads.size());
+  for (const Region& x : writes) w.push_back(x.range);
+  for (const Region& x : reads) r.push_back(x.range);
+  const auto hit = first_overlap(w, r, true);
+  if (!hit) return;
+  const Region& a = writes[hit->first];
+  const Region& b = hit->second < writes.size() ? writes[hit->second] : reads[hit->second - writes.size()];
+  PCPKV_FAIL("{}: {} (bytes [{:#x}, {:#x})) overlaps {} (bytes [{:#x}, {:#x})): an output must not share memory "
+             "with an input or another output (rows are read and written in any order)",
+             op, name_of(a), a.range.lo, a.range.hi, name_of(b), b.range.lo, b.range.hi);
+}
+
+// What one combine / insert job writes (its target) and reads; job >= 0 names the fields "jobs[job].field".
+void combine_regions(const CombineParams& p, int job, std::vector<Region>& writes, std::vector<Region>& reads) {
+  const int64_t n = int64_t{p.num_src_ranks} * p.max_local_tokens;
+  add_target(writes, p.target, p.fmt, "target", -1, job);
+  reads.push_back({"rows", dense_rows(p.rows, n, p.row_bytes, 1), -1, nullptr, job});
+  reads.push_back({"slot_mapping", dense_rows(p.slot_mapping, n, 1, 8), -1, nullptr, job});
+}
+
+void insert_regions(const InsertParams& p, int job, std::vector<Region>& writes, std::vector<Region>& reads) {
+  const int64_t T = p.num_tokens;
+  add_target(writes, p.target, p.fmt, "target", -1, job);
+  reads.push_back({"kv_c", dense_rows(p.kv_c, T, kKvLoraRank, 2), -1, nullptr, job});
+  reads.push_back({"k_pe", dense_rows(p.k_pe, T, kRopeDims, 2), -1, nullptr, job});
+  if (p.fmt.has_indexer) reads.push_back({"index_k", dense_rows(p.index_k, T, kIndexHeadDim, 2), -1, nullptr, job});
+  reads.push_back({"slot_mapping", dense_rows(p.slot_mapping, T, 1, 8), -1, nullptr, job});
+}
+
+// The jobs of one launch run at once: no job's output may overlap another job's output or any job's input.
+template <class Params, class RegionsFn>
+void refuse_overlap_between_jobs(const char* op, const Params* jobs, int num_jobs, RegionsFn regions) {
+  if (num_jobs < 2) return;  // one job: its shape check compared its own regions
+  std::vector<Region> writes, reads;
+  for (int i = 0; i < num_jobs; ++i) regions(jobs[i], i, writes, reads);
+  refuse_overlap(op, writes, reads);
 }
 
 }  // namespace
@@ -112,6 +206,32 @@ void validate_dispatch_shape(const DispatchParams& p) {
     PCPKV_CHECK(p.row_bytes == want, "dispatch: row_bytes = {} but a {}{} transport row has {} B", p.row_bytes,
                 to_string(p.fmt.kv_format), p.fmt.has_indexer ? " + indexer" : "", want);
   }
+  // No output (cache targets, transport rows, materialized tensors) over an input or another output.
+  std::vector<Region> writes, reads;
+  writes.reserve(2 * static_cast<size_t>(p.num_targets) + static_cast<size_t>(p.num_row_dests) + 5);
+  reads.reserve(13);
+  for (int32_t d = 0; d < p.num_targets; ++d) add_target(writes, p.targets[d], p.fmt, "targets", d, -1);
+  for (int32_t d = 0; d < p.num_row_dests; ++d)
+    writes.push_back({"row_dests", dense_rows(p.row_dests[d], T, p.row_bytes, 1), d});
+  writes.push_back({"q_c_out", dense_rows(p.q_c_out, T, p.q_lora_rank, 2)});
+  writes.push_back({"kv_c_out", dense_rows(p.kv_c_out, T, kKvLoraRank, 2)});
+  writes.push_back({"k_pe_out", dense_rows(p.k_pe_out, T, kRopeDims, 2)});
+  writes.push_back({"index_k_out", dense_rows(p.index_k_out, T, kIndexHeadDim, 2)});
+  writes.push_back({"topk_fill", dense_rows(p.topk_fill, T, p.topk_width, 4)});
+  reads.push_back({"q_c", rows_range(p.q_c, T, p.q_c_stride, p.q_lora_rank, 2)});
+  reads.push_back({"kv", rows_range(p.kv, T, p.kv_stride, kKvLoraRank, 2)});
+  reads.push_back({"k_pe", rows_range(p.k_pe, T, p.k_pe_stride, kRopeDims, 2)});
+  if (p.fmt.has_indexer) reads.push_back({"index_k", rows_range(p.index_k, T, p.index_k_stride, kIndexHeadDim, 2)});
+  reads.push_back({"positions", dense_rows(p.positions, T, 1, 8)});
+  reads.push_back({"slot_mapping", dense_rows(p.slot_mapping, T, 1, 8)});
+  reads.push_back({"q_norm_w", dense_rows(p.q_norm_w, 1, p.q_lora_rank, 4)});
+  reads.push_back({"kv_norm_w", dense_rows(p.kv_norm_w, 1, kKvLoraRank, 4)});
+  if (p.fmt.has_indexer) {
+    reads.push_back({"index_ln_w", dense_rows(p.index_ln_w, 1, kIndexHeadDim, 4)});
+    reads.push_back({"index_ln_b", dense_rows(p.index_ln_b, 1, kIndexHeadDim, 4)});
+  }
+  reads.push_back({"rope_cos_sin", dense_rows(p.rope_cos_sin, p.rope_num_positions, kRopeDims, 4)});
+  refuse_overlap("dispatch", writes, reads);
 }
 
 void validate_dispatch(const DispatchParams& p) {
@@ -139,6 +259,13 @@ void validate_combine_shape(const CombineParams& p) {
   PCPKV_CHECK(n == 0 || p.rows != nullptr, "combine: rows is null for {} rows", n);
   PCPKV_CHECK(n == 0 || p.slot_mapping != nullptr, "combine: slot_mapping is null for {} rows", n);
   validate_cache_target(p.target, p.fmt, "combine: target");
+  std::vector<Region> writes, reads;
+  combine_regions(p, -1, writes, reads);
+  refuse_overlap("combine", writes, reads);
+}
+
+void validate_combine_jobs(const CombineParams* jobs, int num_jobs) {
+  refuse_overlap_between_jobs("combine", jobs, num_jobs, combine_regions);
 }
 
 void validate_combine(const CombineParams& p) {
@@ -159,6 +286,13 @@ void validate_insert_shape(const InsertParams& p) {
   }
   if (!p.fmt.has_indexer) PCPKV_CHECK(p.index_k == nullptr, "insert: index_k is set but fmt.has_indexer = false");
   validate_cache_target(p.target, p.fmt, "insert: target");
+  std::vector<Region> writes, reads;
+  insert_regions(p, -1, writes, reads);
+  refuse_overlap("insert", writes, reads);
+}
+
+void validate_insert_jobs(const InsertParams* jobs, int num_jobs) {
+  refuse_overlap_between_jobs("insert", jobs, num_jobs, insert_regions);
 }
 
 void validate_insert(const InsertParams& p) {

@@ -222,6 +222,7 @@ void launch_combine(const CombineParams* jobs, int num_jobs, cudaStream_t stream
     PCPKV_CHECK(jobs[i].fmt.kv_format == jobs[0].fmt.kv_format && jobs[i].fmt.has_indexer == jobs[0].fmt.has_indexer,
                 "combine: job {}: every job of one launch must share the cache format", i);
   }
+  validate_combine_jobs(jobs, num_jobs);
   for (int first = 0; first < num_jobs; first += kMaxJobs) {
     const int n = std::min(kMaxJobs, num_jobs - first);
     CombineArgs a;

@@ -164,6 +164,7 @@ void launch_insert(const InsertParams* jobs, int num_jobs, cudaStream_t stream, 
                     p.fmt.k_scale == jobs[0].fmt.k_scale,
                 "insert: job {}: every job of one launch must share the cache format", i);
   }
+  validate_insert_jobs(jobs, num_jobs);
   for (int first = 0; first < num_jobs; first += kMaxJobs) {
     const int n = std::min(kMaxJobs, num_jobs - first);
     InsertArgs a;
