@@ -270,6 +270,8 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   }
 
   int running = n;
+  std::vector<int> failure_order(static_cast<size_t>(n), n);  // the order the failures were reported in
+  int num_reported = 0;
   bool any_failed = false;
   Clock::time_point first_failure{};
   bool sent_term = false, sent_kill = false;
@@ -299,7 +301,11 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     for (size_t i = 0; i < pfds.size(); ++i)
       if (pfds[i].revents) relay(streams[idx[i]], false);
 
-    // Reap.
+    // Reap every rank that ended since the last sweep, then report them. Ranks found in one sweep ended within
+    // one poll interval of each other, in an order waitpid cannot tell; the ones a signal ended (not by the
+    // launcher) come first: the others exited or were stopped because of it (a rank that exits with 4 because a
+    // peer is gone cannot have ended before that peer). That order decides the first failure below.
+    std::vector<int> ended;
     for (int r = 0; r < n; ++r) {
       pid_t& pid = pids[static_cast<size_t>(r)];
       if (pid <= 0) continue;
@@ -311,7 +317,17 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
       e.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
       pid = -1;
       --running;
+      ended.push_back(r);
+    }
+    const auto cause_rank = [&](int r) {  // 0: killed by a signal (a crash, a kill), 1: exited, 2: stopped by us
+      const RankExit& e = result.ranks[static_cast<size_t>(r)];
+      return e.stopped_by_launcher ? 2 : e.signal != 0 ? 0 : 1;
+    };
+    std::stable_sort(ended.begin(), ended.end(), [&](int a, int b) { return cause_rank(a) < cause_rank(b); });
+    for (int r : ended) {
+      RankExit& e = result.ranks[static_cast<size_t>(r)];
       if (!e.ok()) {
+        failure_order[static_cast<size_t>(r)] = num_reported++;
         // Flush what the rank printed before saying it failed.
         for (Stream& s : streams)
           if (s.rank == r) relay(s, true);
@@ -365,13 +381,14 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   ::sigaction(SIGTERM, &old_term, nullptr);
   ::sigaction(SIGPIPE, &old_pipe, nullptr);
 
-  // Exit code: the first rank (by time) that failed.
+  // Exit code: the first failed rank, in the order reported (by time, and within one sweep the signal deaths).
   const RankExit* first = nullptr;
   int num_failed = 0;
   for (const RankExit& e : result.ranks) {
     if (e.ok()) continue;
     ++num_failed;
-    if (!first || e.seconds < first->seconds) first = &e;
+    if (!first || failure_order[static_cast<size_t>(e.rank)] < failure_order[static_cast<size_t>(first->rank)])
+      first = &e;
     result.summary += fmt::format("rank {} (pid {}): {}\n", e.rank, e.pid,
                                   e.signal ? fmt::format("killed by {}", signal_name(e.signal))
                                            : fmt::format("exit code {}", e.exit_code));

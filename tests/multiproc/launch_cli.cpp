@@ -194,6 +194,24 @@ TEST(LaunchCpuMisc, LauncherRelaysOutputAndExitCodes) {
   EXPECT_NE(r.output.find("[rank 1] device 1"), std::string::npos) << r.output;
 }
 
+TEST(LaunchCpuMisc, KilledRankIsTheFirstFailureWhenAPeerExitsInTheSameSweep) {
+  // Rank 1 kills itself; rank 0 exits 4 the moment rank 1 is a zombie (as a rank that notices a dead peer does),
+  // so the launcher almost always reaps both in one sweep, rank 0 first by index. The exit code must still be
+  // rank 1's 128 + SIGKILL: within a sweep the ranks a signal ended are the cause (this failed ~3% of runs before).
+  test::TempDir dir;
+  const std::string script = fmt::format(
+      "if [ $PCPKV_RANK = 1 ]; then echo $$ > {0}/pid.tmp && mv {0}/pid.tmp {0}/pid && kill -9 $$; fi; "
+      "while [ ! -e {0}/pid ]; do sleep 0.001; done; p=$(cat {0}/pid); "
+      "while [ -e /proc/$p ] && [ \"$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)\" != Z ]; do sleep 0.001; done; exit 4",
+      dir.path);
+  const auto r = run_program({"launch", "--nproc", "2", "--grace", "20", "--program", "/bin/sh", "--", "-c", script},
+                             60, clean_env());
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << describe(r);
+  EXPECT_NE(r.output.find("the first was rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 0 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 4"), std::string::npos) << r.output;
+}
+
 TEST(LaunchCpuMisc, BadUsage) {
   auto r = run_program({"launch", "--nproc", "0", "--", "mp-publish"}, 30, clean_env());
   EXPECT_EQ(r.exit_code, 2) << describe(r);

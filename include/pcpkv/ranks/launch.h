@@ -51,6 +51,8 @@ struct RankExit {
 struct LaunchResult {
   std::vector<RankExit> ranks;  // [nproc]
   /// 0 when every rank exited 0; else the first failed rank's exit code, or 128 + signal when it was killed.
+  /// First: in the order the launcher found them ended; among ranks found in one poll, a signal death (not the
+  /// launcher's own SIGTERM / SIGKILL) before an exit, before a rank the launcher stopped.
   int exit_code = 0;
   std::string summary;          // one line per failed rank, empty when all succeeded
 };
