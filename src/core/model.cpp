@@ -82,7 +82,7 @@ ModelConfig builtin_deepseek_v32() {
 ModelConfig builtin(const std::string& name) {
   if (name == "glm-5") return builtin_glm5();
   if (name == "deepseek-v3.2") return builtin_deepseek_v32();
-  PCPKV_FAIL("--model: unknown model '{}'; known: deepseek-v3.2, glm-5", name);
+  PCPKV_FAIL("--model: unknown model '{}'; known: deepseek-v3.2, glm-5", clip(name));
 }
 
 std::string preset_for_model_type(const std::string& t) {

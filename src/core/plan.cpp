@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv {
 namespace {
@@ -55,13 +56,13 @@ const char* to_string(DecodeOwnership o) {
 LocalOrder parse_local_order(const std::string& s, const std::string& field) {
   if (s == "request") return LocalOrder::kRequest;
   if (s == "local") return LocalOrder::kLocal;
-  PCPKV_FAIL("{}: unknown local order '{}'; expected request or local", field, s);
+  PCPKV_FAIL("{}: unknown local order '{}'; expected request or local", field, clip(s));
 }
 
 DecodeOwnership parse_decode_ownership(const std::string& s, const std::string& field) {
   if (s == "replicated") return DecodeOwnership::kReplicated;
   if (s == "round_robin") return DecodeOwnership::kRoundRobin;
-  PCPKV_FAIL("{}: unknown decode ownership '{}'; expected replicated or round_robin", field, s);
+  PCPKV_FAIL("{}: unknown decode ownership '{}'; expected replicated or round_robin", field, clip(s));
 }
 
 int64_t PcpPlan::num_written_slots() const {

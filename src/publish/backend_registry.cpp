@@ -1,6 +1,7 @@
 // Picks the backend by name: "cpu", "cuda", or "auto" (CUDA when built with it and a GPU is visible).
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda.h"
@@ -33,7 +34,7 @@ std::unique_ptr<Backend> make_backend(const std::string& name) {
     if (name == "auto") return make_cpu_backend();
     PCPKV_FAIL("--backend cuda: unavailable: {}", why);
   }
-  PCPKV_FAIL("--backend: unknown backend '{}'; known: auto, cpu, cuda", name);
+  PCPKV_FAIL("--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(name));
 }
 
 }  // namespace pcpkv

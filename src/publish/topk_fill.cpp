@@ -4,6 +4,7 @@
 
 #include "pcpkv/publish/dispatch.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv {
 
@@ -19,7 +20,7 @@ const char* to_string(TopkFill f) {
 TopkFill parse_topk_fill(const std::string& s, const std::string& what) {
   for (TopkFill f : {TopkFill::kFull, TopkFill::kTail, TopkFill::kNone})
     if (s == to_string(f)) return f;
-  PCPKV_FAIL("{}: '{}' is not a top-k fill; known: full, tail, none", what, s);
+  PCPKV_FAIL("{}: '{}' is not a top-k fill; known: full, tail, none", what, clip(s));
 }
 
 }  // namespace pcpkv

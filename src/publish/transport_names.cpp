@@ -1,6 +1,7 @@
 // Small value types of pcpkv/publish/backend.h: transport names and the stage profile.
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv {
 
@@ -17,7 +18,7 @@ Transport parse_transport(const std::string& s) {
   if (s == "collect") return Transport::kCollect;
   if (s == "staging") return Transport::kStaging;
   if (s == "direct") return Transport::kDirect;
-  PCPKV_FAIL("--transport: unknown transport '{}'; known: collect, staging, direct", s);
+  PCPKV_FAIL("--transport: unknown transport '{}'; known: collect, staging, direct", clip(s));
 }
 
 double StageProfile::total_ms() const {

@@ -120,7 +120,7 @@ LaunchOutput parse_launch_output(const std::string& s) {
   if (s == "prefix") return LaunchOutput::kPrefix;
   if (s == "rank0") return LaunchOutput::kRank0;
   if (s == "raw") return LaunchOutput::kRaw;
-  PCPKV_FAIL("--output: unknown value '{}'; known: prefix, rank0, raw", s);
+  PCPKV_FAIL("--output: unknown value '{}'; known: prefix, rank0, raw", clip(s));
 }
 
 int32_t pick_device_round_robin(int32_t local_rank, int32_t num_visible_devices) {
@@ -129,7 +129,7 @@ int32_t pick_device_round_robin(int32_t local_rank, int32_t num_visible_devices)
     char* end = nullptr;
     const long d = std::strtol(v, &end, 10);
     PCPKV_CHECK(end != v && *end == '\0' && d >= 0 && d < num_visible_devices,
-                "PCPKV_DEVICE='{}' is not a device index in [0, {})", v, num_visible_devices);
+                "PCPKV_DEVICE='{}' is not a device index in [0, {})", clip(v), num_visible_devices);
     return static_cast<int32_t>(d);
   }
   return local_rank % num_visible_devices;
@@ -139,7 +139,7 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   PCPKV_CHECK(opts.nproc >= 1 && opts.nproc <= 1024, "--nproc must be in [1, 1024], got {}", opts.nproc);
   PCPKV_CHECK(!opts.argv.empty() && !opts.argv[0].empty(),
               "launch: no command given; usage: pcpkv launch --nproc N -- <pcpkv subcommand> [args]");
-  PCPKV_CHECK(::access(opts.argv[0].c_str(), X_OK) == 0, "launch: '{}' is not an executable file: {}", opts.argv[0],
+  PCPKV_CHECK(::access(opts.argv[0].c_str(), X_OK) == 0, "launch: '{}' is not an executable file: {}", clip(opts.argv[0]),
               std::strerror(errno));
   PCPKV_CHECK(opts.bootstrap_timeout_s > 0, "--timeout must be > 0, got {}", opts.bootstrap_timeout_s);
   PCPKV_CHECK(opts.grace_s >= 0, "--grace must be >= 0, got {}", opts.grace_s);

@@ -21,6 +21,7 @@
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/pdl.h"
+#include "support/error_of.h"
 #include "support/huge_rows.h"
 #include "support/publish_case.h"
 #include "support/gpu.h"
@@ -215,6 +216,23 @@ TEST(PublishVariant, NamesParseAndBadNamesThrow) {
   EXPECT_THROW(PublishVariant::parse("warp:fused:4:pdx"), Error);
   EXPECT_THROW(PublishVariant::parse("warp:fused:4:pdl:x"), Error);
   EXPECT_EQ(cuda_detail::collect_baseline_variant().name(), "prefetch:separate:1");
+}
+
+// A huge variant name (or one huge part of it) was quoted whole, twice: every quoted part is clipped
+// (input_limits.h clip), the message still names the part that is wrong.
+TEST(PublishVariant, HugeNamesAreQuotedClipped) {
+  const std::string huge(100000, 'v');
+  const struct {
+    std::string name, head, tail;
+  } cases[] = {
+      {"warp:fused:4:pdl:" + huge, "variant 'warp:fused:4:pdl:vvv", "expected <dispatch>"},
+      {"warp:" + huge, "variant 'warp:vvv", "top-k fill 'vvv"},
+      {"warp:fused:" + huge, "variant 'warp:fused:vvv", "combine rows per warp 'vvv"},
+      {"warp:fused:4:" + huge, "variant 'warp:fused:4:vvv", "the 4th part 'vvv"},
+      {huge, "dispatch variant 'vvv", "is not auto, simple, prefetch, warp or warp_pf"},
+  };
+  for (const auto& c : cases)
+    test::expect_clipped_error(test::error_of([&] { PublishVariant::parse(c.name); }), c.head, c.tail);
 }
 
 }  // namespace

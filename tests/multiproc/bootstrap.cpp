@@ -463,5 +463,21 @@ TEST(LaunchDevices, RoundRobinAndOverride) {
   EXPECT_THROW(parse_launch_output("loud"), Error);
 }
 
+// A huge PCPKV_DEVICE, --output value or command path was quoted whole (100 KB in, a 100 KB message out):
+// clipped (input_limits.h clip), the variable or flag still named.
+TEST(LaunchDevices, HugeValuesAreQuotedClipped) {
+  const std::string huge(100000, '7');
+  ::setenv("PCPKV_DEVICE", huge.c_str(), 1);
+  const std::string device = test::error_of([] { pick_device_round_robin(0, 4); });
+  ::unsetenv("PCPKV_DEVICE");
+  test::expect_clipped_error(device, "PCPKV_DEVICE='777", "is not a device index in [0, 4)");
+  test::expect_clipped_error(test::error_of([&] { parse_launch_output(huge); }), "--output: unknown value '777",
+                             "known: prefix, rank0, raw");
+  LaunchOptions opts;
+  opts.argv = {"/" + huge};
+  test::expect_clipped_error(test::error_of([&] { (void)launch_ranks(opts, -1, -1); }), "launch: '/777",
+                             "is not an executable file");
+}
+
 }  // namespace
 }  // namespace pcpkv

@@ -27,4 +27,13 @@ std::string error_of(Fn&& fn) {
   return "no error";
 }
 
+/// For an error that quotes a huge value (input_limits.h clip): the message starts with `head` (the field and the
+/// value's first characters), still holds `tail` (what the value should have been) and stays under max_chars.
+inline void expect_clipped_error(const std::string& msg, const std::string& head, const std::string& tail,
+                                 size_t max_chars = 1000) {
+  EXPECT_EQ(msg.rfind(head, 0), 0u) << "expected to start with '" << head << "': " << msg.substr(0, 300);
+  EXPECT_NE(msg.find(tail), std::string::npos) << "expected '" << tail << "' in: " << msg.substr(0, 300);
+  EXPECT_LT(msg.size(), max_chars) << head;
+}
+
 }  // namespace pcpkv::test

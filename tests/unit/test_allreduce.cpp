@@ -266,6 +266,13 @@ TEST(AllReduce, ValidationNamesFieldAndValue) {
   EXPECT_NE(error_of([] { parse_allreduce_algo("ring"); }).find("'ring'"), std::string::npos);
 }
 
+// A huge algorithm name was quoted whole (100 KB in, a 100 KB message out): clipped (input_limits.h clip), what
+// it names and the known names still in the message.
+TEST(AllReduce, UnknownAlgorithmNamesAreQuotedClipped) {
+  test::expect_clipped_error(error_of([] { parse_allreduce_algo(std::string(100000, 'r')); }),
+                             "all-reduce algorithm: 'rrr", "is not one of auto, oneshot, twoshot");
+}
+
 TEST(AllReduce, PartitionCoversEveryItemOnceAndDispatchIsMonotone) {
   for (const int64_t items : {0, 1, 5, 255, 256, 257, 10000}) {
     for (const int32_t segs : {1, 3, 8}) {

@@ -143,4 +143,34 @@ TEST(CliHostileInput, ErrorLinesAreBounded) {
   EXPECT_LT(r.err.size(), pcpkv::kMaxErrorChars + 100) << r.err.size();
 }
 
+// A huge flag value was quoted whole (then cut to kMaxErrorChars by the error line): every flag the CLI checks
+// itself quotes it through clip (input_limits.h), so the line stays short and still names the flag.
+TEST(CliHostileInput, HugeFlagValuesAreQuotedClipped) {
+  const std::string huge(100000, 'h');
+  const struct {
+    std::string args, head, tail;
+  } cases[] = {
+      {"run --backend H", "--backend: unknown backend 'hhh", "known: auto, cpu, cuda"},
+      {"run --inject-fault H", "--inject-fault: must be row or guard, got 'hhh", "(100000 characters)"},
+      {"run --layer H", "--layer: must be indexer or shared, got 'hhh", "(100000 characters)"},
+      {"run --transport H", "--transport: unknown transport 'hhh", "comma list of collect, staging, direct"},
+      {"bench --transports H", "--transports: unknown transport 'hhh", "known: collect, staging, direct"},
+      {"bench --pcp H", "--pcp: 'hhh", "is not an integer (in 'hhh"},
+      {"attention --consumers H", "--consumers: unknown 'hhh", "known: cpu, cuda"},
+      {"attention --prefill H", "--prefill: 'hhh", "is not an integer (in 'hhh"},
+      {"mp-publish --backend cpu --collect-via H", "--collect-via: 'hhh", "is not auto, nccl or p2p"},
+      {"bench-fence --backend H", "--backend: unknown backend 'hhh", "known: auto, cpu, cuda"},
+      {"launch --nproc 1 -- H", "launch --nproc 1 -- hhh", "is not a rank program"},
+      {"launch --nproc 1 --gpus H -- mp-publish", "--gpus: 'hhh", "is not a device index"},
+  };
+  for (const auto& c : cases) {
+    ScratchDir dir;
+    std::string args = c.args;
+    args.replace(args.find('H'), 1, huge);
+    const CliResult r = run_cli(args, dir);
+    pcpkv_test::expect_refusal(r, c.args, {"pcpkv: error: " + c.head, c.tail, "(100000 characters)"}, dir);
+    EXPECT_LT(r.err.size(), 1000u) << c.args << ": " << r.err.substr(0, 300);
+  }
+}
+
 }  // namespace

@@ -346,5 +346,15 @@ TEST(CpuBackend, TransportNamesAndProfileTotals) {
   EXPECT_EQ(make_cpu_backend()->name(), "cpu");
 }
 
+// A huge --transport or --backend value was quoted whole (a 100 KB value gave a 100 KB message): clipped
+// (input_limits.h clip), the flag and the known names still named.
+TEST(CpuBackend, UnknownTransportAndBackendNamesAreQuotedClipped) {
+  const std::string huge(100000, 'x');
+  test::expect_clipped_error(error_of([&] { parse_transport(huge); }), "--transport: unknown transport 'xxx",
+                             "known: collect, staging, direct");
+  test::expect_clipped_error(error_of([&] { make_backend(huge); }), "--backend: unknown backend 'xxx",
+                             "known: auto, cpu, cuda");
+}
+
 }  // namespace
 }  // namespace pcpkv

@@ -56,6 +56,9 @@ TEST(Model, UnknownPresetNamesKnownOnes) {
     EXPECT_NE(std::string(e.what()).find("unknown model 'llama'"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("glm-5"), std::string::npos);
   }
+  // A huge name is clipped (input_limits.h clip), not quoted whole (100 KB in, a 100 KB message out).
+  test::expect_clipped_error(test::error_of([] { preset(std::string(100000, 'm')); }), "--model: unknown model 'mmm",
+                             "known: deepseek-v3.2, glm-5");
 }
 
 TEST(Model, ConfigOverridesPreset) {

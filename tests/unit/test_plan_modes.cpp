@@ -197,6 +197,16 @@ TEST(PlanModes, BadNamesNameTheFieldAndValue) {
   EXPECT_NE(error_of([] { parse_local_order(""); }).find("local_order: unknown local order ''"), std::string::npos);
 }
 
+// A huge name was quoted whole (100 KB in, a 100 KB message out): clipped (input_limits.h clip), the field and the
+// expected names still in the message.
+TEST(PlanModes, HugeNamesAreQuotedClipped) {
+  const std::string huge(100000, 'o');
+  test::expect_clipped_error(error_of([&] { parse_local_order(huge, "--local-order"); }),
+                             "--local-order: unknown local order 'ooo", "expected request or local");
+  test::expect_clipped_error(error_of([&] { parse_decode_ownership(huge, "--decode-ownership"); }),
+                             "--decode-ownership: unknown decode ownership 'ooo", "expected replicated or round_robin");
+}
+
 TEST(PlanModes, ValidateCatchesAWrongOwner) {
   PcpPlan p = plan_of(2, mixed_batch(), LocalOrder::kRequest, DecodeOwnership::kRoundRobin);
   p.decode_owner[1] = 1;  // token 8's row (with its slot) is on rank 0

@@ -266,6 +266,16 @@ TEST(Router, DispatchTableIsWellFormed) {
   EXPECT_EQ(router_logit_bound_factor(RouterPath::kCublasLt, 7168), 2.0 * 7168);
 }
 
+// A huge router path or small-T kernel name was quoted whole (100 KB in, a 100 KB message out): clipped
+// (input_limits.h clip), what it names and the known names still in the message.
+TEST(Router, UnknownPathAndKernelNamesAreQuotedClipped) {
+  const std::string huge(100000, 'g');
+  test::expect_clipped_error(error_of([&] { parse_router_path(huge); }), "router path: 'ggg",
+                             "is not one of auto, small, cublaslt");
+  test::expect_clipped_error(error_of([&] { parse_router_small_kernel(huge); }), "router small-T kernel: 'ggg",
+                             "is not one of auto, small, small2");
+}
+
 // ---- FP8 per-token-group quantization ----
 
 struct QuantCase {

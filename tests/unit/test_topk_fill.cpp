@@ -12,6 +12,7 @@
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/core/error.h"
+#include "support/error_of.h"
 #include "support/publish_case.h"
 #include "support/topk_fill_case.h"
 
@@ -112,6 +113,9 @@ TEST(TopkFill, BadParametersAreRefusedBeforeAnyWrite) {
               std::string::npos)
         << e.what();
   }
+  // A huge value is clipped (input_limits.h clip), not quoted whole; the field and the known names still follow.
+  test::expect_clipped_error(test::error_of([] { parse_topk_fill(std::string(100000, 't'), "--topk-fill"); }),
+                             "--topk-fill: 'ttt", "is not a top-k fill; known: full, tail, none");
 }
 
 // The CPU backend (every transport): full fills every row of every rank, tail only each rank's padding rows

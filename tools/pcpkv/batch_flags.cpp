@@ -90,10 +90,10 @@ std::vector<Transport> parse_transport_list(const std::string& s) {
     PCPKV_CHECK(item == "collect" || item == "staging" || item == "direct",
                 "--transport: unknown transport '{}' in '{}'; use all, auto or a comma list of collect, staging, "
                 "direct",
-                item, s);
+                clip(item), clip(s));
     const Transport t = parse_transport(item);
     PCPKV_CHECK(std::find(out.begin(), out.end(), t) == out.end(), "--transport: '{}' is listed twice in '{}'", item,
-                s);
+                clip(s));
     out.push_back(t);
     if (comma == std::string::npos) break;
     start = comma + 1;
@@ -105,7 +105,7 @@ CacheFormat parse_format_flags(const BatchFlags& f) {
   const std::string k_scale_typed = f.k_scale_text.empty() ? fmt::format("{}", f.k_scale) : f.k_scale_text;
   // Checked as given: 1e-300 would round to 0 and 1e39 to inf, and later checks would name the rounded value.
   if (const auto why = scale_problem(f.k_scale)) PCPKV_FAIL("--k-scale: {}, got {}", *why, clip(k_scale_typed));
-  PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: must be indexer or shared, got '{}'", f.layer);
+  PCPKV_CHECK(f.layer == "indexer" || f.layer == "shared", "--layer: must be indexer or shared, got '{}'", clip(f.layer));
   CacheFormat fmt;
   fmt.kv_format = parse_kv_format(f.kv_format, "kv-format");
   fmt.ds_mla_scale = parse_ds_mla_scale(f.ds_mla_scale, "ds-mla-scale");

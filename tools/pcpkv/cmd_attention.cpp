@@ -23,6 +23,7 @@
 #include "pcpkv/commands.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
@@ -84,7 +85,7 @@ std::vector<std::string> split_list(const std::string& s, const char* flag, bool
   while (true) {
     const size_t comma = s.find(',', pos);
     v.push_back(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
-    PCPKV_CHECK(!v.back().empty(), "{}: '{}' has an empty entry", flag, s);
+    PCPKV_CHECK(!v.back().empty(), "{}: '{}' has an empty entry", flag, clip(s));
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
@@ -99,11 +100,11 @@ std::vector<int64_t> parse_int_list(const std::string& s, const char* flag, int6
     int64_t x = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), x);
     PCPKV_CHECK(ec == std::errc() && end == item.data() + item.size(), "{}: '{}' is not an integer (in '{}')", flag,
-                item, s);
+                clip(item), clip(s));
     if (hi == std::numeric_limits<int64_t>::max()) {
-      PCPKV_CHECK(x >= lo, "{}: {} must be >= {} (in '{}')", flag, x, lo, s);
+      PCPKV_CHECK(x >= lo, "{}: {} must be >= {} (in '{}')", flag, x, lo, clip(s));
     } else {
-      PCPKV_CHECK(x >= lo && x <= hi, "{}: {} is not in [{}, {}] (in '{}')", flag, x, lo, hi, s);
+      PCPKV_CHECK(x >= lo && x <= hi, "{}: {} is not in [{}, {}] (in '{}')", flag, x, lo, hi, clip(s));
     }
     v.push_back(x);
   }
@@ -113,13 +114,13 @@ std::vector<int64_t> parse_int_list(const std::string& s, const char* flag, int6
 SparseMlaKernel parse_attention_kernel(const std::string& name, const char* flag) {
   if (name == "mma") return SparseMlaKernel::kMma;
   if (name == "simt") return SparseMlaKernel::kSimt;
-  PCPKV_FAIL("{}: unknown attention kernel '{}'; known: mma, simt", flag, name);
+  PCPKV_FAIL("{}: unknown attention kernel '{}'; known: mma, simt", flag, clip(name));
 }
 
 IndexerLogit parse_indexer_logit(const std::string& name, const char* flag) {
   if (name == "exact") return IndexerLogit::kExact;
   if (name == "fp32_tree") return IndexerLogit::kFp32Tree;
-  PCPKV_FAIL("{}: unknown indexer kernel '{}'; known: exact, fp32_tree", flag, name);
+  PCPKV_FAIL("{}: unknown indexer kernel '{}'; known: exact, fp32_tree", flag, clip(name));
 }
 
 // ---- memory, estimated from the flags before anything is allocated ---------------------------------
@@ -380,9 +381,9 @@ CheckedOptions check_flags(const AttentionOptions& o) {
   c.cfg.fmt.has_indexer = true;
   c.cfg.transport = parse_transport(o.transport);  // "--transport: unknown transport ..."
   PCPKV_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", o.backend);
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(o.backend));
   PCPKV_CHECK(o.consumers == "cpu" || o.consumers == "cuda", "--consumers: unknown '{}'; known: cpu, cuda",
-              o.consumers);
+              clip(o.consumers));
   c.attention_kernel = parse_attention_kernel(o.attention_kernel, "--attention-kernel");
   c.bench.indexers.clear();  // the config's defaults: replaced by the flags'
   c.bench.attentions.clear();

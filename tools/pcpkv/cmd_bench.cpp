@@ -26,6 +26,7 @@
 #include "pcpkv/commands.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/model.h"
 
@@ -76,7 +77,7 @@ std::vector<std::string> split_list(const std::string& s, const char* flag) {
   while (true) {
     const size_t comma = s.find(',', pos);
     out.push_back(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
-    PCPKV_CHECK(!out.back().empty(), "{}: '{}' has an empty entry", flag, s);
+    PCPKV_CHECK(!out.back().empty(), "{}: '{}' has an empty entry", flag, clip(s));
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
@@ -92,8 +93,8 @@ std::vector<int64_t> parse_int_list(const std::string& s, const char* flag, int6
     int64_t v = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
     PCPKV_CHECK(ec == std::errc() && end == item.data() + item.size(), "{}: '{}' is not an integer (in '{}')", flag,
-                item, s);
-    PCPKV_CHECK(v >= lo && v <= hi, "{}: {} is not in [{}, {}] (in '{}')", flag, v, lo, hi, s);
+                clip(item), clip(s));
+    PCPKV_CHECK(v >= lo && v <= hi, "{}: {} is not in [{}, {}] (in '{}')", flag, v, lo, hi, clip(s));
     out.push_back(v);
   }
   return out;
@@ -132,7 +133,7 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
       // preset() names the single-model flag ("--model: unknown model ..."): name this one.
       std::string why = e.what();
       if (why.rfind("--model: ", 0) == 0) why.erase(0, 9);
-      PCPKV_FAIL("--models: {} (in '{}')", why, a.models);
+      PCPKV_FAIL("--models: {} (in '{}')", why, clip(a.models));
     }
     c.models.push_back(m);
   }
@@ -141,10 +142,11 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
     c.kv_formats.push_back(parse_kv_format(f, "kv-formats"));
   for (const std::string& t : split_list(a.transports, "--transports")) {
     PCPKV_CHECK(t == "collect" || t == "staging" || t == "direct",
-                "--transports: unknown transport '{}' (in '{}'); known: collect, staging, direct", t, a.transports);
+                "--transports: unknown transport '{}' (in '{}'); known: collect, staging, direct", clip(t),
+                clip(a.transports));
     c.transports.push_back(parse_transport(t));
   }
-  PCPKV_CHECK(a.layer == "indexer" || a.layer == "shared", "--layer: '{}' is not indexer or shared", a.layer);
+  PCPKV_CHECK(a.layer == "indexer" || a.layer == "shared", "--layer: '{}' is not indexer or shared", clip(a.layer));
   PCPKV_CHECK(a.tokens >= 1, "--tokens: must be >= 1, got {}", a.tokens);
   PCPKV_CHECK(a.topk_width >= 0, "--topk-width: must be >= 0, got {}", a.topk_width);
   c.topk_fill = parse_topk_fill(a.topk_fill, "--topk-fill");
@@ -167,7 +169,7 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
               a.per_gpu_tokens);
   PCPKV_CHECK(a.replica_check_pcp == -1 || a.replica_check_pcp == 0 ||
                   std::find(c.pcp.begin(), c.pcp.end(), a.replica_check_pcp) != c.pcp.end(),
-              "--replica-check-pcp: must be -1 (the largest of --pcp), 0 (off) or one of --pcp '{}', got {}", a.pcp,
+              "--replica-check-pcp: must be -1 (the largest of --pcp), 0 (off) or one of --pcp '{}', got {}", clip(a.pcp),
               a.replica_check_pcp);
   PCPKV_CHECK(std::isfinite(a.copy_gib) && a.copy_gib > 0.0 && a.copy_gib <= 64.0,
               "--copy-gib: must be in (0, 64], got {}", a.copy_gib);

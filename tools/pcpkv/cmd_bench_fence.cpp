@@ -14,6 +14,7 @@
 
 #include "launch_cmds.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
 #endif
@@ -37,7 +38,7 @@ constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
 void check_flags(const BenchFenceFlags& f) {
   const FenceBenchOptions& o = f.opt;
   PCPKV_CHECK(f.backend == "auto" || f.backend == "cpu" || f.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", f.backend);
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(f.backend));
   PCPKV_CHECK(o.layers >= 1, "--layers: must be >= 1, got {}", o.layers);
   PCPKV_CHECK(o.iters >= 1, "--iters: must be >= 1, got {}", o.iters);
   PCPKV_CHECK(o.warmup >= 0, "--warmup: must be >= 0, got {}", o.warmup);

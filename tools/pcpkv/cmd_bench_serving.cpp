@@ -20,6 +20,7 @@
 
 #include "pcpkv/commands.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/serving/router.h"
 
@@ -205,7 +206,8 @@ std::string pdl_markdown(const std::vector<cuda::PdlBenchRow>& rows) {
 void run_serving_bench(const ServeBenchOptions& o) {
   auto wants = [&](const char* w) { return std::find(o.what.begin(), o.what.end(), w) != o.what.end(); };
   for (const auto& w : o.what)
-    PCPKV_CHECK(w == "router" || w == "allreduce" || w == "pdl", "--what: '{}' is not one of router, allreduce, pdl", w);
+    PCPKV_CHECK(w == "router" || w == "allreduce" || w == "pdl", "--what: '{}' is not one of router, allreduce, pdl",
+                clip(w));
   for (const auto& p : o.presets) router_config(preset(p));  // unknown presets fail before any GPU work
   std::string why;
   PCPKV_CHECK(cuda::device_count(&why) > 0, "bench-serving: needs a CUDA device ({})", why);

@@ -18,6 +18,7 @@
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/ranks/launch.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
@@ -60,7 +61,7 @@ void check_rank_program(const std::string& command, int32_t nproc) {
               nproc, nproc, names);
   PCPKV_FAIL("launch --nproc {} -- {}: '{}' is not a rank program: it would only run {} times side by side, each "
              "alone. The rank programs are: {} (--program starts another executable)",
-             nproc, command, command, nproc, names);
+             nproc, clip(command), clip(command), nproc, names);
 }
 
 // The ranks' command line asks for the CPU backend (--backend cpu or --backend=cpu; the last one counts).

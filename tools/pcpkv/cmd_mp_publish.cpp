@@ -23,6 +23,7 @@
 
 #include "mp_publish.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/publish/replica_hash.h"
 
@@ -71,9 +72,9 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(std::isfinite(f.link_gbps) && f.link_gbps >= 0, "--link-gbps: must be >= 0 and finite, got {}",
               f.link_gbps);
   PCPKV_CHECK(f.backend == "auto" || f.backend == "cpu" || f.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", f.backend);
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(f.backend));
   PCPKV_CHECK(f.collect_via == "auto" || f.collect_via == "nccl" || f.collect_via == "p2p",
-              "--collect-via: '{}' is not auto, nccl or p2p", f.collect_via);
+              "--collect-via: '{}' is not auto, nccl or p2p", clip(f.collect_via));
   (void)parse_format_flags(f);
   (void)parse_local_order(f.local_order, "--local-order");
   (void)parse_decode_ownership(f.decode_ownership, "--decode-ownership");

@@ -16,6 +16,7 @@
 #include "error_line.h"
 #include "launch_cmds.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/publish/backend.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
@@ -35,7 +36,7 @@ std::unique_ptr<Bootstrap> connect_world() {
 
 RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved) {
   PCPKV_CHECK(backend == "cpu" || backend == "cuda" || backend == "auto",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", backend);
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(backend));
   if (backend == "cpu") {
     *resolved = "cpu";
     return make_cpu_rank_publisher;
@@ -96,7 +97,8 @@ std::vector<int32_t> parse_device_list(const std::string& s, const char* flag) {
     const std::string item = s.substr(pos, comma - pos);
     char* end = nullptr;
     const long d = std::strtol(item.c_str(), &end, 10);
-    PCPKV_CHECK(!item.empty() && *end == '\0' && d >= 0, "{}: '{}' is not a device index (in '{}')", flag, item, s);
+    PCPKV_CHECK(!item.empty() && *end == '\0' && d >= 0, "{}: '{}' is not a device index (in '{}')", flag, clip(item),
+                clip(s));
     out.push_back(static_cast<int32_t>(d));
     pos = comma + 1;
   }

@@ -228,9 +228,9 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   PCPKV_CHECK(o.threads >= 0, "--threads: must be >= 0, got {}", o.threads);
   PCPKV_CHECK(o.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", o.threads);
   PCPKV_CHECK(o.inject_fault.empty() || o.inject_fault == "row" || o.inject_fault == "guard",
-              "--inject-fault: must be row or guard, got '{}'", o.inject_fault);
+              "--inject-fault: must be row or guard, got '{}'", clip(o.inject_fault));
   PCPKV_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", o.backend);
+              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(o.backend));
   p.fmt = parse_format_flags(o);
   if (o.transport == "auto") {
     const TransportChoice choice = choose_transport(one_process_topology(o.pcp));

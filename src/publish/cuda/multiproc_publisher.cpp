@@ -19,6 +19,7 @@
 #include "pcpkv/publish/cuda_multiproc.h"
 #include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/ranks/launch.h"
 #include "pcpkv/core/rope.h"
 #include "publish/publish_layout.h"
@@ -48,7 +49,7 @@ class CudaRankPublisher final : public RankPublisher {
     PCPKV_CHECK(group.world_size() == W,
                 "publish: the plan's PCP world is {}, but this process group has {} processes", W, group.world_size());
     PCPKV_CHECK(options_.collect_via == "auto" || options_.collect_via == "nccl" || options_.collect_via == "p2p",
-                "--collect-via: '{}' is not auto, nccl or p2p", options_.collect_via);
+                "--collect-via: '{}' is not auto, nccl or p2p", clip(options_.collect_via));
     if (options_.global_ranks.empty())
       for (int32_t r = 0; r < W; ++r) options_.global_ranks.push_back(r);
     device_ = select_rank_device(group, options_.device_idx);

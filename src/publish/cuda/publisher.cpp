@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/pdl.h"
 #include "pcpkv/core/rope.h"
 #include "publish/transport_table.h"
@@ -28,22 +29,22 @@ PublishVariant PublishVariant::parse(const std::string& s) {
     start = colon + 1;
   }
   PCPKV_CHECK(!parts.empty() && parts.size() <= 4,
-              "variant '{}': expected <dispatch>[:<fused|separate>[:<1|2|4>[:pdl]]]", s);
+              "variant '{}': expected <dispatch>[:<fused|separate>[:<1|2|4>[:pdl]]]", clip(s));
   PublishVariant v;
   v.pdl = false;
   v.dispatch = parse_dispatch_variant(parts[0]);
   if (parts.size() > 1) {
     PCPKV_CHECK(parts[1] == "fused" || parts[1] == "separate", "variant '{}': top-k fill '{}' is not fused or separate",
-                s, parts[1]);
+                clip(s), clip(parts[1]));
     v.fuse_topk = parts[1] == "fused";
   }
   if (parts.size() > 2) {
     PCPKV_CHECK(parts[2] == "1" || parts[2] == "2" || parts[2] == "4",
-                "variant '{}': combine rows per warp '{}' is not 1, 2 or 4", s, parts[2]);
+                "variant '{}': combine rows per warp '{}' is not 1, 2 or 4", clip(s), clip(parts[2]));
     v.combine_rows_per_warp = std::stoi(parts[2]);
   }
   if (parts.size() > 3) {
-    PCPKV_CHECK(parts[3] == "pdl", "variant '{}': the 4th part '{}' is not pdl", s, parts[3]);
+    PCPKV_CHECK(parts[3] == "pdl", "variant '{}': the 4th part '{}' is not pdl", clip(s), clip(parts[3]));
     v.pdl = true;
   }
   return v;

@@ -11,6 +11,7 @@
 #include "pcpkv/device/fp32.h"
 #include "pcpkv/device/token_math.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 
 namespace pcpkv {
 
@@ -27,7 +28,7 @@ AllReduceAlgo parse_allreduce_algo(const std::string& s) {
   if (s == "auto") return AllReduceAlgo::kAuto;
   if (s == "oneshot") return AllReduceAlgo::kOneShot;
   if (s == "twoshot") return AllReduceAlgo::kTwoShot;
-  PCPKV_FAIL("all-reduce algorithm: '{}' is not one of auto, oneshot, twoshot", s);
+  PCPKV_FAIL("all-reduce algorithm: '{}' is not one of auto, oneshot, twoshot", clip(s));
 }
 
 int32_t allreduce_num_blocks(const AllReducePartition& p, int32_t max_blocks) {

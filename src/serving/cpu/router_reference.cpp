@@ -8,6 +8,7 @@
 
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/serving/router.h"
 
 namespace pcpkv {
@@ -27,7 +28,7 @@ RouterPath parse_router_path(const std::string& s) {
   if (s == "auto") return RouterPath::kAuto;
   if (s == "small") return RouterPath::kSmallT;
   if (s == "cublaslt") return RouterPath::kCublasLt;
-  PCPKV_FAIL("router path: '{}' is not one of auto, small, cublaslt", s);
+  PCPKV_FAIL("router path: '{}' is not one of auto, small, cublaslt", clip(s));
 }
 
 const char* to_string(RouterSmallKernel k) {
@@ -43,7 +44,7 @@ RouterSmallKernel parse_router_small_kernel(const std::string& s) {
   if (s == "auto") return RouterSmallKernel::kAuto;
   if (s == "small") return RouterSmallKernel::kRowLoop;
   if (s == "small2") return RouterSmallKernel::kStaged;
-  PCPKV_FAIL("router small-T kernel: '{}' is not one of auto, small, small2", s);
+  PCPKV_FAIL("router small-T kernel: '{}' is not one of auto, small, small2", clip(s));
 }
 
 void validate_router_config(const RouterConfig& c) {
