@@ -22,19 +22,22 @@ bool cuda_backend_available(std::string* why_not) {
 #endif
 }
 
+void check_backend_name(const std::string& name) {
+  PCPKV_CHECK(name == "auto" || name == "cpu" || name == "cuda", "--backend: unknown backend '{}'; known: auto, cpu, cuda",
+              clip(name));
+}
+
 std::unique_ptr<Backend> make_backend(const std::string& name) {
+  check_backend_name(name);
   if (name == "cpu") return make_cpu_backend();
-  if (name == "cuda" || name == "auto") {
-    std::string why;
-    if (cuda_backend_available(&why)) {
+  std::string why;  // "cuda" or "auto"
+  if (cuda_backend_available(&why)) {
 #if defined(PCPKV_HAVE_CUDA)
-      return cuda::make_backend();
+    return cuda::make_backend();
 #endif
-    }
-    if (name == "auto") return make_cpu_backend();
-    PCPKV_FAIL("--backend cuda: unavailable: {}", why);
   }
-  PCPKV_FAIL("--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(name));
+  if (name == "auto") return make_cpu_backend();
+  PCPKV_FAIL("--backend cuda: unavailable: {}", why);
 }
 
 }  // namespace pcpkv

@@ -380,8 +380,7 @@ CheckedOptions check_flags(const AttentionOptions& o) {
   c.cfg.fmt.k_scale = static_cast<float>(o.k_scale);
   c.cfg.fmt.has_indexer = true;
   c.cfg.transport = parse_transport(o.transport);  // "--transport: unknown transport ..."
-  PCPKV_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(o.backend));
+  check_backend_name(o.backend);
   PCPKV_CHECK(o.consumers == "cpu" || o.consumers == "cuda", "--consumers: unknown '{}'; known: cpu, cuda",
               clip(o.consumers));
   c.attention_kernel = parse_attention_kernel(o.attention_kernel, "--attention-kernel");

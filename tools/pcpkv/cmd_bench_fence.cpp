@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launch_cmds.h"
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #if defined(PCPKV_HAVE_CUDA)
@@ -37,8 +38,7 @@ constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
 // fence wait fail at random (0: whenever a peer is a moment late; negative on CUDA: wraps to a huge bound).
 void check_flags(const BenchFenceFlags& f) {
   const FenceBenchOptions& o = f.opt;
-  PCPKV_CHECK(f.backend == "auto" || f.backend == "cpu" || f.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(f.backend));
+  check_backend_name(f.backend);
   PCPKV_CHECK(o.layers >= 1, "--layers: must be >= 1, got {}", o.layers);
   PCPKV_CHECK(o.iters >= 1, "--iters: must be >= 1, got {}", o.iters);
   PCPKV_CHECK(o.warmup >= 0, "--warmup: must be >= 0, got {}", o.warmup);

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "mp_publish.h"
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/flag_checks.h"
@@ -71,8 +72,7 @@ void check_flags(const MpPublishFlags& f) {
               f.flush_l2_mb);
   PCPKV_CHECK(std::isfinite(f.link_gbps) && f.link_gbps >= 0, "--link-gbps: must be >= 0 and finite, got {}",
               f.link_gbps);
-  PCPKV_CHECK(f.backend == "auto" || f.backend == "cpu" || f.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(f.backend));
+  check_backend_name(f.backend);
   PCPKV_CHECK(f.collect_via == "auto" || f.collect_via == "nccl" || f.collect_via == "p2p",
               "--collect-via: '{}' is not auto, nccl or p2p", clip(f.collect_via));
   (void)parse_format_flags(f);

@@ -35,8 +35,7 @@ std::unique_ptr<Bootstrap> connect_world() {
 }
 
 RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved) {
-  PCPKV_CHECK(backend == "cpu" || backend == "cuda" || backend == "auto",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(backend));
+  check_backend_name(backend);
   if (backend == "cpu") {
     *resolved = "cpu";
     return make_cpu_rank_publisher;

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <utility>
 
+#include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/core/input_limits.h"
@@ -229,8 +230,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   PCPKV_CHECK(o.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", o.threads);
   PCPKV_CHECK(o.inject_fault.empty() || o.inject_fault == "row" || o.inject_fault == "guard",
               "--inject-fault: must be row or guard, got '{}'", clip(o.inject_fault));
-  PCPKV_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
-              "--backend: unknown backend '{}'; known: auto, cpu, cuda", clip(o.backend));
+  check_backend_name(o.backend);
   p.fmt = parse_format_flags(o);
   if (o.transport == "auto") {
     const TransportChoice choice = choose_transport(one_process_topology(o.pcp));

@@ -98,6 +98,10 @@ class Backend {
 /// Throws pcpkv::Error("backend 'cuda': <reason>") when the requested backend is unavailable.
 std::unique_ptr<Backend> make_backend(const std::string& name);
 
+/// The one check of a backend name (--backend of every command): auto, cpu or cuda; else throws pcpkv::Error
+/// "--backend: unknown backend '<name, clipped>'; known: auto, cpu, cuda". Says nothing of availability.
+void check_backend_name(const std::string& name);
+
 /// Whether the CUDA backend can run here; *why_not says why not (not built with CUDA, no device, ...).
 bool cuda_backend_available(std::string* why_not = nullptr);
 
