@@ -1,5 +1,6 @@
-// Small value types of pcpkv/publish/backend.h: transport names and the stage profile.
+// Small value types of pcpkv/publish/backend.h: transport names and the stage profile; the collect_via check.
 #include "pcpkv/publish/backend.h"
+#include "pcpkv/publish/multiproc.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 
@@ -19,6 +20,11 @@ Transport parse_transport(const std::string& s) {
   if (s == "staging") return Transport::kStaging;
   if (s == "direct") return Transport::kDirect;
   PCPKV_FAIL("--transport: unknown transport '{}'; known: collect, staging, direct", clip(s));
+}
+
+void check_collect_via(const std::string& collect_via) {
+  PCPKV_CHECK(collect_via == "auto" || collect_via == "nccl" || collect_via == "p2p",
+              "--collect-via: '{}' is not auto, nccl or p2p", clip(collect_via));
 }
 
 double StageProfile::total_ms() const {

@@ -73,8 +73,7 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(std::isfinite(f.link_gbps) && f.link_gbps >= 0, "--link-gbps: must be >= 0 and finite, got {}",
               f.link_gbps);
   check_backend_name(f.backend);
-  PCPKV_CHECK(f.collect_via == "auto" || f.collect_via == "nccl" || f.collect_via == "p2p",
-              "--collect-via: '{}' is not auto, nccl or p2p", clip(f.collect_via));
+  check_collect_via(f.collect_via);
   (void)parse_format_flags(f);
   (void)parse_local_order(f.local_order, "--local-order");
   (void)parse_decode_ownership(f.decode_ownership, "--decode-ownership");

@@ -65,6 +65,11 @@ struct RankPublishOptions {
                                   // of the MLA row of the first written slot), so the replica check must fail
 };
 
+/// The one check of RankPublishOptions::collect_via (--collect-via): auto, nccl or p2p; else throws pcpkv::Error
+/// "--collect-via: '<value, clipped>' is not auto, nccl or p2p". The CLI calls it on every build (the CUDA
+/// publisher that reads the option is not built without CUDA), the CUDA publisher again for library callers.
+void check_collect_via(const std::string& collect_via);
+
 /// What one process holds after a publication: its own replica (whole allocations, guard bytes included)
 /// and its local outputs, laid out like one rank's entries of PublishResult.
 struct RankPublishResult {

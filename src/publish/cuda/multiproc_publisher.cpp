@@ -48,8 +48,7 @@ class CudaRankPublisher final : public RankPublisher {
     const int32_t W = setup_.plan->pcp_world;
     PCPKV_CHECK(group.world_size() == W,
                 "publish: the plan's PCP world is {}, but this process group has {} processes", W, group.world_size());
-    PCPKV_CHECK(options_.collect_via == "auto" || options_.collect_via == "nccl" || options_.collect_via == "p2p",
-                "--collect-via: '{}' is not auto, nccl or p2p", clip(options_.collect_via));
+    check_collect_via(options_.collect_via);
     if (options_.global_ranks.empty())
       for (int32_t r = 0; r < W; ++r) options_.global_ranks.push_back(r);
     device_ = select_rank_device(group, options_.device_idx);
