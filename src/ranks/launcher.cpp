@@ -270,9 +270,7 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   }
 
   int running = n;
-  std::vector<int> failure_order(static_cast<size_t>(n), n);  // the order the failures were reported in
-  int num_reported = 0;
-  bool any_failed = false;
+  int first_failed = -1;  // the first rank reported failed (the exit code's rank), -1 while none has
   Clock::time_point first_failure{};
   bool sent_term = false, sent_kill = false;
   Clock::time_point term_time{};
@@ -327,7 +325,6 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     for (int r : ended) {
       RankExit& e = result.ranks[static_cast<size_t>(r)];
       if (!e.ok()) {
-        failure_order[static_cast<size_t>(r)] = num_reported++;
         // Flush what the rank printed before saying it failed.
         for (Stream& s : streams)
           if (s.rank == r) relay(s, true);
@@ -336,8 +333,8 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
                      : fmt::format("exited with code {}", e.exit_code);
         write_all(err_fd, fmt::format("pcpkv launch: rank {} (pid {}) {} after {:.1f} s{}\n", r, e.pid, what,
                                       e.seconds, e.stopped_by_launcher ? " (stopped by the launcher)" : ""));
-        if (!any_failed) {
-          any_failed = true;
+        if (first_failed < 0) {
+          first_failed = r;
           first_failure = Clock::now();
           if (running > 0)
             write_all(err_fd, fmt::format("pcpkv launch: waiting up to {:.0f} s for the other {} rank(s) to notice "
@@ -359,7 +356,7 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
         term_time = now;
       }
     }
-    const bool grace_over = any_failed && now - first_failure > std::chrono::duration<double>(opts.grace_s);
+    const bool grace_over = first_failed >= 0 && now - first_failure > std::chrono::duration<double>(opts.grace_s);
     const bool time_over = opts.max_time_s > 0 && now - t0 > std::chrono::duration<double>(opts.max_time_s);
     if (!sent_term && (grace_over || time_over)) {
       write_all(err_fd, fmt::format("pcpkv launch: {}; sending SIGTERM to {} rank(s) still running\n",
@@ -382,13 +379,11 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   ::sigaction(SIGPIPE, &old_pipe, nullptr);
 
   // Exit code: the first failed rank, in the order reported (by time, and within one sweep the signal deaths).
-  const RankExit* first = nullptr;
+  const RankExit* first = first_failed >= 0 ? &result.ranks[static_cast<size_t>(first_failed)] : nullptr;
   int num_failed = 0;
   for (const RankExit& e : result.ranks) {
     if (e.ok()) continue;
     ++num_failed;
-    if (!first || failure_order[static_cast<size_t>(e.rank)] < failure_order[static_cast<size_t>(first->rank)])
-      first = &e;
     result.summary += fmt::format("rank {} (pid {}): {}\n", e.rank, e.pid,
                                   e.signal ? fmt::format("killed by {}", signal_name(e.signal))
                                            : fmt::format("exit code {}", e.exit_code));
