@@ -6,14 +6,16 @@
 # skip, with the reason, on a machine without a GPU.
 # Environment: PCPKV_BUILD_DIR (default build), PCPKV_JOBS (build jobs), PCPKV_CTEST_ARGS (extra ctest
 # arguments, e.g. "-L unit" or "-j2"), PCPKV_PYTHON_TESTS=0 (skip the Python part), PCPKV_PYTEST_ARGS (extra
-# pytest arguments, e.g. "-k plan"), PCPKV_INSTALL_TEST=0 (skip scripts/test_install.sh).
+# pytest arguments, e.g. "-k plan"), PCPKV_INSTALL_TEST=0 (skip scripts/test_install.sh), PCPKV_CMAKE_ARGS
+# (extra cmake arguments when the build directory is configured, e.g. "-DPCPKV_WERROR=ON", as .ci/run sets).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${PCPKV_BUILD_DIR:-$root/build}"
 
 "$root/scripts/setup.sh"
 if [ ! -f "$build/build.ninja" ]; then
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+  # shellcheck disable=SC2086
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release ${PCPKV_CMAKE_ARGS:-}
 fi
 ninja -C "$build" ${PCPKV_JOBS:+-j "$PCPKV_JOBS"}
 status=0
