@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,40 @@ TEST(ByteRange, FirstOverlapIndexesWritesThenReads) {
   EXPECT_EQ(first_overlap({a}, {ByteRange{}}, true), std::nullopt);  // an empty range overlaps nothing
   // Two address spaces (python/csrc: two devices) never overlap.
   EXPECT_EQ(first_overlap({a}, {byte_range(at(0x1000), 0x100, 1)}, true), std::nullopt);
+}
+
+// first_overlap answers "none" from a sorted sweep and searches the pairs only when some pair overlaps: on random
+// sets (two spaces, empty ranges, nested, adjacent and equal ranges, more than the 64 of its stack buffer) it gives
+// the pair, or none, that comparing every pair in the documented order gives.
+TEST(ByteRange, FirstOverlapEqualsThePairwiseSearchOnRandomSets) {
+  std::mt19937_64 rng(20261203);
+  const auto pairwise = [](const std::vector<ByteRange>& w, const std::vector<ByteRange>& r, bool pw) {
+    const auto hit = [](const ByteRange& a, const ByteRange& b) {
+      return a.lo < a.hi && b.lo < b.hi && a.space == b.space && a.lo < b.hi && b.lo < a.hi;
+    };
+    for (size_t i = 0; i < w.size(); ++i)
+      for (size_t j = pw ? i + 1 : w.size(); j < w.size() + r.size(); ++j)
+        if (hit(w[i], j < w.size() ? w[j] : r[j - w.size()])) return std::optional<std::pair<size_t, size_t>>({i, j});
+    return std::optional<std::pair<size_t, size_t>>();
+  };
+  int found = 0, none = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const size_t nw = rng() % (trial % 100 == 0 ? 90 : 12), nr = rng() % (trial % 100 == 0 ? 40 : 12);
+    const uintptr_t span = 64 + rng() % 4096;  // small spans: overlaps are common; large: rare
+    std::vector<ByteRange> w(nw), r(nr);
+    for (auto* v : {&w, &r})
+      for (ByteRange& x : *v) {
+        const uintptr_t lo = 0x10000 + (rng() % span) * 16;
+        const uintptr_t len = rng() % 5 == 0 ? 0 : 16 * (1 + rng() % 8);
+        x = byte_range(at(lo), len, static_cast<int64_t>(rng() % 2));
+      }
+    const bool pw = rng() % 2 == 0;
+    const auto want = pairwise(w, r, pw);
+    ASSERT_EQ(first_overlap(w, r, pw), want) << "trial " << trial;
+    (want ? found : none)++;
+  }
+  EXPECT_GT(found, 1000);  // both outcomes exercised
+  EXPECT_GT(none, 1000);
 }
 
 }  // namespace

@@ -26,8 +26,8 @@ ByteRange byte_range(const void* p, uint64_t num_bytes, int64_t space = 0);
 
 /// The first pair of ranges sharing a byte: (i, j) indexes writes ++ reads, i into writes and j either into writes
 /// (j > i, only when writes_pairwise) or past it into reads. Ranges in two spaces never overlap. Pairs within
-/// reads are not compared (inputs may share memory, e.g. splits of one projection). Compares every pair: meant for
-/// the few regions of one call.
+/// reads are not compared (inputs may share memory, e.g. splits of one projection). No overlap is found by one
+/// sorted sweep (O(n log n)); only then are the pairs compared in that order to name the first.
 std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<ByteRange>& writes,
                                                        const std::vector<ByteRange>& reads, bool writes_pairwise);
 

@@ -57,8 +57,9 @@ void validate_insert(const InsertParams& p);
 /// by the *_shape variants; num_jobs < 2 checks nothing more. (A dispatch's jobs share their targets by design.)
 void validate_combine_jobs(const CombineParams* jobs, int num_jobs);
 void validate_insert_jobs(const InsertParams* jobs, int num_jobs);
-/// A cache target of format fmt: non-null bases, valid geometries (indexer only when fmt.has_indexer).
-void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const char* name);
+/// A cache target of format fmt: non-null bases, valid geometries (indexer only when fmt.has_indexer). Errors name
+/// the target `name` ("combine: target"), or `name[index]` when index >= 0 (formatted only for the error).
+void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const char* name, int index = -1);
 /// k_scale finite and > 0, enums in range.
 void validate_cache_format(const CacheFormat& fmt);
 

@@ -134,11 +134,12 @@ void validate_cache_format(const CacheFormat& fmt) {
   if (const auto why = scale_problem(fmt.k_scale)) PCPKV_FAIL("fmt.k_scale = {} {}", fmt.k_scale, *why);
 }
 
-void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const char* name) {
-  PCPKV_CHECK(t.mla_base != nullptr, "{}.mla_base is null", name);
+void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const char* name, int index) {
+  const auto indexed = [&] { return index >= 0 ? fmt::format("[{}]", index) : std::string(); };
+  PCPKV_CHECK(t.mla_base != nullptr, "{}{}.mla_base is null", name, indexed());
   validate_geometry(t.mla, fmt.kv_format);
   if (fmt.has_indexer) {
-    PCPKV_CHECK(t.index_base != nullptr, "{}.index_base is null on a layer with an indexer", name);
+    PCPKV_CHECK(t.index_base != nullptr, "{}{}.index_base is null on a layer with an indexer", name, indexed());
     validate_geometry(t.index);
   }
 }
@@ -195,7 +196,7 @@ void validate_dispatch_shape(const DispatchParams& p) {
     PCPKV_CHECK(T == 0 || p.slot_mapping != nullptr, "dispatch: slot_mapping is null but num_targets = {}",
                 p.num_targets);
     for (int32_t d = 0; d < p.num_targets; ++d)
-      validate_cache_target(p.targets[d], p.fmt, fmt::format("dispatch: targets[{}]", d).c_str());
+      validate_cache_target(p.targets[d], p.fmt, "dispatch: targets", d);
   }
   PCPKV_CHECK(p.num_row_dests >= 0, "dispatch: num_row_dests = {} must be >= 0", p.num_row_dests);
   if (p.num_row_dests > 0) {
