@@ -16,39 +16,38 @@ ByteRange byte_range(const void* p, uint64_t num_bytes, int64_t space) {
 
 namespace {
 
+struct SweepItem {
+  int64_t space;
+  uintptr_t lo, hi;
+  bool write;
+};
+
 bool overlap(const ByteRange& a, const ByteRange& b) {
   return a.lo < a.hi && b.lo < b.hi && a.space == b.space && a.lo < b.hi && b.lo < a.hi;
 }
 
 // Whether any pair that first_overlap compares shares a byte, by one sweep over the ranges sorted by (space, lo):
-// a range overlaps an earlier one exactly when that one's hi is past its lo. Every launch runs this (8 dispatch
-// jobs of 34 ranges at PCP 8); the pairwise loop took ~2 us per job on the 2-core CI machine (docs/perf.md 31).
-template <class Item>
-bool any_overlap(Item* items, const std::vector<ByteRange>& writes, const std::vector<ByteRange>& reads,
+// a range overlaps an earlier one exactly when that one's hi is past its lo. Every launch runs this (at PCP 8, 8
+// dispatch jobs of ~34 ranges each), so the host time of an eager layer counts it (docs/perf.md 31).
+bool any_overlap(SweepItem* items, const std::vector<ByteRange>& writes, const std::vector<ByteRange>& reads,
                  bool writes_pairwise) {
   size_t m = 0;
   for (size_t i = 0; i < writes.size() + reads.size(); ++i) {
     const bool is_write = i < writes.size();
     const ByteRange& r = is_write ? writes[i] : reads[i - writes.size()];
-    if (r.lo < r.hi) items[m++] = Item{r.space, r.lo, r.hi, is_write};
+    if (r.lo < r.hi) items[m++] = SweepItem{r.space, r.lo, r.hi, is_write};
   }
   std::sort(items, items + m,
-            [](const Item& a, const Item& b) { return std::tie(a.space, a.lo) < std::tie(b.space, b.lo); });
+            [](const SweepItem& a, const SweepItem& b) { return std::tie(a.space, a.lo) < std::tie(b.space, b.lo); });
   uintptr_t hi_w = 0, hi_r = 0;  // the largest hi among the writes / reads seen in this space
   for (size_t i = 0; i < m; ++i) {
-    const Item& x = items[i];
+    const SweepItem& x = items[i];
     if (i > 0 && x.space != items[i - 1].space) hi_w = hi_r = 0;
     if (x.write ? (hi_r > x.lo || (writes_pairwise && hi_w > x.lo)) : hi_w > x.lo) return true;
     (x.write ? hi_w : hi_r) = std::max(x.write ? hi_w : hi_r, x.hi);
   }
   return false;
 }
-
-struct SweepItem {
-  int64_t space;
-  uintptr_t lo, hi;
-  bool write;
-};
 
 }  // namespace
 
