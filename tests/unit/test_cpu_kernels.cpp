@@ -679,6 +679,23 @@ TEST(CpuKernels, BadCombineAndInsertThrowBeforeWriting) {
 // The library's combine / insert / dispatch wrote through overlapping outputs (a replica listed twice, an indexer
 // cache inside the MLA cache, staging rows inside a cache): only the torch ops refused them. Each case names both
 // fields and writes nothing; the CUDA launchers run the same checks (validate_*_shape, validate_*_jobs).
+// A bad cache geometry names the target it belongs to, before the geometry's own field and value.
+TEST(CpuKernels, BadTargetGeometryNamesTheTarget) {
+  const CacheFormat f = make_fmt(KvFormat::kFp8);
+  Batch b(8, f, 94);
+  CacheTarget t = b.target();
+  t.mla.row_stride = 8;
+  std::string e = error_of([&] { validate_cache_target(t, f, "dispatch: targets", 3); });
+  EXPECT_EQ(e.rfind("dispatch: targets[3]: mla cache: row_stride = 8 B", 0), 0u) << e;
+  t = b.target();
+  t.index.block_stride = 4;
+  e = error_of([&] { validate_cache_target(t, f, "combine: target"); });
+  EXPECT_EQ(e.rfind("combine: target: indexer cache: block_stride = 4 B", 0), 0u) << e;
+  t.index_base = nullptr;
+  e = error_of([&] { validate_cache_target(t, f, "dispatch: targets", 0); });
+  EXPECT_EQ(e, "dispatch: targets[0].index_base is null on a layer with an indexer") << e;
+}
+
 TEST(CpuKernels, OverlappingOutputsAreRefusedNamingBothFieldsBeforeWriting) {
   const CacheFormat f = make_fmt(KvFormat::kFp8);
   Batch b(8, f, 93);

@@ -58,7 +58,8 @@ void validate_insert(const InsertParams& p);
 void validate_combine_jobs(const CombineParams* jobs, int num_jobs);
 void validate_insert_jobs(const InsertParams* jobs, int num_jobs);
 /// A cache target of format fmt: non-null bases, valid geometries (indexer only when fmt.has_indexer). Errors name
-/// the target `name` ("combine: target"), or `name[index]` when index >= 0 (formatted only for the error).
+/// the target `name` ("combine: target"), or `name[index]` when index >= 0 (formatted only for the error), then
+/// the field ("dispatch: targets[3].mla_base is null", "combine: target: mla cache: row_stride = ...").
 void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const char* name, int index = -1);
 /// k_scale finite and > 0, enums in range.
 void validate_cache_format(const CacheFormat& fmt);

@@ -137,10 +137,13 @@ void validate_cache_format(const CacheFormat& fmt) {
 void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const char* name, int index) {
   const auto indexed = [&] { return index >= 0 ? fmt::format("[{}]", index) : std::string(); };
   PCPKV_CHECK(t.mla_base != nullptr, "{}{}.mla_base is null", name, indexed());
-  validate_geometry(t.mla, fmt.kv_format);
-  if (fmt.has_indexer) {
+  if (fmt.has_indexer)
     PCPKV_CHECK(t.index_base != nullptr, "{}{}.index_base is null on a layer with an indexer", name, indexed());
-    validate_geometry(t.index);
+  try {
+    validate_geometry(t.mla, fmt.kv_format);
+    if (fmt.has_indexer) validate_geometry(t.index);
+  } catch (const Error& e) {  // the geometry's message does not know which target it is
+    throw Error(fmt::format("{}{}: {}", name, indexed(), e.what()), e.where());
   }
 }
 
