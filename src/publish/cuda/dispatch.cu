@@ -108,12 +108,13 @@ __device__ __forceinline__ void sumsq_parts(const TokenRegs<QL>& v, bool do_q, b
 }
 
 // One token. kGuard = false (the hot pass): the ordinary reductions only; a thread that sees one of its sums
-// not finite sets *s_cold (such a row is published as the code before the guard did: r = 0, zeros). A flag in
-// shared memory, not a register carried through the token loop: that register spilled in the simple kernel.
-// kGuard = true (the cold pass, which the kernel runs over all of a CTA's tokens only when *s_cold is set): the overflow guard inline (token_math.h; SPEC 2.1, 2.2, 2.4), rewriting every
-// byte of the token (identical bytes for ordinary rows), no top-k fill (the hot pass did it). Why two passes:
-// any guard code on the hot path of this kernel, inline or as a call, cost 9-13% of its time (registers of
-// the prefetched next token; docs/perf.md section 12b).
+// not finite sets *s_cold where it tests the sum (such a row is published as the code before the guard did:
+// r = 0, zeros). A flag in shared memory, not a register carried through the token loop: that register spilled
+// in the simple kernel. kGuard = true (the cold pass, which the kernel runs over all of a CTA's tokens only when
+// *s_cold is set): the overflow guard inline (token_math.h; SPEC 2.1, 2.2, 2.4), rewriting every byte of the
+// token (identical bytes for ordinary rows), no top-k fill (the hot pass did it). Why two passes: any guard code
+// on the hot path of this kernel, inline or as a call, cost 9-13% of its time (registers of the prefetched next
+// token; docs/perf.md sections 12b and 32).
 template <KvFormat F, int QL, bool kAligned, bool kGuard>
 __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, const TokenRegs<QL>& v,
                                               const TargetLite* s_targets, uint8_t* const* s_dests,
@@ -171,7 +172,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
   if (ra.do_q) {
     if constexpr (!kGuard) {
       q_total = fp32::add(fp32::add(red[0], red[1]), fp32::add(red[2], red[3]));
-      nonfinite |= !math::finite(q_total);
+      if (!math::finite(q_total)) *s_cold = 1;
     }
     const float r = math::rms_inv(q_total, c.q_lora_rank, q_big ? math::rescaled_eps(c.q_eps) : c.q_eps);
 #pragma unroll
@@ -193,16 +194,13 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       }
     }
   }
-  if (!ra.need_kv) {
-    if (!kGuard && nonfinite) *s_cold = 1;
-    return;
-  }
+  if (!ra.need_kv) return;
 
   // ---- KV: RMSNorm, encode the kv_c part of the MLA row ----
   if (tid < 64) {
     if constexpr (!kGuard) {
       kv_total = fp32::add(red[4], red[5]);
-      nonfinite |= !math::finite(kv_total);
+      if (!math::finite(kv_total)) *s_cold = 1;
     }
     const float r = math::rms_inv(kv_total, static_cast<int>(kKvLoraRank), kv_big ? math::rescaled_eps(c.kv_eps) : c.kv_eps);
     float kx[8];
@@ -295,6 +293,7 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       const float r = index_ln_center<kGuard ? LnGuard::kInline : LnGuard::kFlag>(
           v.x, ra.index_k + t * ra.index_k_stride + 8 * lane, kAligned ? 16 : c.load_align, x, 0xffffu, c.index_eps,
           nonfinite);
+      if (!kGuard && nonfinite) *s_cold = 1;
       const float4 w0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane));
       const float4 w1 = __ldg(reinterpret_cast<const float4*>(c.index_ln_w + 8 * lane + 4));
       const float4 b0 = __ldg(reinterpret_cast<const float4*>(c.index_ln_b + 8 * lane));
@@ -330,7 +329,27 @@ __device__ __forceinline__ void process_token(const DispatchArgs& a, int64_t g, 
       }
     }
   }
-  if (!kGuard && nonfinite) *s_cold = 1;
+}
+
+// The cold pass (see process_token) over all of this CTA's tokens.
+template <KvFormat F, int QL, bool kAligned>
+__device__ __forceinline__ void cold_pass(const DispatchArgs& a, const TargetLite* s_targets, uint8_t* const* s_dests,
+                                          float (*s_red)[6], float* s_big, int* s_cold) {
+  int parity = 0;
+  for (int64_t g = blockIdx.x; g < a.total_tokens; g += gridDim.x, parity ^= 1) {
+    TokenRegs<QL> cur;
+    load_token<QL, kAligned>(a, g, cur);
+    process_token<F, QL, kAligned, true>(a, g, cur, s_targets, s_dests, s_red, s_big, s_cold, parity);
+  }
+}
+
+// The same, not inlined. Inlined after the token loop of the two-leaf instances, the cold pass costs that loop
+// registers (ptxas re-reads threadIdx there ~15 more times); as a call, only what is live at the call site is
+// saved, and its spills stay in the call. The four-leaf instances do better with it inline (docs/perf.md 32).
+template <KvFormat F, int QL, bool kAligned>
+__device__ __noinline__ void cold_pass_call(const DispatchArgs& a, const TargetLite* s_targets,
+                                            uint8_t* const* s_dests, float (*s_red)[6], float* s_big, int* s_cold) {
+  cold_pass<F, QL, kAligned>(a, s_targets, s_dests, s_red, s_big, s_cold);
 }
 
 template <KvFormat F, int QL, bool kPrefetch, bool kAligned>
@@ -373,12 +392,10 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 7 : 8) dispatch_kernel(c
   // so the guarded bytes are the last ones written. The barrier also ends the hot pass's use of s_red.
   __syncthreads();
   if (s_cold != 0) {
-    int parity = 0;
-    for (int64_t g = blockIdx.x; g < a.total_tokens; g += gridDim.x, parity ^= 1) {
-      TokenRegs<QL> cur;
-      load_token<QL, kAligned>(a, g, cur);
-      process_token<F, QL, kAligned, true>(a, g, cur, s_targets, s_dests, s_red, s_big, &s_cold, parity);
-    }
+    if constexpr (QL == 2)
+      cold_pass_call<F, QL, kAligned>(a, s_targets, s_dests, s_red, s_big, &s_cold);
+    else
+      cold_pass<F, QL, kAligned>(a, s_targets, s_dests, s_red, s_big, &s_cold);
   }
 }
 
