@@ -96,9 +96,12 @@ def read_markdown(text: str) -> dict:
     doc["single_rank"] = []
     for i, row in enumerate(singles):
         where = f"markdown single-rank row {i + 1}"
-        doc["single_rank"].append({"model": model, "kv_format": kv, "tokens": int(_num(row, "tokens", where)),
-                                   "variant": row.get("variant", "?"), "fused_topk": (row.get("top-k fill") or "").split(",")[0] == "fused",
-                                   "ms": _num(row, "time us", where) / 1e3, "floor_ms": _num(row, "floor us", where) / 1e3,
-                                   "time_over_floor": _num(row, "time / floor", where)})
+        single = {"model": model, "kv_format": kv, "tokens": int(_num(row, "tokens", where)),
+                  "variant": row.get("variant", "?"), "fused_topk": (row.get("top-k fill") or "").split(",")[0] == "fused",
+                  "ms": _num(row, "time us", where) / 1e3, "floor_ms": _num(row, "floor us", where) / 1e3,
+                  "time_over_floor": _num(row, "time / floor", where)}
+        if row.get("graph us") not in (None, "-", ""):  # tables since 2026-12-03 (graph replays); "-": not measured
+            single["graph_ms"] = _num(row, "graph us", where) / 1e3
+        doc["single_rank"].append(single)
     doc["runs"] = runs
     return doc

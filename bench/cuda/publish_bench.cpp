@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 
+#include "bench/cuda/graph_timer.h"
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
 #include "pcpkv/publish/kernels.h"
@@ -140,6 +141,24 @@ double time_rank_dispatch(Publisher& pub, int32_t rank, Transport t, const Bench
     ms.push_back(cuda_detail::elapsed_ms(a, b));
   }
   return median(ms);
+}
+
+/// Median per call of o.graph_calls runs of rank `rank`'s dispatch captured into one CUDA graph (input sets
+/// rotating as in time_rank_dispatch); -1 without o.graph. Back-to-back launches: what a layer's dispatch costs
+/// on a busy GPU, without the host launch path that a launch on an idle GPU (time_rank_dispatch) includes.
+double graph_rank_dispatch(Publisher& pub, int32_t rank, Transport t, const BenchOptions& o) {
+  if (!o.graph) return -1.0;
+  Stream stream;
+  pub.enqueue_rank_dispatch(rank, t, stream.get());  // warm outside the capture
+  stream.sync();
+  const double us = cuda_detail::graph_median_us_per_call(
+      [&](cudaStream_t s, int64_t) { pub.enqueue_rank_dispatch(rank, t, s); }, o.graph_calls, o.warmup, o.iters,
+      stream.get());
+  return us * 1e-3;
+}
+
+std::string graph_note(double graph_ms, double floor_ms) {
+  return graph_ms < 0 ? std::string() : fmt::format(", graph {:.1f} us ({:.2f}x)", graph_ms * 1e3, graph_ms / floor_ms);
 }
 
 /// Median replay time of `layers` publications captured back to back into one graph, divided by layers.
@@ -280,9 +299,11 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
               s.bytes += st.bytes;
             }
           s.ms_min = s.ms * t.total_min_ms / std::max(t.total_ms, 1e-9);
-          say(progress, fmt::format("single rank {} tokens, {} {}: {:.1f} us ({:.2f}x the copy floor)", tokens,
-                                    s.variant, fused ? "fused top-k" : "separate top-k", s.ms * 1e3,
-                                    s.ms * 1e-3 / (static_cast<double>(s.bytes) / (rep.copy_gbps * 1e9))));
+          s.graph_ms = graph_rank_dispatch(*pub, 0, Transport::kDirect, o);
+          const double floor_ms = static_cast<double>(s.bytes) / (rep.copy_gbps * 1e6);
+          say(progress, fmt::format("single rank {} tokens, {} {}: {:.1f} us ({:.2f}x the copy floor){}", tokens,
+                                    s.variant, fused ? "fused top-k" : "separate top-k", s.ms * 1e3, s.ms / floor_ms,
+                                    graph_note(s.graph_ms, floor_ms)));
           rep.singles.push_back(s);
         }
     }
@@ -318,11 +339,13 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
           row.transport = t;
           row.variant = v.name();
           row.ms = time_rank_dispatch(*pub, 0, t, o);
+          row.graph_ms = graph_rank_dispatch(*pub, 0, t, o);
           for (const Stage& st : pub->stage_model(t))
             if (st.name == "dispatch" || st.name == "topk-fill") row.bytes += st.bytes / P;
-          say(progress, fmt::format("per GPU {} PCP {} rank 0 ({} rows) {} [{}]: {:.1f} us ({:.2f}x the copy floor)",
+          const double floor_ms = static_cast<double>(row.bytes) / (rep.copy_gbps * 1e6);
+          say(progress, fmt::format("per GPU {} PCP {} rank 0 ({} rows) {} [{}]: {:.1f} us ({:.2f}x the copy floor){}",
                                     name, P, row.local_tokens, to_string(t), row.variant, row.ms * 1e3,
-                                    row.ms * 1e-3 / (static_cast<double>(row.bytes) / (rep.copy_gbps * 1e9))));
+                                    row.ms / floor_ms, graph_note(row.graph_ms, floor_ms)));
           rep.per_gpu.push_back(row);
         }
       }

@@ -147,6 +147,24 @@ def test_reads_a_saved_bench_markdown():
     assert (s["ms"], s["floor_ms"]) == pytest.approx((0.1847, 0.1454), rel=1e-12)  # us in the table
 
 
+def test_reads_the_single_rank_graph_column():
+    """Tables since 2026-12-03 carry a 'graph us' column (graph replays); '-' (not measured) and older tables
+    without it give no graph_ms."""
+    with open(RESULTS_MD, encoding="utf-8") as f:
+        text = f.read()
+    assert all("graph_ms" not in s for s in read_markdown(text)["single_rank"])
+    text = text.replace("| tokens | variant | top-k fill | time us |", "| tokens | variant | top-k fill | time us | graph us |")
+    text = text.replace("|---|---|---|---|---|---|---|---|\n| 4096", "|---|---|---|---|---|---|---|---|---|\n| 4096")
+    text = text.replace("| 4096 | warp | fused | 34.0 |", "| 4096 | warp | fused | 34.0 | 21.5 |")
+    text = text.replace("| 4096 | warp | separate | 36.5 |", "| 4096 | warp | separate | 36.5 | - |")
+    text = text.replace("| 32768 | warp | fused | 184.7 |", "| 32768 | warp | fused | 184.7 | 170.0 |")
+    text = text.replace("| 32768 | warp | separate | 175.2 |", "| 32768 | warp | separate | 175.2 | 168.2 |")
+    singles = read_markdown(text)["single_rank"]
+    assert "graph_ms" not in singles[1]
+    assert [singles[i]["graph_ms"] for i in (0, 2, 3)] == pytest.approx([0.0215, 0.170, 0.1682], rel=1e-12)
+    assert singles[0]["floor_ms"] == pytest.approx(0.0182, rel=1e-12)  # the columns after it still line up
+
+
 def test_plots_a_saved_bench_markdown(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (scripts/requirements-plot.txt)")
     out = tmp_path / "md.png"

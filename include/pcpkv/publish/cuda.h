@@ -36,6 +36,9 @@ struct BenchOptions {
   int iters = 20;
   int warmup = 5;
   bool graph = true;               // also capture one publication into a CUDA graph and time its replays
+  /// Single-rank and per-GPU cases with `graph`: this many rank dispatches (rotating input sets) captured back to
+  /// back into one graph, the replay time per call: the kernel on a busy GPU, without the host's launch path.
+  int graph_calls = 16;
   std::vector<int64_t> single_rank_tokens = {4096, 32768};  // dispatch-only, PCP 1 (docs/perf.md's vLLM case)
   /// Dispatch kernels of the single-rank section ("simple", "prefetch", "warp", "warp_pf"), each with the
   /// top-k fill fused and separate, measured side by side in one run.
@@ -97,8 +100,9 @@ struct BenchSingle {
   std::string variant;      // dispatch kernel variant ("simple", "prefetch")
   bool fused_topk = true;   // top-k fill inside the dispatch kernel (else a separate byte fill, timed with it)
   TopkFill topk_fill = TopkFill::kFull;  // which rows it filled
-  double ms = 0.0;          // median
+  double ms = 0.0;          // median, one launch on an idle GPU (CUDA events; includes the host's launch path)
   double ms_min = 0.0;
+  double graph_ms = -1.0;   // median per call of BenchOptions::graph_calls calls replayed in one CUDA graph (-1: not measured)
   int64_t bytes = 0;
 };
 
@@ -109,7 +113,8 @@ struct BenchPerGpu {
   int64_t local_tokens = 0;  // rows of rank 0 (per_gpu_tokens / pcp)
   Transport transport = Transport::kDirect;
   std::string variant;       // PublishVariant name (dispatch kernel and fill; combine / pdl do not apply)
-  double ms = 0.0;           // median of (top-k fill unless fused) + dispatch
+  double ms = 0.0;           // median of (top-k fill unless fused) + dispatch, one launch on an idle GPU
+  double graph_ms = -1.0;    // the same, per call of BenchOptions::graph_calls calls replayed in one CUDA graph (-1: not measured)
   int64_t bytes = 0;         // read + written by rank 0's fill and dispatch (docs/perf.md byte model)
 };
 
