@@ -2,8 +2,9 @@
 // Standalone probe (not part of the build): nvcc -O3 -arch=sm_90 -std=c++17 write_pattern_probe.cu -o probe
 // One warp per token on a persistent grid (6 CTAs of 4 warps per SM, as the warp dispatch; also 8 and 12, the
 // last with spills), each token reads q_c (2048 bf16), kv (512), k_pe (64) and index_k (128) with 16-byte loads,
-// and writes q_c_out (4 KB) and, in each of 0-8 replicas, the fp8_ds_mla row (512 B kv_c, 16 B scales, 128 B k_pe at a 656 B row stride, 64 rows per
-// block) and the indexer row (128 B data, 4 B scale, in a 64-row block), with the store widths of the dispatch.
+// and writes q_c_out (4 KB) and, in each of 0-8 replicas, the fp8_ds_mla row (512 B kv_c, 16 B scales, 128 B
+// k_pe at a 656 B row stride, 64 rows per block) and the indexer row (128 B data, 4 B scale, in a 64-row block),
+// with the store widths of the dispatch.
 // The values are bit mixes of the loads (no norm, no quantization): whatever time is left is the memory system's.
 #include <cuda_runtime.h>
 
