@@ -30,6 +30,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "ranks/bootstrap_wire.h"
+#include "ranks/tombstone.h"
 
 namespace pcpkv {
 
@@ -48,6 +49,7 @@ using namespace bootstrap_wire;
 namespace {
 
 constexpr uint32_t kProtocolVersion = 2;  // 2: the hello names the job (job_bytes)
+constexpr double kMaxTimeoutS = 1e9;  // steady_clock counts int64 ns (~292 years): 1e9 s leaves room for now()
 
 // HELLO payload: fixed fields, then the token bytes, then the job's name (BootstrapConfig::job, for
 // messages only).
@@ -135,9 +137,6 @@ void ensure_private_dir(const std::string& socket_path) {
 
 }  // namespace
 
-void write_tombstone(const std::string& address, const std::string& token, const std::string& message);
-std::string read_tombstone(const std::string& address, const std::string& token);
-
 struct Bootstrap::Impl {
   BootstrapConfig cfg;
   std::vector<int64_t> pids;
@@ -152,7 +151,9 @@ struct Bootstrap::Impl {
     return fmt::format("rank {}", r);
   }
   Deadline deadline() const {
-    return Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(cfg.timeout_s * 1000.0));
+    // A timeout past ~31 years (inf, 1e300) means "no limit": capped so now + timeout cannot overflow.
+    const double ms = std::min(cfg.timeout_s, kMaxTimeoutS) * 1000.0;
+    return Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(ms));
   }
   // Non-root ranks wait a little longer than rank 0, so rank 0's message naming the missing rank
   // arrives before their own (less informative) timeout.
@@ -160,7 +161,7 @@ struct Bootstrap::Impl {
 
   // Rank 0: a peer failed; tell every other peer and throw.
   [[noreturn]] void fail_job(const std::string& message, int skip_rank = -1) {
-    if (in_rendezvous) write_tombstone(cfg.address, cfg.token, message);
+    if (in_rendezvous) bootstrap_tombstone::write(cfg.address, cfg.token, message);
     for (int r = 1; r < cfg.world_size; ++r) {
       if (r == skip_rank || !conns[r]) continue;
       send_frame(conns[r].get(), FrameType::kAbort, message.data(), message.size(), Clock::now() + std::chrono::milliseconds(200));
@@ -267,36 +268,6 @@ struct Bootstrap::Impl {
 
 // ---- rendezvous ----------------------------------------------------------------------------------
 
-// When rank 0 gives up during the rendezvous, ranks that have not connected yet would only see a missing
-// socket until their own timeout. Rank 0 leaves "<address>.failed" (job token, then the reason); followers
-// that find it with their token fail at once with rank 0's reason. Rank 0 removes a stale one at start.
-std::string tombstone_path(const std::string& address) { return address + ".failed"; }
-
-void write_tombstone(const std::string& address, const std::string& token, const std::string& message) {
-  const std::string tmp = tombstone_path(address) + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return;
-  const std::string text = token + "\n" + message;
-  const ssize_t n = ::write(fd, text.data(), text.size());
-  ::close(fd);
-  if (n == static_cast<ssize_t>(text.size())) ::rename(tmp.c_str(), tombstone_path(address).c_str());
-  ::unlink(tmp.c_str());
-}
-
-// Rank 0's reason when a tombstone of this job exists, else "".
-std::string read_tombstone(const std::string& address, const std::string& token) {
-  const int fd = ::open(tombstone_path(address).c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return {};
-  std::string text(4096, '\0');
-  const ssize_t n = ::read(fd, text.data(), text.size());
-  ::close(fd);
-  if (n <= 0) return {};
-  text.resize(static_cast<size_t>(n));
-  const auto nl = text.find('\n');
-  if (nl == std::string::npos || text.substr(0, nl) != token) return {};
-  return text.substr(nl + 1);
-}
-
 void Bootstrap::Impl::rendezvous_root() {
   const int world = cfg.world_size;
   conns.resize(world);
@@ -308,7 +279,7 @@ void Bootstrap::Impl::rendezvous_root() {
   const sockaddr_un addr = make_addr(cfg.address);
   // Before anything at the address is touched: the socket and tombstone may be another live job's.
   address_lock = lock_address(cfg.address, cfg.job);
-  ::unlink(tombstone_path(cfg.address).c_str());
+  bootstrap_tombstone::remove(cfg.address);  // an earlier attempt's
   in_rendezvous = true;
   struct stat st {};
   if (::lstat(cfg.address.c_str(), &st) == 0) {
@@ -445,6 +416,13 @@ void Bootstrap::Impl::rendezvous_follower() {
   conns.resize(1);
   pids.assign(cfg.world_size, 0);
   pids[cfg.rank] = ::getpid();
+  // Rank 0's reason when it gave up this attempt's rendezvous (ranks/tombstone.h), else "".
+  auto rank0_gave_up = [&]() {
+    const bootstrap_tombstone::Found t = bootstrap_tombstone::read(cfg.address, cfg.token);
+    if (!t.this_attempt) return std::string();
+    bootstrap_tombstone::mark_reported(t);
+    return t.reason;
+  };
   int last_err = 0;
   for (;;) {
     UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -454,15 +432,23 @@ void Bootstrap::Impl::rendezvous_follower() {
       break;
     }
     last_err = errno;
-    if (const std::string why = read_tombstone(cfg.address, cfg.token); !why.empty())
+    if (const std::string why = rank0_gave_up(); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 gave up the rendezvous at '{}' before rank {} connected: {}", cfg.address,
                  cfg.rank, why);
     PCPKV_CHECK(last_err == ENOENT || last_err == ECONNREFUSED || last_err == EAGAIN || last_err == EINTR,
                 "bootstrap: rank {} cannot connect to '{}': {}", cfg.rank, cfg.address, errno_text(last_err));
-    if (Clock::now() >= dl)
+    if (Clock::now() >= dl) {
+      // A rank 0 with this token that gave up before this process started: a late rank or an earlier attempt.
+      std::string earlier;
+      if (const auto t = bootstrap_tombstone::read(cfg.address, cfg.token); !t.reason.empty() && !t.this_attempt)
+        earlier = fmt::format("; an earlier rank 0 with this job token gave up {}: {}",
+                              t.earlier_boot ? std::string("before this host's last boot")
+                                             : fmt::format("{:.1f} s before this process started", t.age_at_start_s),
+                              t.reason);
       PCPKV_FAIL("bootstrap: rendezvous timed out after {} s at rank {}: nobody accepts connections at '{}' ({}); "
-                 "is rank 0 running with the same PCPKV_BOOTSTRAP / MASTER_PORT?",
-                 cfg.timeout_s, cfg.rank, cfg.address, errno_text(last_err));
+                 "is rank 0 running with the same PCPKV_BOOTSTRAP / MASTER_PORT?{}",
+                 cfg.timeout_s, cfg.rank, cfg.address, errno_text(last_err), earlier);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   uid_t uid = 0;
@@ -483,7 +469,7 @@ void Bootstrap::Impl::rendezvous_follower() {
   std::memcpy(hello.data() + sizeof(h), cfg.token.data(), cfg.token.size());
   std::memcpy(hello.data() + sizeof(h) + cfg.token.size(), job.data(), job.size());
   if (send_frame(conns[0].get(), FrameType::kHello, hello.data(), hello.size(), dl) != IoStatus::kOk) {
-    if (const std::string why = read_tombstone(cfg.address, cfg.token); !why.empty())
+    if (const std::string why = rank0_gave_up(); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
     PCPKV_FAIL("bootstrap: rank {} could not send its hello to rank 0 (pid {})", cfg.rank, pid);
   }
@@ -497,7 +483,7 @@ void Bootstrap::Impl::rendezvous_follower() {
   if (st != IoStatus::kOk) {
     // Rank 0 may have failed the job while our hello was still unread (it then never told us): its
     // tombstone says why.
-    if (const std::string why = read_tombstone(cfg.address, cfg.token); !why.empty())
+    if (const std::string why = rank0_gave_up(); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
     PCPKV_FAIL("bootstrap: rank 0 (pid {}) closed the connection during rendezvous", pid);
   }
@@ -703,7 +689,8 @@ constexpr int32_t kMaxEnvInt = 1 << 20;
 
 int32_t env_int(const char* name, int32_t lo, int32_t hi = kMaxEnvInt) {
   const char* v = env(name);
-  PCPKV_CHECK(v != nullptr, "bootstrap: environment variable {} is not set", name);
+  PCPKV_CHECK(v != nullptr, "bootstrap: environment variable {} is {}", name,
+              read_env(name) ? "set but empty" : "not set");
   char* end = nullptr;
   errno = 0;
   const long x = std::strtol(v, &end, 10);

@@ -5,6 +5,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <limits>
 #include <numeric>
 #include <thread>
 
@@ -124,6 +126,76 @@ TEST(Bootstrap, MissingRankTimesOutNamingIt) {
   EXPECT_NE(out[1].output.find("rank(s) 2 of world size 3 never connected"), std::string::npos)
       << test::describe(out);
   EXPECT_LT(out[1].seconds, 10.0);
+}
+
+// A job whose rank 0 gave up leaves a tombstone; a retry with the same address and token (a torchrun-style
+// job started again on the same MASTER_PORT) must not read it as its own: its rank 1 starts first and waits,
+// its rank 0 starts later and both meet. Before, the retry's rank 1 failed at once with the dead job's reason.
+TEST(Bootstrap, RetryIgnoresTheTombstoneOfAnEarlierAttempt) {
+  test::TempDir d;
+  const std::string token = make_job_token();
+  auto same_job = [&](int, BootstrapConfig& c) {
+    c.address = d.path + "/boot.sock";
+    c.token = token;
+  };
+  const auto first = run_ranks(
+      2, [](const BootstrapConfig& c) { return c.rank == 1 ? 0 : (Bootstrap::connect(c) ? 0 : 1); }, 0.5, 30.0,
+      same_job);
+  ASSERT_EQ(first[0].exit_code, 3) << test::describe(first);
+  ASSERT_TRUE(std::filesystem::exists(d.path + "/boot.sock.failed")) << "rank 0 left no tombstone";
+  const auto retry = run_ranks(
+      2,
+      [](const BootstrapConfig& c) {
+        if (c.rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+        auto b = Bootstrap::connect(c);
+        b->barrier();
+        return 0;
+      },
+      10.0, 30.0, same_job);
+  EXPECT_TRUE(test::all_ok(retry)) << test::describe(retry);
+}
+
+// The tombstone's purpose stays: a rank process that started with the job but reaches the rendezvous only
+// after rank 0 gave up (a slow import) fails at once with rank 0's reason instead of its own timeout.
+TEST(Bootstrap, LateRankOfTheSameAttemptGetsRankZerosReason) {
+  const auto out = run_ranks(
+      3,
+      [](const BootstrapConfig& c) {
+        if (c.rank == 2) return 0;  // never connects: rank 0 gives up after its timeout (1 s)
+        if (c.rank == 1) {
+          BootstrapConfig late = c;
+          late.timeout_s = 20.0;
+          std::this_thread::sleep_for(std::chrono::milliseconds(1800));
+          return Bootstrap::connect(late) ? 0 : 1;
+        }
+        return Bootstrap::connect(c) ? 0 : 1;
+      },
+      1.0, 30.0);
+  EXPECT_EQ(out[0].exit_code, 3) << test::describe(out);
+  EXPECT_EQ(out[1].exit_code, 3) << test::describe(out);
+  EXPECT_NE(out[1].output.find("rank 0 gave up the rendezvous"), std::string::npos) << test::describe(out);
+  EXPECT_NE(out[1].output.find("rank(s) 1, 2 of world size 3 never connected"), std::string::npos)
+      << test::describe(out);
+  EXPECT_LT(out[1].seconds, 8.0) << test::describe(out);
+}
+
+// --timeout inf / PCPKV_BOOTSTRAP_TIMEOUT_S=1e300 mean no limit; the deadline's arithmetic overflowed and the
+// rendezvous failed at once.
+TEST(Bootstrap, UnboundedTimeoutIsNoLimit) {
+  for (const double t : {std::numeric_limits<double>::infinity(), 1e300, 1e10}) {
+    const auto out = run_ranks(
+        2,
+        [](const BootstrapConfig& c) {
+          if (c.rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          auto b = Bootstrap::connect(c);
+          int64_t mine = c.rank, all[2] = {-1, -1};
+          b->all_gather(&mine, sizeof(mine), all);
+          RANK_CHECK(all[0] == 0 && all[1] == 1, "all_gather");
+          return 0;
+        },
+        t, 30.0);
+    EXPECT_TRUE(test::all_ok(out)) << "timeout " << t << ": " << test::describe(out);
+  }
 }
 
 TEST(Bootstrap, RankDyingInACollectiveIsNamedEverywhere) {
@@ -277,6 +349,14 @@ TEST(BootstrapEnv, MalformedValuesNameTheVariable) {
   }
   ::setenv("RANK", "2", 1);
   EXPECT_THROW(bootstrap_config_from_env(), Error);  // rank 2 of 2
+  // An empty MASTER_PORT was called "not set".
+  ::setenv("RANK", "0", 1);
+  ::setenv("MASTER_PORT", "", 1);
+  EXPECT_NE(test::error_of([] { bootstrap_config_from_env(); }).find("MASTER_PORT is set but empty"),
+            std::string::npos);
+  ::unsetenv("MASTER_PORT");
+  EXPECT_NE(test::error_of([] { bootstrap_config_from_env(); }).find("MASTER_PORT is not set"), std::string::npos);
+  ::setenv("MASTER_PORT", "29500", 1);
   ::unsetenv("RANK");
   ::setenv("PCPKV_RANK", "0", 1);
   ::setenv("PCPKV_WORLD_SIZE", "2", 1);

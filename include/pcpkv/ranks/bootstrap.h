@@ -53,7 +53,7 @@ struct BootstrapConfig {
   std::string address;           // filesystem path of rank 0's Unix-domain socket (< 108 bytes)
   std::string token;             // per-job token; every rank must present the same one (non-empty)
   std::string job;               // the job's name in messages ("MASTER_PORT 29500, command '...'"), never the token
-  double timeout_s = 60.0;       // bound of every blocking step (rendezvous and each collective)
+  double timeout_s = 60.0;       // bound of every blocking step (rendezvous and each collective); inf: none
   std::string source;            // where the values came from ("pcpkv launch", "torchrun env", "test")
 };
 
