@@ -94,6 +94,8 @@ TEST(CliBadInput, BadEnumsAndCounts) {
   expect_refused("--tokens=-5", {"--tokens", "-5"}, dir);
   expect_refused("--tokens 0 --decodes 0", {"empty"}, dir);
   expect_refused("--repeats 0", {"--repeats", "0"}, dir);
+  // Unbounded, --repeats 2000000000 ran for days before printing anything.
+  expect_refused("--repeats 2000000000", {"--repeats", "must be in [1, 1000000]", "2000000000"}, dir);
   expect_refused("--no-such-flag", {"--no-such-flag"}, dir);
 }
 
@@ -249,4 +251,44 @@ TEST(CliBadInput, NonFiniteActivationsAreRefusedUnlessAllowed) {
   EXPECT_NE(r.exit_code, 2) << r.err;
   EXPECT_NE(r.out.find("non-finite"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("verdict:"), std::string::npos) << r.out;
+}
+
+// CLI11 reads integers with strtoll base 0: --tokens 064 published 52 tokens (octal), --pcp 0x8 ran PCP 8, and
+// a leading space passed while a trailing one did not. Integers are plain decimal now; a sign stays allowed.
+TEST(CliBadInput, IntegersArePlainDecimal) {
+  ScratchDir dir;
+  expect_refused("--tokens 064", {"--tokens", "'064' has a leading zero", "octal"}, dir);
+  expect_refused("--pcp 010", {"--pcp", "'010' has a leading zero"}, dir);
+  expect_refused("--pcp 0x2", {"--pcp", "'0x2' is not a decimal integer"}, dir);
+  expect_refused("--tokens 1e3", {"--tokens", "'1e3' is not a decimal integer"}, dir);
+  expect_refused("--tokens ' 64'", {"--tokens", "' 64' is not a decimal integer"}, dir);
+  expect_refused("--tokens '64 '", {"--tokens", "'64 ' is not a decimal integer"}, dir);
+  expect_refused("--seed 00", {"--seed", "'00' has a leading zero"}, dir);
+  const CliResult ok = run_cli(std::string("run --backend cpu --transport direct ") + pcpkv_test::kSmallRunFlags +
+                                   " --tokens +96 --seed 0",
+                               dir);
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
+// CLI11 quotes a value whole and lists every unexpected argument: a 3000-digit --seed gave a 3 KB line and
+// 200 unknown flags were all listed. The README's bounds: 200 characters of a value, 20 names.
+TEST(CliBadInput, ParseErrorsKeepTheReadmeBounds) {
+  ScratchDir dir;
+  const std::string digits(3000, '9');
+  CliResult r = run_cli("run --seed " + digits, dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--seed: " + digits.substr(0, 200) + "... (3000 characters) is out of range"),
+            std::string::npos)
+      << r.err;
+  EXPECT_LT(r.err.size(), 500u) << r.err;
+  std::string flags;
+  for (int i = 0; i < 200; ++i) flags += fmt::format(" --nosuch{}", i);
+  r = run_cli("run" + flags, dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("were not expected: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(" and 180 more"), std::string::npos) << r.err;
+  EXPECT_LT(r.err.size(), 600u) << r.err;
+  r = run_cli("run --tokens " + digits, dir);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_LT(r.err.size(), 500u) << r.err;
 }

@@ -392,7 +392,7 @@ CheckedOptions check_flags(const AttentionOptions& o) {
     c.bench.attentions.push_back(parse_attention_kernel(n, "--bench-attentions"));
   PCPKV_CHECK(o.tokens >= 1 && o.tokens < (int64_t{1} << 31), "--tokens: must be in [1, 2^31), got {}",
               o.tokens);
-  PCPKV_CHECK(o.repeats >= 1, "--repeats: must be >= 1, got {}", o.repeats);
+  check_run_count("--repeats", o.repeats, 1);
 
   c.worlds = parse_int_list(o.pcp, "--pcp", 1, 64);
   const std::vector<int64_t> prefills =

@@ -151,8 +151,8 @@ CheckedBench check_flags(const BenchArgs& a, bool json_given, bool markdown_give
   PCPKV_CHECK(a.topk_width >= 0, "--topk-width: must be >= 0, got {}", a.topk_width);
   c.topk_fill = parse_topk_fill(a.topk_fill, "--topk-fill");
   check_block_size_flag(a.block_size);
-  PCPKV_CHECK(a.iters >= 1, "--iters: must be >= 1, got {}", a.iters);
-  PCPKV_CHECK(a.warmup >= 0, "--warmup: must be >= 0, got {}", a.warmup);
+  check_run_count("--iters", a.iters, 1);
+  check_run_count("--warmup", a.warmup, 0);
   c.single_rank_tokens = parse_int_list(a.single, "--single-rank-tokens", 1, std::numeric_limits<int32_t>::max(),
                                         /*allow_none=*/true);
   c.variants = split_list(a.variants, "--variants");

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "launch_cmds.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/core/error.h"
 #if defined(PCPKV_HAVE_CUDA)
@@ -148,6 +149,7 @@ void add_bench_allreduce_command(CLI::App& app) {
   sub->add_flag("--no-check", f->no_check, "Skip the byte comparison with the CPU oracle");
   sub->add_flag("--md-rows", f->md_rows, "Also print markdown table rows prefixed 'md|' (for docs/perf.md)");
   sub->callback([f] {
+    check_run_count("--repeats", f->repeats, 1);
     std::unique_ptr<Bootstrap> world;
     const int code = run_as_rank("bench-allreduce", nullptr, [&] {
       world = connect_world();

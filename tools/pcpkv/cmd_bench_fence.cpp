@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launch_cmds.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
@@ -40,8 +41,8 @@ void check_flags(const BenchFenceFlags& f) {
   const FenceBenchOptions& o = f.opt;
   check_backend_name(f.backend);
   PCPKV_CHECK(o.layers >= 1, "--layers: must be >= 1, got {}", o.layers);
-  PCPKV_CHECK(o.iters >= 1, "--iters: must be >= 1, got {}", o.iters);
-  PCPKV_CHECK(o.warmup >= 0, "--warmup: must be >= 0, got {}", o.warmup);
+  check_run_count("--iters", o.iters, 1);
+  check_run_count("--warmup", o.warmup, 0);
   PCPKV_CHECK(o.num_barriers >= 1, "--barriers: must be >= 1, got {}", o.num_barriers);
   PCPKV_CHECK(o.num_barriers <= 1024, "--barriers: {} is more than pcpkv supports (1024)", o.num_barriers);
   PCPKV_CHECK(o.timeout_ms >= 1 && o.timeout_ms <= kMaxTimeoutMs, "--timeout-ms: must be in [1, {}] (one day), got {}",

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "launch_cmds.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/core/error.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
@@ -34,6 +35,7 @@ void add_bench_link_command(CLI::App& app) {
   sub->add_option("--iters", f->iters, "Copies per measurement")->capture_default_str();
   sub->add_flag("--md-rows", f->md_rows, "Also print a markdown table row prefixed 'md|' (for docs/perf.md)");
   sub->callback([f] {
+    check_run_count("--iters", f->iters, 1);
 #if defined(PCPKV_HAVE_CUDA)
     cuda::LinkBenchOptions o;
     o.gpus = parse_device_list(f->gpus, "--gpus");

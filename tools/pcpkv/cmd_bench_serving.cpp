@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/commands.h"
+#include "pcpkv/flag_checks.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/model.h"
@@ -208,6 +209,8 @@ void run_serving_bench(const ServeBenchOptions& o) {
   for (const auto& w : o.what)
     PCPKV_CHECK(w == "router" || w == "allreduce" || w == "pdl", "--what: '{}' is not one of router, allreduce, pdl",
                 clip(w));
+  check_run_count("--iters", o.iters, 20);
+  check_run_count("--warmup", o.warmup, 0);
   for (const auto& p : o.presets) router_config(preset(p));  // unknown presets fail before any GPU work
   std::string why;
   PCPKV_CHECK(cuda::device_count(&why) > 0, "bench-serving: needs a CUDA device ({})", why);

@@ -51,8 +51,8 @@ void check_flags(const MpPublishFlags& f) {
   PCPKV_CHECK(f.tokens > 0 || f.decodes > 0, "--tokens 0 --decodes 0: the batch is empty");
   check_block_size_flag(f.block_size);
   PCPKV_CHECK(f.tp >= 1, "--tp: must be >= 1, got {}", f.tp);
-  PCPKV_CHECK(f.repeats >= 1, "--repeats: must be >= 1, got {}", f.repeats);
-  PCPKV_CHECK(f.warmup >= 0, "--warmup: must be >= 0, got {}", f.warmup);
+  check_run_count("--repeats", f.repeats, 1);
+  check_run_count("--warmup", f.warmup, 0);
   PCPKV_CHECK(f.threads >= 1, "--threads: must be >= 1, got {}", f.threads);
   PCPKV_CHECK(f.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", f.threads);
   PCPKV_CHECK(f.topk_width >= 0, "--topk-width: must be >= 0, got {}", f.topk_width);

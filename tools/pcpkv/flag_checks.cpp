@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/layout.h"
 
 namespace pcpkv::cli {
@@ -38,7 +39,7 @@ CLI::Validator decimal_fits() {
         T parsed{};
         const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
         if (ec != std::errc() || end != v.data() + v.size()) {
-          return fmt::format("{} is out of range [{}, {}]", v, std::numeric_limits<T>::min(),
+          return fmt::format("{} is out of range [{}, {}]", clip(v), std::numeric_limits<T>::min(),
                              std::numeric_limits<T>::max());
         }
         return "";
@@ -69,6 +70,10 @@ std::string cgroup_v2_dir() {
 
 CLI::Validator decimal_fits_int64() { return decimal_fits<int64_t>(); }
 CLI::Validator decimal_fits_uint64() { return decimal_fits<uint64_t>(); }
+
+void check_run_count(const char* flag, int64_t value, int64_t min) {
+  PCPKV_CHECK(value >= min && value <= kMaxRunCount, "{}: must be in [{}, {}], got {}", flag, min, kMaxRunCount, value);
+}
 
 std::vector<std::string> unused_format_flag_notes(KvFormat kv_format, bool ds_mla_scale_given, bool k_scale_given) {
   std::vector<std::string> notes;

@@ -24,6 +24,13 @@ void check_block_size_flag(int64_t block_size);
 CLI::Validator decimal_fits_int64();
 CLI::Validator decimal_fits_uint64();
 
+/// Most timed or repeated runs a count flag (--repeats, --iters, --warmup) asks for: a median needs tens, and a
+/// typo such as --repeats 2000000000 would otherwise run for days before printing anything.
+constexpr int64_t kMaxRunCount = 1'000'000;
+
+/// Refuses a count flag outside [min, kMaxRunCount]: "--repeats: must be in [1, 1000000], got 0".
+void check_run_count(const char* flag, int64_t value, int64_t min);
+
 /// "note: ..." texts for format flags given on the command line that the format ignores: --ds-mla-scale
 /// applies to fp8_ds_mla only, --k-scale to fp8 only (the same wording as `pcpkv run`).
 std::vector<std::string> unused_format_flag_notes(KvFormat kv_format, bool ds_mla_scale_given, bool k_scale_given);

@@ -1,12 +1,14 @@
 // pcpkv: the command-line tool. Subcommands live in cmd_<name>.cpp (commands.h).
 // Exit codes: 0 success, 1 a verification check failed, 2 bad input or usage, 3 internal error, 4 (the
 // multi-process subcommands) rank setup failed, a peer died or a fence timed out; a signal gives 128 + N.
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -25,18 +27,72 @@ std::string command_names(CLI::App& app) {
   return s;
 }
 
+// The message for an integer option's argument that is not plain decimal ("" when it is): [+-]?digits with no
+// leading zero. CLI11 reads integers with strtoll base 0, so `--tokens 064` was 52 (octal) and `--pcp 0x8` 8,
+// and it skips leading spaces (' 64' passed, '64 ' did not).
+std::string non_decimal_integer(const std::string& v) {
+  const size_t sign = !v.empty() && (v[0] == '-' || v[0] == '+') ? 1 : 0;
+  const size_t digits = v.size() - sign;
+  const bool decimal = digits > 0 && std::all_of(v.begin() + static_cast<std::ptrdiff_t>(sign), v.end(),
+                                                 [](char c) { return c >= '0' && c <= '9'; });
+  if (decimal && (digits == 1 || v[sign] != '0')) return "";
+  const std::string q = pcpkv::cli::escape_control(pcpkv::clip(v));
+  if (decimal)
+    return fmt::format("'{}' has a leading zero; integers are decimal (it would have been read as octal)", q);
+  return fmt::format("'{}' is not a decimal integer (digits with an optional sign; no hex, spaces or exponent)", q);
+}
+
 // CLI11 converts an empty argument of a numeric option to 0 without a word (`run --tokens ""` published an empty
-// prefill and passed, `--memory-limit-gb ""` dropped the limit): every option that takes a number refuses it.
+// prefill and passed, `--memory-limit-gb ""` dropped the limit): every option that takes a number refuses it,
+// and every integer option refuses spellings other than plain decimal.
 void refuse_empty_numbers(CLI::App& app) {
   for (CLI::Option* o : app.get_options()) {
     const std::string type = o->get_type_name();
-    const bool number = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0 || type.rfind("FLOAT", 0) == 0;
+    const bool integer = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0;
+    const bool number = integer || type.rfind("FLOAT", 0) == 0;
     if (number && o->get_expected_min() > 0)
       o->check(CLI::Validator(
           [](std::string& v) { return v.empty() ? std::string("an empty value is not a number, got ''") : std::string(); },
           ""));
+    if (integer && o->get_expected_min() > 0)
+      o->check(CLI::Validator([](std::string& v) { return v.empty() ? std::string() : non_decimal_integer(v); }, ""));
   }
   for (CLI::App* sub : app.get_subcommands({})) refuse_empty_numbers(*sub);
+}
+
+// A CLI11 parse error in the bounds the README states: every value quoted cut to kMaxQuotedChars, and the
+// list of unexpected arguments to its first 20 ("and N more"). CLI11 quotes values whole and lists every one.
+std::string bounded_parse_error(const std::string& message) {
+  constexpr size_t kMaxNames = 20;
+  std::string head = message;
+  std::vector<std::string> words;
+  for (const char* prefix : {"The following arguments were not expected: ", "The following argument was not expected: "}) {
+    if (message.rfind(prefix, 0) != 0) continue;
+    head = prefix;
+    std::string rest = message.substr(head.size());
+    for (size_t at = 0; at <= rest.size();) {
+      const size_t sp = std::min(rest.find(' ', at), rest.size());
+      if (sp > at) words.push_back(rest.substr(at, sp - at));
+      at = sp + 1;
+    }
+    head.pop_back();
+    break;
+  }
+  if (words.empty()) {  // any other message: clip each long word (a value CLI11 quotes)
+    std::string out;
+    for (size_t at = 0; at <= message.size();) {
+      const size_t sp = std::min(message.find(' ', at), message.size());
+      const std::string word = message.substr(at, sp - at);
+      out += word.size() > pcpkv::kMaxQuotedChars + 3 ? pcpkv::clip(word) : word;  // "+ 3": already clipped ("...")
+      if (sp < message.size()) out += ' ';
+      at = sp + 1;
+    }
+    return out;
+  }
+  std::string out = head;
+  for (size_t i = 0; i < std::min(words.size(), kMaxNames); ++i) out += " " + pcpkv::clip(words[i]);
+  if (words.size() > kMaxNames) out += fmt::format(" and {} more", words.size() - kMaxNames);
+  return out;
 }
 
 int run_app(CLI::App& app, int argc, char** argv) {
@@ -69,7 +125,7 @@ int run_app(CLI::App& app, int argc, char** argv) {
     fmt::print(stderr, "Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
   } catch (const CLI::ParseError& e) {
-    pcpkv::cli::print_error(e.what());
+    pcpkv::cli::print_error(bounded_parse_error(e.what()));
     fmt::print(stderr, "Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
   } catch (const pcpkv::Error& e) {
