@@ -122,7 +122,14 @@ InputsBatch read_inputs_batch(const std::string& path) {
   b.num_tokens = kv.shape[0];
   b.has_index_k = r.has("index_k");
   b.notes = unknown_tensor_notes(r);
-  if (const auto it = r.metadata().find("kv_format"); it != r.metadata().end()) b.saved_kv_format = clip(it->second);
+  auto saved = [&r](const char* key) {
+    const auto it = r.metadata().find(key);
+    return it == r.metadata().end() ? std::string() : clip(it->second);
+  };
+  b.saved_kv_format = saved("kv_format");
+  b.saved_ds_mla_scale = saved("ds_mla_scale");
+  b.saved_k_scale = saved("k_scale");
+  b.saved_has_indexer = saved("has_indexer");
   if (const auto it = r.metadata().find("block_size"); it != r.metadata().end()) {
     int64_t v = 0;
     const auto [end, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);

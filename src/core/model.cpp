@@ -590,6 +590,9 @@ ModelConfig load_hf_config(const std::string& path, const std::string& base_pres
 
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& base_preset, ConfigNotes* notes,
                             bool strict, const std::string& origin) {
+  // nlohmann reads a std::string only up to its first NUL: '{...}\0garbage' passed as '{...}'.
+  if (const size_t nul = json_text.find('\0'); nul != std::string::npos)
+    PCPKV_FAIL("{}: a NUL byte at offset {}; a config.json is text (a binary or truncated file?)", origin, nul);
   check_json_depth(json_text, origin);  // before any parse: no walk below may recurse past it
   json j;
   try {
@@ -634,8 +637,8 @@ void ModelConfig::validate() const {
   PCPKV_CHECK(kv_lora_rank == 512, "{}: kv_lora_rank = {}; the MLA cache layouts (SPEC 3) need 512", o, kv_lora_rank);
   PCPKV_CHECK(qk_rope_head_dim == 64, "{}: qk_rope_head_dim = {}; the layouts need 64", o, qk_rope_head_dim);
   PCPKV_CHECK(index_head_dim == 128, "{}: index_head_dim = {}; the indexer-K layout needs 128", o, index_head_dim);
-  PCPKV_CHECK(q_lora_rank > 0 && q_lora_rank % 8 == 0 && q_lora_rank <= 8192,
-              "{}: q_lora_rank = {}; must be a positive multiple of 8, at most 8192", o, q_lora_rank);
+  PCPKV_CHECK(q_lora_rank > 0 && q_lora_rank % 8 == 0 && q_lora_rank <= kMaxQLoraRank,
+              "{}: q_lora_rank = {}; must be a multiple of 8 in [8, {}]", o, q_lora_rank, kMaxQLoraRank);
   PCPKV_CHECK(hidden_size > 0, "{}: hidden_size = {} must be positive", o, hidden_size);
   PCPKV_CHECK(num_attention_heads > 0, "{}: num_attention_heads = {} must be positive", o, num_attention_heads);
   PCPKV_CHECK(qk_nope_head_dim > 0, "{}: qk_nope_head_dim = {} must be positive", o, qk_nope_head_dim);

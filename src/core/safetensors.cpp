@@ -266,6 +266,10 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     const std::string what = fmt::format("{}: tensor '{}'", path, clip(name));
     PCPKV_CHECK(!name.empty(), "{}: a tensor has an empty name", path);
     PCPKV_CHECK(v.is_object(), "{}: header entry must be an object, got {}", what, clip(v.dump()));
+    // The format has exactly these three fields per tensor; another one is a different format or a typo.
+    for (auto f = v.begin(); f != v.end(); ++f)
+      PCPKV_CHECK(f.key() == "dtype" || f.key() == "shape" || f.key() == "data_offsets",
+                  "{}: unknown field '{}' (a tensor entry holds dtype, shape and data_offsets)", what, clip(f.key()));
     PCPKV_CHECK(v.contains("dtype") && v["dtype"].is_string(), "{}: 'dtype' is missing or not a string", what);
     PCPKV_CHECK(v.contains("shape") && v["shape"].is_array(), "{}: 'shape' is missing or not an array", what);
     PCPKV_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,

@@ -122,11 +122,27 @@ TEST(CliHostileInput, SavedFileOfAnotherKvFormatGetsANote) {
                           " --inputs " + quoted(saved);
   CliResult r = run_cli(run, dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("saved with kv_format fp8, this run publishes fp8_ds_mla"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("saved with kv_format fp8 (this run: fp8_ds_mla): the caches are computed anew"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("is not read"), std::string::npos) << r.out;  // a saved file's own tensors are known
   r = run_cli(run + " --kv-format fp8", dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(r.out.find("saved with kv_format"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("saved with"), std::string::npos) << r.out;
+  // The other format settings and the layer kind were read without a word too.
+  r = run_cli(run + " --kv-format fp8 --k-scale 0.5", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("saved with k_scale 1 (this run: 0.5):"), std::string::npos) << r.out;
+  const std::string ds = dir.file("ds.safetensors");
+  ASSERT_EQ(run_cli(base + " --save " + quoted(ds), dir).exit_code, 0);
+  const std::string run_ds = std::string("run --backend cpu --transport direct ") + pcpkv_test::kSmallRunFlags +
+                             " --inputs " + quoted(ds);
+  r = run_cli(run_ds + " --ds-mla-scale raw --layer shared", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("saved with ds_mla_scale pow2 (this run: raw), has_indexer true (this run: false):"),
+            std::string::npos)
+      << r.out;
+  r = run_cli(run_ds, dir);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find("saved with"), std::string::npos) << r.out;
 }
 
 // A header of 700k tensors gave a 6 MB error line ("present: ..." listed every name).

@@ -148,6 +148,17 @@ TEST(ConfigLoader, WrongTypesAndRangesNameTheValueAsWritten) {
   expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": true})", {"'q_lora_rank'", "true (a boolean)"});
   // In range for int64 but not for the field: validate() names the key.
   expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 1e15})", {"q_lora_rank = 1000000000000000"});
+  // nlohmann stops at a NUL: the text after it was ignored, the text before it taken as the whole config.
+  expect_error(std::string(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 2048})") + std::string(1, '\0') + "x",
+               {"a NUL byte at offset 50", "is text"});
+  expect_error(std::string(R"({"model_type": "glm_moe_dsa")") + std::string(1, '\0') + R"(, "q_lora_rank": 8})",
+               {"a NUL byte at offset 28"});
+  // The loader's bound is the dispatch's (kMaxQLoraRank): 6144 was accepted here (<= 8192) and refused only
+  // when the first dispatch ran ("[8, 4096]").
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 6144})", {"q_lora_rank = 6144", "in [8, 4096]"});
+  EXPECT_EQ(parse_hf_config(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 4096})", {}, nullptr, false, "x")
+                .q_lora_rank,
+            4096);
   // An integral double converts exactly.
   EXPECT_EQ(parse_hf_config(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 1.024e3})", {}, nullptr, false, "x")
                 .q_lora_rank,

@@ -249,6 +249,8 @@ TEST(Safetensors, MalformedHeadersNameTheProblem) {
       {R"({"x":{"dtype":"U8","shape":"4","data_offsets":[0,4]}})", 4, {"tensor 'x'", "shape"}},
       {R"({"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]})", 4, {"JSON header is invalid", "offset"}},
       {R"({"__metadata__":{"k":3}})", 0, {"__metadata__['k']"}},
+      {R"({"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4],"offsets":[0,4]}})", 4,
+       {"tensor 'x'", "unknown field 'offsets'", "dtype, shape and data_offsets"}},
       {R"([1,2])", 0, {"not an object"}},
   };
   for (const Case& c : cases) {

@@ -17,6 +17,8 @@
 #include <tuple>
 #include <utility>
 
+#include <fmt/ranges.h>
+
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/flag_checks.h"
@@ -225,7 +227,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
               o.decode_context);
   PCPKV_CHECK(std::isfinite(o.memory_limit_gb) && o.memory_limit_gb >= 0,
               "--memory-limit-gb: must be >= 0 (0: this machine's available memory), got {}", o.memory_limit_gb);
-  PCPKV_CHECK(o.repeats >= 1, "--repeats: must be >= 1, got {}", o.repeats);
+  check_run_count("--repeats", o.repeats, 1);
   PCPKV_CHECK(o.threads >= 0, "--threads: must be >= 0, got {}", o.threads);
   PCPKV_CHECK(o.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", o.threads);
   PCPKV_CHECK(o.inject_fault.empty() || o.inject_fault == "row" || o.inject_fault == "guard",
@@ -301,12 +303,25 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   if (!o.inputs.empty()) {
     batch = read_inputs_batch(o.inputs);
     for (const std::string& n : batch.notes) p.notes_text.push_back(fmt::format("--inputs {}: {}", o.inputs, n));
-    // Not an error: re-encoding saved activations in another format is a use; the saved caches are not read.
-    if (!batch.saved_kv_format.empty() && batch.saved_kv_format != to_string(p.fmt.kv_format)) {
+    // Not an error: re-encoding saved activations in another format or layer kind is a use; the saved caches
+    // are not read. The scale settings count only where both the file and the run use their format.
+    std::vector<std::string> saved;
+    auto compare = [&](const char* key, const std::string& file_value, const std::string& run_value) {
+      if (file_value.empty() || file_value == run_value) return;
+      saved.push_back(fmt::format("{} {} (this run: {})", key, file_value, run_value));
+    };
+    const std::string run_kv_format = to_string(p.fmt.kv_format);
+    compare("kv_format", batch.saved_kv_format, run_kv_format);
+    if (batch.saved_kv_format == run_kv_format && p.fmt.kv_format == KvFormat::kFp8DsMla)
+      compare("ds_mla_scale", batch.saved_ds_mla_scale, to_string(p.fmt.ds_mla_scale));
+    if (batch.saved_kv_format == run_kv_format && p.fmt.kv_format == KvFormat::kFp8)
+      compare("k_scale", batch.saved_k_scale, fmt::format("{}", p.fmt.k_scale));
+    compare("has_indexer", batch.saved_has_indexer, p.fmt.has_indexer ? "true" : "false");
+    if (!saved.empty()) {
       p.notes_text.push_back(fmt::format(
-          "--inputs {}: saved with kv_format {}, this run publishes {}: the caches are computed anew from the "
-          "file's activations, so they (and a --save of this run) differ from the file's mla_cache",
-          o.inputs, batch.saved_kv_format, to_string(p.fmt.kv_format)));
+          "--inputs {}: saved with {}: the caches are computed anew from the file's activations, so they (and a "
+          "--save of this run) differ from the file's caches",
+          o.inputs, fmt::join(saved, ", ")));
     }
   }
   Footprint fp(o.block_size);

@@ -43,6 +43,9 @@ struct InputsBatch {
                                                    // its rows as stored ([R][max_blocks], -1 padded)
   int64_t saved_block_size = 0;  // the `block_size` of the file's metadata (a `pcpkv run --save` file), else 0
   std::string saved_kv_format;   // the `kv_format` of the file's metadata, else ""
+  std::string saved_ds_mla_scale;  // its `ds_mla_scale`, `k_scale` and `has_indexer` ("true"/"false"), else ""
+  std::string saved_k_scale;
+  std::string saved_has_indexer;
   /// One line per tensor pcpkv does not read (unknown names, with the known name it is closest to:
   /// "tensor 'slot_maping' is not read (not a tensor pcpkv knows; did you mean 'slot_mapping'?)").
   std::vector<std::string> notes;

@@ -22,13 +22,17 @@ struct RopeConfig {
   double mscale_all_dim = 1.0;
 };
 
+/// Largest q_lora_rank pcpkv takes (a multiple of 8): the dispatch's q_c RMSNorm holds one row's partial sums
+/// in fixed buffers (the CPU reference's 512 leaves of 8). Config loading and the dispatch check this one bound.
+constexpr int64_t kMaxQLoraRank = 4096;
+
 /// Everything pcpkv needs to know about a DSA/MLA model. Field names follow HF config.json keys.
 struct ModelConfig {
   std::string name;                 // preset name ("glm-5", "deepseek-v3.2") or config path
   std::string model_type;           // HF model_type ("glm_moe_dsa", "deepseek_v32")
   int64_t hidden_size = 0;
   int64_t num_attention_heads = 0;
-  int64_t q_lora_rank = 0;          // width of q_c (multiple of 8)
+  int64_t q_lora_rank = 0;          // width of q_c (multiple of 8, <= kMaxQLoraRank)
   int64_t kv_lora_rank = 512;       // width of kv_c; the cache layouts fix it at 512
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 64;    // the layouts fix it at 64

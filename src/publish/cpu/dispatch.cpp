@@ -6,6 +6,7 @@
 #include "core/parallel.h"
 #include "publish/cpu/rows.h"
 #include "pcpkv/publish/cpu.h"
+#include "pcpkv/core/model.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/pack.h"
 #include "pcpkv/device/token_math.h"
@@ -22,7 +23,7 @@ void bf16_row_to_float(const uint16_t* in, int n, float* out) {
 
 // Canonical sum of squares (token_math.h): sequential leaves of 8, then the pairwise tree over leaves.
 float canonical_sumsq(const float* x, int n) {
-  float leaves[512];  // n / 8 <= 512 (q_lora_rank <= 4096)
+  float leaves[kMaxQLoraRank / math::kLeaf];  // n <= kMaxQLoraRank (validate_dispatch_shape)
   const int m = n / math::kLeaf;
   for (int j = 0; j < m; ++j) leaves[j] = math::leaf_sumsq(x + j * math::kLeaf);
   return math::pairwise_sum(leaves, m);

@@ -9,6 +9,7 @@
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/core/byte_range.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
 
 namespace pcpkv {
@@ -157,8 +158,8 @@ void validate_dispatch_shape(const DispatchParams& p) {
   if (p.q_c_out != nullptr || p.q_c != nullptr) {
     PCPKV_CHECK(T == 0 || (p.q_c != nullptr && p.q_c_out != nullptr), "dispatch: q_c ({}) and q_c_out ({}) go together",
                 p.q_c ? "set" : "null", p.q_c_out ? "set" : "null");
-    PCPKV_CHECK(p.q_lora_rank >= 8 && p.q_lora_rank <= 4096 && p.q_lora_rank % 8 == 0,
-                "dispatch: q_lora_rank = {} must be a multiple of 8 in [8, 4096]", p.q_lora_rank);
+    PCPKV_CHECK(p.q_lora_rank >= 8 && p.q_lora_rank <= kMaxQLoraRank && p.q_lora_rank % 8 == 0,
+                "dispatch: q_lora_rank = {} must be a multiple of 8 in [8, {}]", p.q_lora_rank, kMaxQLoraRank);
     PCPKV_CHECK(p.q_c_stride >= p.q_lora_rank, "dispatch: q_c_stride = {} is smaller than q_lora_rank = {}",
                 p.q_c_stride, p.q_lora_rank);
     PCPKV_CHECK(p.q_norm_w != nullptr, "dispatch: q_norm_w is null");
