@@ -55,12 +55,6 @@ std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Ten
   return pcpkv::first_overlap(w, r, writes_pairwise);
 }
 
-namespace {
-
-using Named = std::vector<std::pair<std::string, at::Tensor>>;
-
-// ValueError naming the first tensor of `writes` that shares memory with another of `writes` (writes_pairwise) or
-// one of `reads`, and that tensor (first_overlap).
 void refuse_overlap(const char* op, const Named& writes, const Named& reads, bool writes_pairwise) {
   std::vector<at::Tensor> w, r;
   for (const auto& [name, t] : writes) w.push_back(t);
@@ -73,6 +67,16 @@ void refuse_overlap(const char* op, const Named& writes, const Named& reads, boo
                     "): an output must not overlap an input or another output (rows are read and written in any "
                     "order)");
 }
+
+void check_written_devices(const char* op, const std::vector<at::Tensor>& written, const char* ref,
+                           const c10::Device& dev) {
+  for (size_t i = 0; i < written.size(); ++i)
+    TORCH_CHECK_VALUE(!written[i].defined() || written[i].device().type() == dev.type(), op, ": written[", i,
+                      "] is on ", written[i].device(), " but ", ref, " on ", dev,
+                      ": the tensors written declares must be on ", dev.type());
+}
+
+namespace {
 
 // The caches a combine / insert writes (target_of checked them; the index cache only on a layer with an indexer).
 Named written_caches(const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
@@ -271,6 +275,7 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     check_vector(*a.slot_mapping, "dispatch: slot_mapping", T, at::kLong, dev);
     p.slot_mapping = a.slot_mapping->data_ptr<int64_t>();
   }
+  check_written_devices("dispatch", a.written, "kv", dev);
   // The kernels write the outputs while they read the inputs, row by row in any order (on the GPU many blocks at
   // once): no output may share memory with an input, a table, a written tensor (the caches and staging behind the
   // tables) or another output, and no written tensor with an input or a table. Written tensors may repeat each

@@ -59,6 +59,23 @@ int64_t device_space(const c10::Device& d);
 std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& writes,
                                                        const std::vector<at::Tensor>& reads, bool writes_pairwise);
 
+/// Longest fence wait an op takes (one day, as `mp-publish --fence-timeout-ms`): timeout_us = 2**62 overflowed the
+/// deadline (now + 2**62 us in ns) and the wait ended at once.
+constexpr int64_t kMaxFenceTimeoutUs = int64_t{24} * 3600 * 1000 * 1000;
+
+/// Named tensors of an op's overlap check (undefined tensors: no memory).
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+/// ValueError naming the first tensor of `writes` that shares memory with another of `writes` (writes_pairwise) or
+/// one of `reads`, and that tensor (first_overlap): "op: a (...) shares memory with b (...): an output must not
+/// overlap an input or another output ...". Every op checks its outputs with it before anything is written.
+void refuse_overlap(const char* op, const Named& writes, const Named& reads, bool writes_pairwise);
+
+/// Every tensor of `written` (an op's list of tensors declared as mutated) on the device type of `dev`, the device of
+/// the op's argument `ref` (another index is fine: a peer's replica): ValueError naming written[i] and its device.
+/// (The fake kernels of pcpkv_torch/_fake.py apply the same rule under torch.compile tracing.)
+void check_written_devices(const char* op, const std::vector<at::Tensor>& written, const char* ref,
+                           const c10::Device& dev);
+
 /// Parses the format arguments of an op into a CacheFormat (ValueError on a bad name or k_scale).
 pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& ds_mla_scale, double k_scale,
                                bool has_indexer);

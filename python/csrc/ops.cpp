@@ -259,8 +259,10 @@ void insert_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::optio
 // then wait for every hosted rank, so that one call may host all W ranks of a single process.
 void fence_cpu(const at::Tensor& pad_table, const at::Tensor& epochs, const at::Tensor& claim, const at::Tensor& error,
                int64_t first_rank, int64_t world, int64_t num_barriers, int64_t barrier_idx, int64_t timeout_us,
-               at::TensorList /*written*/) {
-  (void)claim;
+               at::TensorList written) {
+  // claim is the CUDA fence's (it elects the block that reports a timeout); here it must only be on the CPU.
+  TORCH_CHECK_VALUE(claim.device().is_cpu(), "fence: claim is on ", claim.device(), " but epochs on cpu");
+  check_written_devices("fence", written.vec(), "epochs", c10::Device(c10::kCPU));
   const std::vector<uint8_t*> pads = read_pointer_table(pad_table, "fence: pad_table");
   TORCH_CHECK_VALUE(static_cast<int64_t>(pads.size()) == world, "fence: pad_table has ", pads.size(),
                     " entries but world = ", world);
@@ -273,7 +275,8 @@ void fence_cpu(const at::Tensor& pad_table, const at::Tensor& epochs, const at::
                     first_rank + n, ") are not inside [0, world=", world, ")");
   TORCH_CHECK_VALUE(barrier_idx >= 0 && barrier_idx < num_barriers, "fence: barrier_idx = ", barrier_idx,
                     " is out of range [0, ", num_barriers, ")");
-  TORCH_CHECK_VALUE(timeout_us > 0, "fence: timeout_us = ", timeout_us, " must be > 0");
+  TORCH_CHECK_VALUE(timeout_us > 0 && timeout_us <= kMaxFenceTimeoutUs, "fence: timeout_us = ", timeout_us,
+                    " must be in [1, ", kMaxFenceTimeoutUs, "] (one day)");
   TORCH_CHECK_VALUE(error.device().is_cpu() && error.scalar_type() == at::kByte &&
                         error.numel() == static_cast<int64_t>(sizeof(pcpkv::FenceError)) && error.is_contiguous(),
                     "fence: error: expected a contiguous CPU uint8 [", sizeof(pcpkv::FenceError), "], got ",

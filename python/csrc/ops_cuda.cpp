@@ -134,7 +134,7 @@ void insert_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::opti
 
 void fence_cuda(const at::Tensor& pad_table, const at::Tensor& epochs, const at::Tensor& claim,
                 const at::Tensor& error, int64_t first_rank, int64_t world, int64_t num_barriers, int64_t barrier_idx,
-                int64_t timeout_us, at::TensorList /*written*/) {
+                int64_t timeout_us, at::TensorList written) {
   TORCH_CHECK_VALUE(epochs.defined() && epochs.is_cuda(), "fence: epochs: expected a CUDA tensor, got ",
                     describe(epochs));
   const c10::Device dev = epochs.device();
@@ -160,7 +160,9 @@ void fence_cuda(const at::Tensor& pad_table, const at::Tensor& epochs, const at:
                         error.numel() == static_cast<int64_t>(sizeof(pcpkv::FenceError)) && error.is_contiguous(),
                     "fence: error: expected a pinned CPU uint8 [", sizeof(pcpkv::FenceError),
                     "] (pcpkv_torch.FenceState allocates it), got ", describe(error));
-  TORCH_CHECK_VALUE(timeout_us > 0, "fence: timeout_us = ", timeout_us, " must be > 0");
+  TORCH_CHECK_VALUE(timeout_us > 0 && timeout_us <= kMaxFenceTimeoutUs, "fence: timeout_us = ", timeout_us,
+                    " must be in [1, ", kMaxFenceTimeoutUs, "] (one day)");
+  check_written_devices("fence", written.vec(), "epochs", dev);
   pcpkv::FenceArgs a;
   a.pads = reinterpret_cast<uint64_t* const*>(pad_table.data_ptr());
   a.epochs = reinterpret_cast<uint64_t*>(epochs.data_ptr());

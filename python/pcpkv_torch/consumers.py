@@ -61,11 +61,14 @@ def indexer_topk(q_fp8: Tensor, q_scale: Tensor, weights: Tensor, positions: Ten
     workspace (scores of up to 128 MiB of tokens per pass) comes from torch's caching allocator.
 
     Returns out (int32 [T, topk]). Raises ValueError for a wrong dtype/shape/device, a bad topk/logit/
-    max_keys; on CPU also for a request index, position or block table entry out of range."""
+    max_keys (a bool is not an int), an output (out, positions_out) sharing memory with an input or the other
+    output (naming both; out = request_idx.view(T, 1) or block_tables gave wrong slots); on CPU also for a request
+    index, position or block table entry out of range."""
     T = q_fp8.shape[0] if isinstance(q_fp8, torch.Tensor) and q_fp8.dim() >= 1 else 0
-    if not isinstance(topk, int) or not 1 <= topk <= 8192:
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 8192:  # True is no top-k width
         raise ValueError(f"indexer_topk: topk = {topk!r} must be an int in [1, 8192]")
-    if max_keys is not None and (not isinstance(max_keys, int) or not 1 <= max_keys < 2 ** 31):
+    if max_keys is not None and (isinstance(max_keys, bool) or not isinstance(max_keys, int) or
+                                 not 1 <= max_keys < 2 ** 31):
         raise ValueError(f"indexer_topk: max_keys = {max_keys!r} must be an int in [1, 2^31) or None")
     if out is None:
         out = torch.empty((T, topk), dtype=torch.int32, device=q_fp8.device)
@@ -96,7 +99,8 @@ def sparse_mla(q: Tensor, mla_cache: Tensor, indices: Tensor, *, fmt: CacheForma
     Accuracy: CPU = fp64 sums of the decoded cache values, rounded once to fp32; CUDA within
     pcpkv::SparseMlaBound of it (SparseMlaArith kBf16Mma for "mma", kFp32 for "simt").
     Returns (out, lse). Raises ValueError for a wrong dtype/shape/device, a bad format, softmax_scale,
-    scale_read or kernel; on CPU also for an index outside [-1, num_slots)."""
+    scale_read or kernel, out or lse sharing memory with an input or each other (naming both: lse a view into
+    out was accepted); on CPU also for an index outside [-1, num_slots)."""
     T, H = (q.shape[0], q.shape[1]) if isinstance(q, torch.Tensor) and q.dim() == 3 else (0, 0)
     if out is None:
         out = torch.empty((T, H, 512), dtype=torch.float32, device=q.device)
@@ -116,7 +120,7 @@ def lse_merge(outs: Tensor, lses: Tensor, *, out: Optional[Tensor] = None,
 
     outs float32 [S, T, H, D] (S >= 1, D >= 1), lses float32 [S, T, H], contiguous, one device; out
     float32 [T, H, D] and lse [T, H]: optional buffers. Returns (out, lse). Raises ValueError for a wrong
-    dtype/shape/device."""
+    dtype/shape/device, or out / lse sharing memory with an input or each other (naming both)."""
     if not isinstance(outs, torch.Tensor) or outs.dim() != 4:
         raise ValueError(f"lse_merge: outs: expected float32 [num_shards, num_tokens, num_heads, head_dim], got "
                          f"{_desc(outs)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -16,6 +17,11 @@ __all__ = ["RopeSpec", "ModelSpec", "CacheFormat", "MLA_ROW_BYTES", "transport_r
 
 #: Bytes of one MLA cache row per format (SPEC section 3).
 MLA_ROW_BYTES = {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656}
+
+#: The largest max_position_embeddings pcpkv accepts: the C++ loader reads the key into the int64
+#: pcpkv::ModelConfig::max_position_embeddings (include/pcpkv/core/model.h), and its Reader (src/core/model.cpp)
+#: refuses a value outside the int64 range before converting it; it refuses values < 1 as well.
+MAX_POSITION_EMBEDDINGS = 2 ** 63 - 1
 
 
 #: The normal float32 range [FLT_MIN, FLT_MAX] (pcpkv's kernels take their scales and eps as float32).
@@ -63,6 +69,8 @@ class CacheFormat:
             raise ValueError(f"ds_mla_scale = {self.ds_mla_scale!r}; expected 'pow2' or 'raw'")
         if why := scale_problem(self.k_scale):
             raise ValueError(f"k_scale = {self.k_scale!r} {why}")
+        if not isinstance(self.has_indexer, bool):  # 'no' is truthy: it would have meant True
+            raise ValueError(f"has_indexer = {self.has_indexer!r} must be True or False")
 
     @property
     def mla_row_bytes(self) -> int:
@@ -171,10 +179,17 @@ class RopeSpec:
         if not isinstance(params, Mapping):
             raise ValueError(f"{where} = {params!r} must be a dict")
         where += "."
+        top_theta = _read(config, "rope_theta", float, None)
         if params.get("rope_theta") is not None:
             theta = _typed(params["rope_theta"], where + "rope_theta", float)
+            if top_theta is not None and top_theta != theta:
+                # as pcpkv::load_hf_config's note (src/core/model.cpp apply_rope), which the CLI prints: HF
+                # transformers 5 reads the theta of rope_parameters too, the top-level key is dead text
+                warnings.warn(f"top-level 'rope_theta' = {_get(config, 'rope_theta')!r} is shadowed by "
+                              f"'{where}rope_theta' = {params['rope_theta']!r}: using {params['rope_theta']!r}",
+                              stacklevel=3)
         else:
-            theta = _read(config, "rope_theta", float, 10000.0)
+            theta = 10000.0 if top_theta is None else top_theta
         rope_type = _typed(params.get("rope_type", params.get("type")), where + "rope_type", str, "default")
         if rope_type == "default":
             return RopeSpec("default", theta)
@@ -190,6 +205,17 @@ class RopeSpec:
             _read(params, "mscale", float, 1.0, where=where),
             _read(params, "mscale_all_dim", float, 1.0, where=where),
         )
+
+
+def _max_positions(config: Any) -> int:
+    """max_position_embeddings of a HF config: 0 (unknown) when absent or null, else an integer in
+    [1, MAX_POSITION_EMBEDDINGS] (ValueError naming the value: 'abc', [1], inf, 2.5, True, -5, 10**30 passed)."""
+    value = _read(config, "max_position_embeddings", int, 0)
+    if _get(config, "max_position_embeddings") is not None and not 1 <= value <= MAX_POSITION_EMBEDDINGS:
+        raise ValueError(f"max_position_embeddings = {_get(config, 'max_position_embeddings')!r} must be in "
+                         f"[1, 2^63 - 1] (the C++ loader reads it into pcpkv::ModelConfig's int64 and refuses "
+                         f"values < 1)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -211,6 +237,12 @@ class ModelSpec:
     indexer_types: tuple = field(default_factory=tuple)
     max_position_embeddings: int = 0  # 0: unknown; make_plan(..., max_position_embeddings=) refuses past it
 
+    def __post_init__(self):
+        # A list of the wrong length raised a bare IndexError in layer_has_indexer (or gave the wrong layers).
+        if self.indexer_types and self.num_hidden_layers >= 1 and len(self.indexer_types) != self.num_hidden_layers:
+            raise ValueError(f"indexer_types has {len(self.indexer_types)} entries but num_hidden_layers = "
+                             f"{self.num_hidden_layers}: expected one 'full' / 'shared' per layer")
+
     @staticmethod
     def from_hf_config(config: Any) -> "ModelSpec":
         """From a HF config (dict or transformers config). The indexer RoPE style is the config's
@@ -222,7 +254,11 @@ class ModelSpec:
         (a string, a list, a fractional integer, a non-finite number), a value is out of range (q_lora_rank a
         multiple of 8 in [8, 4096] (the dispatch's q_c), rms_norm_eps / index_norm_eps in (0, 1), index_topk,
         num_hidden_layers, index_topk_freq >= 1, index_skip_topk_offset >= 0, RopeSpec's ranges), or
-        kv_lora_rank != 512, qk_rope_head_dim != 64 or index_head_dim != 128 (the cache layouts fix them)."""
+        kv_lora_rank != 512, qk_rope_head_dim != 64 or index_head_dim != 128 (the cache layouts fix them), an
+        indexer_types list whose length is not num_hidden_layers, or max_position_embeddings not an integer in
+        [1, 2^63 - 1] (MAX_POSITION_EMBEDDINGS, the C++ loader's bound); absent or null it is 0 (unknown).
+        A top-level rope_theta that rope_parameters / rope_scaling overrides with another value gives a
+        UserWarning naming both (the C++ loader's note)."""
         if not isinstance(config, Mapping) and not hasattr(config, "__dict__"):
             raise ValueError(f"config = {config!r}: expected a HF config dict or a transformers config object")
         model_type = _read(config, "model_type", str, "")
@@ -264,12 +300,18 @@ class ModelSpec:
             index_topk_freq=ints["index_topk_freq"],
             index_skip_topk_offset=ints["index_skip_topk_offset"],
             indexer_types=tuple(types),
-            max_position_embeddings=int(_get(config, "max_position_embeddings", 0) or 0),
+            max_position_embeddings=_max_positions(config),
         )
 
     def layer_has_indexer(self, layer_idx: int) -> bool:
-        """Whether layer layer_idx runs its own indexer and writes indexer K (GLM IndexShare, model.h)."""
+        """Whether layer layer_idx runs its own indexer and writes indexer K (GLM IndexShare, model.h).
+        Raises ValueError for a negative layer_idx or one without an indexer_types entry (not a bare IndexError)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx = {layer_idx!r} must be an integer >= 0")
         if self.indexer_types:
+            if layer_idx >= len(self.indexer_types):
+                raise ValueError(f"layer_idx = {layer_idx} has no entry in indexer_types (size "
+                                 f"{len(self.indexer_types)})")
             return self.indexer_types[layer_idx] == "full"
         if self.index_topk_freq <= 1:
             return True

@@ -42,8 +42,15 @@ def rope_table(rope: RopeSpec, num_positions: int, device=None) -> Tensor:
     return t if device is None else t.to(device)
 
 
-def _f32(w: Optional[Tensor]) -> Optional[Tensor]:
-    return None if w is None else w.to(torch.float32).contiguous()
+def _f32(w: Optional[Tensor], name: str) -> Optional[Tensor]:
+    """A norm weight as float32 (bf16 / fp16 convert exactly, float64 rounds); ValueError naming the argument for a
+    non-tensor or a non-floating dtype (an integer weight was cast silently, a complex one lost its imaginary part)."""
+    if w is None:
+        return None
+    if not isinstance(w, Tensor) or not w.is_floating_point():
+        got = f"{w.dtype} {list(w.shape)} on {w.device}" if isinstance(w, Tensor) else type(w).__name__
+        raise ValueError(f"dispatch: {name}: expected a floating-point weight (float32, bfloat16, ...), got {got}")
+    return w.to(torch.float32).contiguous()
 
 
 def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rope_cos_sin: Tensor, *,
@@ -80,7 +87,10 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     `written`: extra tensors the caller wants declared as mutated (torch.compile ordering).
 
     Raises ValueError (nothing written) for a bad topk_fill_mode, topk_fill_mode "tail" without
-    topk_indexer_rows in [0, T], a wrong dtype/shape/device, q_c without q_c_out, a q_c width that is not a
+    topk_indexer_rows in [0, T], a wrong dtype/shape/device (every tensor on kv's device, the tables' host copies
+    on the CPU, `written` on kv's device type: a meta tensor among real ones is refused by name, not run as the
+    op's meta kernel), a norm weight that is not a floating-point tensor (integer, bool and complex weights were
+    cast silently), q_c without q_c_out, a q_c width that is not a
     q_lora_rank (zero included: its null data pointer would read as "no Q norm"), an output (q_c_out, kv_c_out,
     k_pe_out, index_k_out, topk_fill) sharing memory with an input, a table or another output, a tensor of
     written + targets.tensors + row_dests.tensors (named written[i] in that order) sharing memory with an input
@@ -101,9 +111,10 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
                          f"'tail', not {topk_fill_mode!r}")
     if row_dests is not None:
         row_dests.check_capacity(fmt.row_bytes, num_tokens)
+    kv_norm_w, q_norm_w = _f32(kv_norm_w, "kv_norm_w"), _f32(q_norm_w, "q_norm_w")
+    index_ln_w, index_ln_b = _f32(index_ln_w, "index_ln_w"), _f32(index_ln_b, "index_ln_b")
     torch.ops.pcpkv.dispatch(
-        kv, k_pe, positions, _f32(kv_norm_w), rope_cos_sin, q_c, _f32(q_norm_w), index_k, _f32(index_ln_w),
-        _f32(index_ln_b), slot_mapping,
+        kv, k_pe, positions, kv_norm_w, rope_cos_sin, q_c, q_norm_w, index_k, index_ln_w, index_ln_b, slot_mapping,
         None if targets is None else targets.table, None if targets is None else targets.host,
         None if row_dests is None else row_dests.table, None if row_dests is None else row_dests.host,
         q_c_out, kv_c_out, k_pe_out, index_k_out, topk_fill,

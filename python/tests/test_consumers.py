@@ -487,6 +487,98 @@ def test_consumer_errors_name_the_argument(device):
         pk.quantize_index_q(torch.zeros(3, 2, 128, device=w.device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_consumer_outputs_sharing_memory_are_refused(device):
+    """indexer_topk took out = request_idx.view(T, 1) or out = block_tables (wrong slots: rows read what other rows
+    had written), sparse_mla an lse inside out: an output sharing memory with an input or another output is refused
+    by every consumer op, naming both, with no byte of any argument changed."""
+    fmt = pk.CacheFormat("fp8_ds_mla")
+    w = published(fmt, device, seed=19)
+    inp = index_inputs(w, 4, seed=20)
+    T = inp["q_fp8"].shape[0]
+    R, S = inp["block_tables"].shape
+
+    def refused(fn, out, other, args):
+        before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+        with pytest.raises(ValueError, match=rf"{fn.__name__}: {out} \(.*\) shares memory with {other} \(.*\): an "
+                                             rf"output must not overlap"):
+            fn(**args)
+        for k, v in before.items():
+            assert torch.equal(args[k].cpu().contiguous().view(torch.uint8), v.cpu().contiguous().view(torch.uint8)), \
+                f"{fn.__name__} {out} / {other}: {k} was written"
+
+    # out in place of an input: the issue's two cases (request_idx as [T, 1]; block_tables as [R, S] = [T, topk])
+    refused(pk.indexer_topk, "out", "request_idx", dict(inp, topk=1, out=inp["request_idx"].view(T, 1)))
+    bt = torch.cat([inp["block_tables"].flatten(),
+                    torch.full((T * S - R * S,), -1, dtype=torch.int32, device=w.device)]).view(T, S)
+    refused(pk.indexer_topk, "out", "block_tables", dict(inp, block_tables=bt[:R], topk=S, out=bt))
+    refused(pk.indexer_topk, "out", "positions", dict(inp, topk=2, out=inp["positions"].view(torch.int32).view(T, 2)))
+    out = torch.full((T, 8), POISON_I32, dtype=torch.int32, device=w.device)
+    refused(pk.indexer_topk, "out", "positions_out", dict(inp, topk=8, out=out, positions_out=out))
+    refused(pk.indexer_topk, "out", "weights", dict(inp, topk=4, out=inp["weights"].view(torch.int32)))
+
+    q = torch.ones(T, H_ATTN, 576, dtype=torch.bfloat16, device=w.device)
+    idx = torch.full((T, 16), -1, dtype=torch.int32, device=w.device)
+    o = torch.full((T, H_ATTN, 512), 7.0, device=w.device)
+    attn = dict(q=q, mla_cache=w.mla[0], indices=idx, fmt=fmt, softmax_scale=0.1, out=o)
+    TH = T * H_ATTN
+    refused(pk.sparse_mla, "out", "lse", dict(attn, lse=o.view(-1)[:TH].view(T, H_ATTN)))  # lse a view into out
+    refused(pk.sparse_mla, "out", "lse", dict(attn, lse=o.view(-1)[-TH:].view(T, H_ATTN)))  # ... its last bytes
+    lse = torch.full((T, H_ATTN), 7.0, device=w.device)
+    refused(pk.sparse_mla, "lse", "indices", dict(attn, out=torch.zeros_like(o),
+                                                  lse=idx.view(torch.float32).view(-1)[:TH].view(T, H_ATTN)))
+    refused(pk.sparse_mla, "out", "q", dict(attn, lse=lse, q=o.view(torch.bfloat16).view(-1)[:TH * 576]
+                                            .view(T, H_ATTN, 576)))
+
+    outs = torch.zeros(2, T, H_ATTN, 8, device=w.device)
+    lses = torch.zeros(2, T, H_ATTN, device=w.device)
+    refused(pk.lse_merge, "out", "outs", dict(outs=outs, lses=lses, out=outs[1]))
+    refused(pk.lse_merge, "lse", "lses", dict(outs=outs, lses=lses, lse=lses[0]))
+    # the raw quantizer (pk.quantize_index_q allocates its outputs)
+    qi = torch.ones(T, 4, 128, dtype=torch.bfloat16, device=w.device)
+    with pytest.raises(ValueError, match=r"quantize_index_q: q_scale \(.*\) shares memory with q \("):
+        torch.ops.pcpkv.quantize_index_q(qi, torch.empty(T, 4, 128, dtype=torch.uint8, device=w.device),
+                                         qi.view(-1)[:2 * T * 4].view(torch.float32).view(T, 4))
+    assert bool((qi == 1).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_consumers_refuse_meta_tensors_and_bool_topk(device):
+    """A meta tensor among real ones ran the consumers' meta kernel (nothing computed, nothing raised), and topk=True
+    passed as topk 1: refused naming the argument and its device / value."""
+    fmt = pk.CacheFormat("fp8_ds_mla")
+    w = published(fmt, device, seed=19)
+    inp = index_inputs(w, 4, seed=20)
+    T = inp["q_fp8"].shape[0]
+    dev = inp["q_fp8"].device
+    out = torch.full((T, 16), POISON_I32, dtype=torch.int32, device=w.device)
+    for name in ("weights", "positions", "block_tables", "index_cache"):
+        with pytest.raises(ValueError, match=f"indexer_topk: {name} is on meta but q_fp8 on {dev}: every tensor"):
+            pk.indexer_topk(**{**inp, name: inp[name].to("meta")}, topk=16, out=out)
+    with pytest.raises(ValueError, match=f"indexer_topk: out is on meta but q_fp8 on {dev}"):
+        pk.indexer_topk(**inp, topk=16, out=out.to("meta"))
+    for bad in (True, False):
+        with pytest.raises(ValueError, match=f"indexer_topk: topk = {bad} must be an int in"):
+            pk.indexer_topk(**inp, topk=bad, out=out[:, :1])
+    with pytest.raises(ValueError, match="indexer_topk: max_keys = True must be an int"):
+        pk.indexer_topk(**inp, topk=16, out=out, max_keys=True)
+    assert bool((out == POISON_I32).all()), "out was written"
+    q = torch.ones(T, H_ATTN, 576, dtype=torch.bfloat16, device=w.device)
+    o = torch.full((T, H_ATTN, 512), 7.0, device=w.device)
+    with pytest.raises(ValueError, match=f"sparse_mla: mla_cache is on meta but q on {dev}"):
+        pk.sparse_mla(q, w.mla[0].to("meta"), out[:, :4].contiguous(), fmt=fmt, softmax_scale=0.1, out=o)
+    with pytest.raises(ValueError, match=f"lse_merge: lses is on meta but outs on {dev}"):
+        pk.lse_merge(torch.zeros(2, T, H_ATTN, 8, device=w.device), torch.zeros(2, T, H_ATTN, device="meta"))
+    with pytest.raises(ValueError, match=f"quantize_index_q: q_scale is on meta but q on {dev}"):
+        torch.ops.pcpkv.quantize_index_q(q[:, :, :128].contiguous(), torch.empty(T, H_ATTN, 128, dtype=torch.uint8,
+                                                                                device=w.device),
+                                         torch.empty(T, H_ATTN, device="meta"))
+    assert bool((o == 7.0).all())
+    # all on meta (meta tracing): passes, does nothing
+    m = {k: v.to("meta") for k, v in inp.items()}
+    assert pk.indexer_topk(**m, topk=16).device.type == "meta"
+
+
 # ---- torch.compile -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)

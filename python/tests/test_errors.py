@@ -9,6 +9,7 @@ outputs only their poison: nothing was written (on CUDA: checked after a synchro
 launched that wrote either)."""
 
 import re
+import warnings
 
 import pytest
 
@@ -173,6 +174,9 @@ def test_combine_insert_fence_errors_name_the_argument(device):
         pk.fence(w.fence_state, barrier_idx=2)
     with pytest.raises(ValueError, match="timeout_us"):
         pk.fence(w.fence_state, barrier_idx=0, timeout_us=0)
+    # 2**62 us overflowed the deadline (a wait that ended at once, or wrapped on the GPU)
+    with pytest.raises(ValueError, match=r"timeout_us = 4611686018427387904 must be in \[1, 86400000000\]"):
+        pk.fence(w.fence_state, barrier_idx=0, timeout_us=2**62)
     assert_nothing_written(w, "combine / insert / fence")
     assert int(w.fence_state.epochs.count_nonzero()) == 0, "a rejected fence advanced an epoch"
 
@@ -382,3 +386,177 @@ def test_rope_table_errors_name_the_argument():
     with pytest.raises(ValueError, match="rope_table: original_max_position_embeddings = 0"):
         op(16, *yarn[:3], 0, *yarn[4:])
     assert bool(torch.isfinite(op(16, *yarn)).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_refuses_a_tensor_on_another_device(device):
+    """One tensor on the meta device among CPU (or CUDA) tensors made the dispatcher pick the ops' meta kernel (the
+    fake of _fake.py): the call did nothing and raised nothing. Every tensor argument must be on kv's device (host
+    tables on the CPU, `written` on kv's device type): refused naming the argument and its device, nothing written.
+    All-meta calls (meta tracing) and FakeTensor tracing still pass."""
+    w = World(small_plan(2), pk.CacheFormat("fp8_ds_mla"), device, seed=3)
+    loc, wt, fmt = w.local[0], w.weights, w.fmt
+    dev = str(w.device) if w.device.type == "cpu" else f"{w.device.type}:{w.device.index or 0}"
+
+    def kwargs(**over):
+        a = dict(kv=loc["kv"], k_pe=loc["k_pe"], positions=loc["positions"], kv_norm_w=wt["kv_norm_w"],
+                 rope_cos_sin=w.rope_cos_sin, fmt=fmt, q_c=loc["q_c"], q_norm_w=wt["q_norm_w"],
+                 q_c_out=loc["q_c_out"], index_k=loc["index_k"], index_ln_w=wt["index_ln_w"],
+                 index_ln_b=wt["index_ln_b"], slot_mapping=loc["slot_mapping"], targets=w.targets,
+                 row_dests=w.dests[0], topk_fill=loc["topk"])
+        a.update(over)
+        return a
+
+    meta = lambda t: t.to("meta")  # noqa: E731
+    cases = [(dict(kv_norm_w=meta(wt["kv_norm_w"])), f"kv_norm_w is on meta but kv on {dev}: every tensor"),
+             (dict(k_pe=meta(loc["k_pe"])), f"k_pe is on meta but kv on {dev}"),
+             (dict(rope_cos_sin=meta(w.rope_cos_sin)), f"rope_cos_sin is on meta but kv on {dev}"),
+             (dict(slot_mapping=meta(loc["slot_mapping"])), f"slot_mapping is on meta but kv on {dev}"),
+             (dict(q_c_out=meta(loc["q_c_out"])), f"q_c_out is on meta but kv on {dev}"),
+             (dict(index_ln_b=meta(wt["index_ln_b"])), f"index_ln_b is on meta but kv on {dev}"),
+             (dict(targets=pk.CacheTargets(w.targets.host.to("meta"), w.targets.table, w.targets.tensors)),
+              "targets_host is on meta: it is a host copy, which must be on the CPU"),
+             (dict(written=[meta(w.mla[0])]), rf"written\[0\] is on meta but kv on {dev}"),
+             # the reference itself on meta: the first other tensor is named
+             (dict(kv=meta(loc["kv"])), f"k_pe is on {dev} but kv on meta")]
+    for over, match in cases:
+        with pytest.raises(ValueError, match=rf"dispatch: {match}"):
+            pk.dispatch(**kwargs(**over))
+        assert_nothing_written(w, match)
+    # the raw op too (a meta kv_norm_w given positionally)
+    with pytest.raises(ValueError, match="dispatch: kv_norm_w is on meta"):
+        torch.ops.pcpkv.dispatch(loc["kv"], loc["k_pe"], loc["positions"], meta(wt["kv_norm_w"]), w.rope_cos_sin,
+                                 None, None, None, None, None, None, None, None, None, None, None, None, None, None,
+                                 None, [], "fp8_ds_mla", "pow2", 1.0, False, 1e-6, 1e-6, 1e-6, True, False, False)
+    # another real device type in `written` (the tensors declared mutated): refused by the real op as well
+    if device == "cuda":
+        with pytest.raises(ValueError, match=r"dispatch: written\[0\] is on cpu but kv on cuda"):
+            pk.dispatch(**kwargs(written=[torch.zeros(4)]))
+    else:
+        with pytest.raises(ValueError, match=r"dispatch: written\[0\] is on meta but kv on cpu"):
+            pk.dispatch(**kwargs(written=[torch.zeros(4, device="meta")]))
+    assert_nothing_written(w, "written on another device")
+    # combine / insert / fence: the same rule
+    with pytest.raises(ValueError, match=f"combine: slot_mapping is on meta but mla_cache on {dev}"):
+        pk.combine(w.staging[0][0, 0], meta(w.gathered), w.mla[0], w.idx[0], fmt=fmt)
+    with pytest.raises(ValueError, match=f"insert: kv_c is on meta but mla_cache on {dev}"):
+        pk.insert(meta(loc["kv"]), loc["k_pe"], loc["index_k"], loc["slot_mapping"], w.mla[0], w.idx[0], fmt=fmt)
+    with pytest.raises(ValueError, match=r"fence: written\[0\] is on meta"):
+        pk.fence(w.fence_state, 0, written=[meta(w.staging[0])])
+    assert_nothing_written(w, "combine / insert / fence with a meta tensor")
+    assert int(w.fence_state.epochs.count_nonzero()) == 0, "a rejected fence advanced an epoch"
+
+    # Meta tracing: every tensor on meta (the table's host copy on the CPU, as a real call has it) passes and does
+    # nothing.
+    all_meta = {k: (meta(v) if isinstance(v, torch.Tensor) else v)
+                for k, v in kwargs(row_dests=None).items()}
+    all_meta["targets"] = pk.CacheTargets(w.targets.host, meta(w.targets.table), [meta(t) for t in w.targets.tensors])
+    assert pk.dispatch(**all_meta) is None
+    # FakeTensor tracing (torch.compile's): FakeTensors report the devices they stand for
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v)
+            for k, v in kwargs(targets=None, row_dests=None).items()}
+    fake_meta_w = mode.from_tensor(meta(wt["kv_norm_w"]))
+    with mode:
+        pk.dispatch(**fake)
+        with pytest.raises(ValueError, match=f"dispatch: kv_norm_w is on meta but kv on {dev}"):
+            pk.dispatch(**{**fake, "kv_norm_w": fake_meta_w})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_refuses_non_float_weights(device):
+    """A complex kv_norm_w lost its imaginary part and an integer or bool weight was cast to float32 silently: the
+    norm weights must be floating point (float32, bf16 and fp16 convert exactly), refused naming the argument."""
+    w = World(small_plan(2), pk.CacheFormat("fp8_ds_mla"), device, seed=3)
+    loc, wt = w.local[0], w.weights
+
+    def call(match, **over):
+        a = dict(kv=loc["kv"], k_pe=loc["k_pe"], positions=loc["positions"], kv_norm_w=wt["kv_norm_w"],
+                 rope_cos_sin=w.rope_cos_sin, fmt=w.fmt, q_c=loc["q_c"], q_norm_w=wt["q_norm_w"],
+                 q_c_out=loc["q_c_out"], index_k=loc["index_k"], index_ln_w=wt["index_ln_w"],
+                 index_ln_b=wt["index_ln_b"], slot_mapping=loc["slot_mapping"], targets=w.targets,
+                 row_dests=w.dests[0], topk_fill=loc["topk"])
+        a.update(over)
+        with pytest.raises(ValueError, match=match):
+            pk.dispatch(**a)
+        assert_nothing_written(w, match)
+
+    call(r"dispatch: kv_norm_w: expected a floating-point weight .* got torch.complex64 \[512\]",
+         kv_norm_w=wt["kv_norm_w"].to(torch.complex64))
+    call(r"dispatch: kv_norm_w: .* got torch.int64", kv_norm_w=torch.ones(512, dtype=torch.long, device=w.device))
+    call(r"dispatch: q_norm_w: .* got torch.int32", q_norm_w=wt["q_norm_w"].int())
+    call(r"dispatch: index_ln_w: .* got torch.bool", index_ln_w=wt["index_ln_w"] > 0)
+    call(r"dispatch: index_ln_b: .* got torch.uint8", index_ln_b=wt["index_ln_b"].to(torch.uint8))
+    call(r"dispatch: kv_norm_w: .* got list", kv_norm_w=[1.0] * 512)
+    # floating weights of other widths still convert: a bf16 weight writes what its float32 value writes
+    bf16 = {k: v.bfloat16() for k, v in wt.items()}
+    w.weights = {k: v.float() for k, v in bf16.items()}
+    w.dispatch(0, targets=w.targets)
+    want = [t.clone() for t in w.replica_bytes(0)]
+    w.poison()
+    w.weights = bf16
+    w.dispatch(0, targets=w.targets)
+    for a, b in zip(w.replica_bytes(0), want):
+        assert torch.equal(a, b), "a bf16 norm weight wrote other bytes than its float32 value"
+
+
+def test_model_spec_max_position_embeddings():
+    """max_position_embeddings was int(x or 0): 'abc', [1], inf, -5, 2.5, True and 10**30 were accepted (or raised
+    TypeError / OverflowError). Now an integer in [1, 2^63 - 1] (the C++ loader's int64 field and range check);
+    absent or null: 0 (unknown)."""
+    base = {"model_type": "deepseek_v32", "q_lora_rank": 1536}
+    spec = lambda **kv: pk.ModelSpec.from_hf_config({**base, **kv})  # noqa: E731
+    for bad, match in [("abc", "= 'abc' must be an integer"), ([1], r"= \[1\] must be an integer"),
+                       (float("inf"), "= inf must be finite"), (float("nan"), "= nan must be finite"),
+                       (-5, r"= -5 must be in \[1, 2\^63 - 1\]"), (0, r"= 0 must be in \[1"),
+                       (2.5, "= 2.5 must be an integer"), (True, "= True must be an integer"),
+                       (10 ** 30, rf"= {10 ** 30} must be in \[1, 2\^63 - 1\]"),
+                       (2 ** 63, rf"= {2 ** 63} must be in \[1"),
+                       (1e30, r"= 1e\+30 must be in \[1, 2\^63 - 1\] \(the C\+\+ loader")]:
+        with pytest.raises(ValueError, match=f"max_position_embeddings {match}"):
+            spec(max_position_embeddings=bad)
+    assert spec(max_position_embeddings=163840).max_position_embeddings == 163840
+    assert spec(max_position_embeddings=4096.0).max_position_embeddings == 4096
+    assert spec(max_position_embeddings=2 ** 63 - 1).max_position_embeddings == pk.model.MAX_POSITION_EMBEDDINGS
+    assert spec().max_position_embeddings == 0 and spec(max_position_embeddings=None).max_position_embeddings == 0
+
+
+def test_model_spec_indexer_types_rope_theta_and_cache_format():
+    """indexer_types of the wrong length passed and layer_has_indexer raised a bare IndexError; a top-level
+    rope_theta that rope_parameters overrode vanished without a word (the CLI prints a note); CacheFormat took
+    has_indexer='no' (truthy)."""
+    base = {"model_type": "glm_moe_dsa", "q_lora_rank": 2048}
+    with pytest.raises(ValueError, match=r"indexer_types has 2 entries but num_hidden_layers = 3: expected one"):
+        pk.ModelSpec.from_hf_config({**base, "num_hidden_layers": 3, "indexer_types": ["full", "shared"]})
+    with pytest.raises(ValueError, match=r"indexer_types has 4 entries but num_hidden_layers = 3"):
+        pk.ModelSpec("glm_moe_dsa", 2048, 1e-5, pk.RopeSpec(), num_hidden_layers=3,
+                     indexer_types=("full", "shared", "shared", "full"))
+    ok = pk.ModelSpec.from_hf_config({**base, "num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"]})
+    assert [ok.layer_has_indexer(i) for i in range(3)] == [True, False, True]
+    unknown = pk.ModelSpec.from_hf_config({**base, "indexer_types": ["full", "shared"]})  # no num_hidden_layers
+    with pytest.raises(ValueError, match=r"layer_idx = 2 has no entry in indexer_types \(size 2\)"):
+        unknown.layer_has_indexer(2)
+    with pytest.raises(ValueError, match="layer_idx = -1 must be an integer >= 0"):
+        unknown.layer_has_indexer(-1)
+
+    with pytest.warns(UserWarning, match=re.escape("top-level 'rope_theta' = 10000 is shadowed by "
+                                                   "'rope_parameters.rope_theta' = 1000000.0: using 1000000.0")):
+        s = pk.ModelSpec.from_hf_config({**base, "rope_theta": 10000,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert s.rope.theta == 1e6
+    with pytest.warns(UserWarning, match="'rope_scaling.rope_theta' = 50000.0"):
+        pk.ModelSpec.from_hf_config({**base, "rope_theta": 1e4, "rope_scaling": {"type": "default",
+                                                                                 "rope_theta": 5e4}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # equal values, or only one of them: no warning
+        pk.ModelSpec.from_hf_config({**base, "rope_theta": 1e6, "rope_parameters": {"rope_theta": 1000000}})
+        pk.ModelSpec.from_hf_config({**base, "rope_parameters": {"rope_theta": 1e6}})
+        assert pk.ModelSpec.from_hf_config({**base, "rope_theta": 5e5}).rope.theta == 5e5
+    with pytest.raises(ValueError, match="rope_theta = 'x' must be a number"):  # the shadowed key is still typed
+        pk.ModelSpec.from_hf_config({**base, "rope_theta": "x", "rope_parameters": {"rope_theta": 1e6}})
+
+    for bad in ("no", 1, 0, None, "False"):
+        with pytest.raises(ValueError, match=re.escape(f"has_indexer = {bad!r} must be True or False")):
+            pk.CacheFormat("fp8_ds_mla", has_indexer=bad)
+    assert pk.CacheFormat("fp8", has_indexer=False).row_bytes == 576
