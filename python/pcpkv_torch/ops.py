@@ -12,6 +12,7 @@ C++ library, pcpkv/publish/kernels.h): they must be in range, which validate_slo
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -162,7 +163,12 @@ def fence(state: FenceState, barrier_idx: int = 0, *, timeout_us: int = 10_000_0
     A wait longer than timeout_us ends the wait: on CUDA the kernel records the missing rank in state.error
     (state.check() raises RuntimeError after synchronizing; graph replays keep running), on CPU it raises
     RuntimeError at once. `written`: tensors peers wrote before the fence (declared mutated so torch.compile
-    keeps later reads after it). Raises ValueError for a bad barrier_idx or state."""
+    keeps later reads after it). Raises ValueError for a bad barrier_idx, timeout_us (an int in [1, one day in
+    us]; a bool is not one) or state."""
+    for name, v in (("barrier_idx", barrier_idx), ("timeout_us", timeout_us)):
+        # True ran barrier 1 / a 1 us wait; 2**63 raised a RuntimeError of the schema's int64 conversion
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not -2**63 <= v < 2**63:
+            raise ValueError(f"fence: {name} = {v!r} must be an int64 integer (not a bool)")
     torch.ops.pcpkv.fence(state.pad_table, state.epochs, state.claim, state.error, state.first_rank, state.world,
                           state.num_barriers, barrier_idx, timeout_us, list(written) + state.pads)
 

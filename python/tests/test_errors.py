@@ -177,6 +177,9 @@ def test_combine_insert_fence_errors_name_the_argument(device):
     # 2**62 us overflowed the deadline (a wait that ended at once, or wrapped on the GPU)
     with pytest.raises(ValueError, match=r"timeout_us = 4611686018427387904 must be in \[1, 86400000000\]"):
         pk.fence(w.fence_state, barrier_idx=0, timeout_us=2**62)
+    for kw in ({"timeout_us": True}, {"barrier_idx": True}, {"timeout_us": 2**63}, {"barrier_idx": 2**63}):
+        with pytest.raises(ValueError, match="must be an int64 integer"):
+            pk.fence(w.fence_state, **{"barrier_idx": 0, **kw})
     assert_nothing_written(w, "combine / insert / fence")
     assert int(w.fence_state.epochs.count_nonzero()) == 0, "a rejected fence advanced an epoch"
 

@@ -4,6 +4,7 @@
 #include "ranks/tombstone.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -66,8 +67,11 @@ bool parse_int(const std::string& s, int64_t* out) {
 std::string path_of(const std::string& address) { return address + ".failed"; }
 
 void write(const std::string& address, const std::string& token, const std::string& reason) {
+  // A fresh file only: whatever sits at the temporary name (a FIFO would block the open, a symbolic link would
+  // send the text to its target) is removed first, and O_EXCL | O_NOFOLLOW refuse one that reappears.
   const std::string tmp = path_of(address) + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ::unlink(tmp.c_str());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return;
   const std::string text = fmt::format("{}\n{}\n{}\n{}", token, boot_id(), boot_clock_ns(), reason);
   const ssize_t n = ::write(fd, text.data(), text.size());
@@ -79,8 +83,14 @@ void write(const std::string& address, const std::string& token, const std::stri
 void remove(const std::string& address) { ::unlink(path_of(address).c_str()); }
 
 Found read(const std::string& address, const std::string& token) {
-  const int fd = ::open(path_of(address).c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking and not through a link: a FIFO or device put at the name must not hang the rank.
+  const int fd = ::open(path_of(address).c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return {};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return {};
+  }
   std::string text(4096, '\0');
   const ssize_t n = ::read(fd, text.data(), text.size());
   ::close(fd);

@@ -2,10 +2,12 @@
 // and every way a rendezvous goes wrong (wrong token, world-size mismatch, a missing or dying rank).
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <numeric>
 #include <thread>
@@ -153,6 +155,39 @@ TEST(Bootstrap, RetryIgnoresTheTombstoneOfAnEarlierAttempt) {
       },
       10.0, 30.0, same_job);
   EXPECT_TRUE(test::all_ok(retry)) << test::describe(retry);
+}
+
+// Files a hostile or broken earlier run leaves at the tombstone's names: a FIFO at "<socket>.failed" blocked the
+// reading rank in open() forever; a symbolic link at "<socket>.failed.tmp" sent rank 0's text to its target.
+TEST(Bootstrap, TombstoneNamesHoldingAFifoOrALinkNeitherHangNorWriteElsewhere) {
+  test::TempDir d;
+  const std::string sock = d.path + "/boot.sock";
+  ASSERT_EQ(::mkfifo((sock + ".failed").c_str(), 0600), 0);
+  const std::string victim = d.path + "/victim";
+  { std::ofstream(victim) << "precious"; }
+  ASSERT_EQ(::symlink(victim.c_str(), (sock + ".failed.tmp").c_str()), 0);
+  auto at_sock = [&](int, BootstrapConfig& c) { c.address = sock; };
+  // Rank 1 alone: it must time out after 1 s, not block on the FIFO.
+  const auto follower = run_ranks(
+      2, [](const BootstrapConfig& c) { return c.rank == 0 ? 0 : (Bootstrap::connect(c) ? 0 : 1); }, 1.0, 20.0,
+      at_sock);
+  EXPECT_EQ(follower[1].exit_code, 3) << test::describe(follower);
+  EXPECT_NE(follower[1].output.find("rendezvous timed out after 1 s at rank 1"), std::string::npos)
+      << test::describe(follower);
+  EXPECT_LT(follower[1].seconds, 10.0);
+  // Rank 0 alone gives up and writes its tombstone: into a file of its own, not through the link.
+  ASSERT_EQ(::unlink((sock + ".failed").c_str()), 0);
+  const auto root = run_ranks(
+      2, [](const BootstrapConfig& c) { return c.rank == 1 ? 0 : (Bootstrap::connect(c) ? 0 : 1); }, 0.5, 20.0,
+      at_sock);
+  EXPECT_EQ(root[0].exit_code, 3) << test::describe(root);
+  std::ifstream in(victim);
+  std::string text;
+  std::getline(in, text);
+  EXPECT_EQ(text, "precious");
+  struct stat st {};
+  ASSERT_EQ(::lstat((sock + ".failed").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
 }
 
 // The tombstone's purpose stays: a rank process that started with the job but reaches the rendezvous only

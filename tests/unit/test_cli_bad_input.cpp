@@ -291,4 +291,16 @@ TEST(CliBadInput, ParseErrorsKeepTheReadmeBounds) {
   r = run_cli("run --tokens " + digits, dir);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_LT(r.err.size(), 500u) << r.err;
+  // A value pcpkv already clipped is not clipped again ("... (204 characters) (3000 characters)").
+  r = run_cli("run --threads " + std::string(3000, 'x'), dir);
+  EXPECT_NE(r.err.find(std::string(200, 'x') + "... (3000 characters)' is not a decimal integer"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("(204 characters)"), std::string::npos) << r.err;
+  // The first 20 in the order given (CLI11 lists the last first).
+  std::string numbers;
+  for (int i = 1; i <= 30; ++i) numbers += fmt::format(" {}", i);
+  r = run_cli("run" + numbers, dir);
+  EXPECT_NE(r.err.find("were not expected: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 and 10 more"),
+            std::string::npos)
+      << r.err;
 }

@@ -131,3 +131,15 @@ TEST(CliFlagsLaunch, BenchFenceCountsMustMakeSense) {
 }
 
 }  // namespace
+
+// --gpus went through strtol into an int32: 4294967296 became device 0 without a word, 2147483648 a negative one,
+// and ' 3' or '01' passed while every other integer flag is plain decimal.
+TEST(CliFlagsLaunch, GpuListIsPlainDecimalDeviceIndices) {
+  for (const char* bad : {"4294967296", "2147483648", "99999999999999999999", "01", "+0", "1024", "0,-1"}) {
+    ScratchDir dir;
+    const CliResult r =
+        run_cli(std::string("launch --nproc 1 --gpus '") + bad + "' --program /bin/true -- x", dir);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
+    EXPECT_NE(r.err.find("is not a device index (decimal, in [0, 1024)"), std::string::npos) << bad << ": " << r.err;
+  }
+}

@@ -76,6 +76,7 @@ std::string bounded_parse_error(const std::string& message) {
       at = sp + 1;
     }
     head.pop_back();
+    std::reverse(words.begin(), words.end());  // CLI11 lists the last argument first
     break;
   }
   if (words.empty()) {  // any other message: clip each long word (a value CLI11 quotes)
@@ -83,7 +84,8 @@ std::string bounded_parse_error(const std::string& message) {
     for (size_t at = 0; at <= message.size();) {
       const size_t sp = std::min(message.find(' ', at), message.size());
       const std::string word = message.substr(at, sp - at);
-      out += word.size() > pcpkv::kMaxQuotedChars + 3 ? pcpkv::clip(word) : word;  // "+ 3": already clipped ("...")
+      // Slack of 16: a value pcpkv already clipped ("'<200 characters>...'") is not clipped twice.
+      out += word.size() > pcpkv::kMaxQuotedChars + 16 ? pcpkv::clip(word) : word;
       if (sp < message.size()) out += ' ';
       at = sp + 1;
     }

@@ -1,6 +1,7 @@
 // The pieces every rank-side subcommand shares (launch_cmds.h): meeting the other ranks, the rank
 // publisher of a --backend, running as one rank (errors told to the peers, exit codes), --gpus lists.
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -94,11 +95,13 @@ std::vector<int32_t> parse_device_list(const std::string& s, const char* flag) {
   while (pos <= s.size()) {
     const size_t comma = std::min(s.find(',', pos), s.size());
     const std::string item = s.substr(pos, comma - pos);
-    char* end = nullptr;
-    const long d = std::strtol(item.c_str(), &end, 10);
-    PCPKV_CHECK(!item.empty() && *end == '\0' && d >= 0, "{}: '{}' is not a device index (in '{}')", flag, clip(item),
-                clip(s));
-    out.push_back(static_cast<int32_t>(d));
+    // Plain decimal in [0, 1024), as every integer flag: strtol wrapped 4294967296 to device 0 and took ' 3', '01'.
+    int32_t d = -1;
+    const bool digits = !item.empty() && std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), d);
+    PCPKV_CHECK(digits && (item.size() == 1 || item[0] != '0') && ec == std::errc() && d < 1024,
+                "{}: '{}' is not a device index (decimal, in [0, 1024); in '{}')", flag, clip(item), clip(s));
+    out.push_back(d);
     pos = comma + 1;
   }
   return out;
