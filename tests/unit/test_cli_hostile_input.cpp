@@ -122,7 +122,9 @@ TEST(CliHostileInput, SavedFileOfAnotherKvFormatGetsANote) {
                           " --inputs " + quoted(saved);
   CliResult r = run_cli(run, dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("saved with kv_format fp8 (this run: fp8_ds_mla): the caches are computed anew"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("saved with kv_format fp8 (this run: fp8_ds_mla): the caches are computed anew"),
+            std::string::npos)
+      << r.out;
   EXPECT_EQ(r.out.find("is not read"), std::string::npos) << r.out;  // a saved file's own tensors are known
   r = run_cli(run + " --kv-format fp8", dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;

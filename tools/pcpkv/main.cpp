@@ -45,7 +45,7 @@ std::string non_decimal_integer(const std::string& v) {
 // CLI11 converts an empty argument of a numeric option to 0 without a word (`run --tokens ""` published an empty
 // prefill and passed, `--memory-limit-gb ""` dropped the limit): every option that takes a number refuses it,
 // and every integer option refuses spellings other than plain decimal.
-void refuse_empty_numbers(CLI::App& app) {
+void check_number_spellings(CLI::App& app) {
   for (CLI::Option* o : app.get_options()) {
     const std::string type = o->get_type_name();
     const bool integer = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0;
@@ -57,7 +57,7 @@ void refuse_empty_numbers(CLI::App& app) {
     if (integer && o->get_expected_min() > 0)
       o->check(CLI::Validator([](std::string& v) { return v.empty() ? std::string() : non_decimal_integer(v); }, ""));
   }
-  for (CLI::App* sub : app.get_subcommands({})) refuse_empty_numbers(*sub);
+  for (CLI::App* sub : app.get_subcommands({})) check_number_spellings(*sub);
 }
 
 // A CLI11 parse error in the bounds the README states: every value quoted cut to kMaxQuotedChars, and the
@@ -66,7 +66,8 @@ std::string bounded_parse_error(const std::string& message) {
   constexpr size_t kMaxNames = 20;
   std::string head = message;
   std::vector<std::string> words;
-  for (const char* prefix : {"The following arguments were not expected: ", "The following argument was not expected: "}) {
+  for (const char* prefix :
+       {"The following arguments were not expected: ", "The following argument was not expected: "}) {
     if (message.rfind(prefix, 0) != 0) continue;
     head = prefix;
     std::string rest = message.substr(head.size());
@@ -157,7 +158,7 @@ int main(int argc, char** argv) {
   pcpkv::cli::add_launch_command(app);
   pcpkv::cli::add_attention_command(app);
   pcpkv::cli::add_serving_command(app);
-  refuse_empty_numbers(app);
+  check_number_spellings(app);
   int code = run_app(app, argc, argv);
   // A report that never reached stdout (disk full, closed pipe) must not pass for success.
   errno = 0;

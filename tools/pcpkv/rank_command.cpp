@@ -97,7 +97,8 @@ std::vector<int32_t> parse_device_list(const std::string& s, const char* flag) {
     const std::string item = s.substr(pos, comma - pos);
     // Plain decimal in [0, 1024), as every integer flag: strtol wrapped 4294967296 to device 0 and took ' 3', '01'.
     int32_t d = -1;
-    const bool digits = !item.empty() && std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const bool digits =
+        !item.empty() && std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), d);
     PCPKV_CHECK(digits && (item.size() == 1 || item[0] != '0') && ec == std::errc() && d < 1024,
                 "{}: '{}' is not a device index (decimal, in [0, 1024); in '{}')", flag, clip(item), clip(s));
