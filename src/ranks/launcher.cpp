@@ -143,6 +143,8 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
               std::strerror(errno));
   PCPKV_CHECK(opts.bootstrap_timeout_s > 0, "--timeout must be > 0, got {}", opts.bootstrap_timeout_s);
   PCPKV_CHECK(opts.grace_s >= 0, "--grace must be >= 0, got {}", opts.grace_s);
+  // nan and -1 meant "no limit" silently (the test is max_time_s > 0); 0 is the one spelling of that.
+  PCPKV_CHECK(opts.max_time_s >= 0, "--max-time must be >= 0 seconds (0: no limit), got {}", opts.max_time_s);
 
   // Private rendezvous directory and job token.
   std::string parent = opts.socket_dir;

@@ -143,3 +143,14 @@ TEST(CliFlagsLaunch, GpuListIsPlainDecimalDeviceIndices) {
     EXPECT_NE(r.err.find("is not a device index (decimal, in [0, 1024)"), std::string::npos) << bad << ": " << r.err;
   }
 }
+
+// --max-time nan and -1 were accepted and meant no limit; only 0 says that.
+TEST(CliFlagsLaunch, MaxTimeNanOrNegativeIsRefused) {
+  for (const char* bad : {"nan", "-1", "-inf"}) {
+    ScratchDir dir;
+    const CliResult r = run_cli(std::string("launch --nproc 1 --max-time ") + bad + " --program /bin/true -- x", dir);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
+    EXPECT_NE(r.err.find("--max-time must be >= 0 seconds (0: no limit), got"), std::string::npos) << bad << ": "
+                                                                                                 << r.err;
+  }
+}
