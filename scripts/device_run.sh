@@ -6,6 +6,8 @@
 #   models ARGS...  the whole-model prefill example once per quoted argument string (after python)
 #   check  ncu (hardware counters) on one layer's publication kernels, then compute-sanitizer memcheck over the
 #          cuda test executables and racecheck/synccheck over the kernel tests (each bounded in time)
+#   probe FILE.cu  build a standalone probe (docs/results/*/NAME.cu, no pcpkv library) and run it twice; its
+#          tables land in $OUT/NAME_1.md and NAME_2.md
 # Logs land in $OUT (at most 8 files come back). The build dir (build-gpu) is reused while the machine is warm.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -116,6 +118,19 @@ case "$phase" in
       done
     done
     grep -E "^== rc=|ERROR SUMMARY|SKIPPED|Invalid|Race|Barrier" "$out/sanitize.log" | head -80
+    ;;
+  probe)
+    src="${2:?probe needs a .cu file}"
+    name="$(basename "$src" .cu)"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+    nvcc -O3 -arch=sm_90 -std=c++17 "$src" -o "$out/$name" > "$out/${name}_build.log" 2>&1 ||
+      { cat "$out/${name}_build.log"; exit 1; }
+    for i in 1 2; do
+      timeout 240 "$out/$name" > "$out/${name}_$i.md" 2>&1
+      say "$name run $i rc=$?"
+    done
+    rm -f "$out/$name"
+    cat "$out/${name}_1.md"
     ;;
   retest)
     # Re-run named ctest regexes ($2) after fixes, plus the serving bench.
