@@ -14,6 +14,7 @@
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/ranks/cuda.h"
 #include "pcpkv/core/error.h"
+#include "ranks/nccl_env.h"
 
 #if defined(PCPKV_HAVE_NCCL)
 #include <nccl.h>
@@ -54,6 +55,7 @@ std::string uuid_text(const char* u) {
 }  // namespace
 
 NcclAllGather::NcclAllGather(Bootstrap& group) : impl_(std::make_unique<Impl>()) {
+  nccl_env::keep_nccl_nvls_off();  // before any collective: a refused value fails here, on the rank that has it
   const int32_t world = group.world_size();
   // Every rank's GPU, so that every rank reaches the same verdict before NCCL is touched.
   GpuId mine{};
