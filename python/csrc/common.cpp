@@ -55,17 +55,31 @@ std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Ten
   return pcpkv::first_overlap(w, r, writes_pairwise);
 }
 
+namespace {
+
+ByteRange range_of(const NamedTensor& n) { return n.tensor == nullptr ? ByteRange{} : byte_range(*n.tensor); }
+
+std::string name_of(const NamedTensor& n) {
+  return n.index >= 0 ? fmt::format("{}[{}]", n.name, n.index) : std::string(n.name);
+}
+
+std::string describe_named(const NamedTensor& n) { return n.tensor == nullptr ? "undefined" : describe(*n.tensor); }
+
+}  // namespace
+
 void refuse_overlap(const char* op, const Named& writes, const Named& reads, bool writes_pairwise) {
-  std::vector<at::Tensor> w, r;
-  for (const auto& [name, t] : writes) w.push_back(t);
-  for (const auto& [name, t] : reads) r.push_back(t);
-  const auto hit = first_overlap(w, r, writes_pairwise);
+  std::vector<ByteRange> w, r;
+  w.reserve(writes.size());
+  r.reserve(reads.size());
+  for (const NamedTensor& n : writes) w.push_back(range_of(n));
+  for (const NamedTensor& n : reads) r.push_back(range_of(n));
+  const auto hit = pcpkv::first_overlap(w, r, writes_pairwise);
   if (!hit) return;
-  const auto& [a, ta] = writes[hit->first];
-  const auto& [b, tb] = hit->second < writes.size() ? writes[hit->second] : reads[hit->second - writes.size()];
-  TORCH_CHECK_VALUE(false, op, ": ", a, " (", describe(ta), ") shares memory with ", b, " (", describe(tb),
-                    "): an output must not overlap an input or another output (rows are read and written in any "
-                    "order)");
+  const NamedTensor& a = writes[hit->first];
+  const NamedTensor& b = hit->second < writes.size() ? writes[hit->second] : reads[hit->second - writes.size()];
+  TORCH_CHECK_VALUE(false, op, ": ", name_of(a), " (", describe_named(a), ") shares memory with ", name_of(b), " (",
+                    describe_named(b), "): an output must not overlap an input or another output (rows are read and written "
+                    "in any order)");
 }
 
 void check_written_devices(const char* op, const std::vector<at::Tensor>& written, const char* ref,
@@ -81,7 +95,7 @@ namespace {
 // The caches a combine / insert writes (target_of checked them; the index cache only on a layer with an indexer).
 Named written_caches(const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
                      const pcpkv::CacheFormat& fmt) {
-  return {{"mla_cache", mla_cache}, {"index_cache", fmt.has_indexer ? *index_cache : at::Tensor()}};
+  return {{"mla_cache", &mla_cache}, {"index_cache", fmt.has_indexer ? maybe(index_cache) : nullptr}};
 }
 
 }  // namespace
@@ -280,20 +294,26 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
   // once): no output may share memory with an input, a table, a written tensor (the caches and staging behind the
   // tables) or another output, and no written tensor with an input or a table. Written tensors may repeat each
   // other: they are declarations (a replica can be named by `written` and by the tables' tensors).
-  const auto get = [](const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
-  const Named outs = {{"q_c_out", get(a.q_c_out)}, {"kv_c_out", get(a.kv_c_out)}, {"k_pe_out", get(a.k_pe_out)},
-                      {"index_k_out", get(a.index_k_out)}, {"topk_fill", get(a.topk_fill)}};
-  Named ins = {{"kv", a.kv}, {"k_pe", a.k_pe}, {"positions", a.positions}, {"kv_norm_w", a.kv_norm_w},
-               {"rope_cos_sin", a.rope_cos_sin}, {"q_c", get(a.q_c)}, {"q_norm_w", get(a.q_norm_w)},
-               {"index_k", get(a.index_k)}, {"index_ln_w", get(a.index_ln_w)}, {"index_ln_b", get(a.index_ln_b)},
-               {"slot_mapping", get(a.slot_mapping)}};
+  const Named outs = {{"q_c_out", maybe(a.q_c_out)}, {"kv_c_out", maybe(a.kv_c_out)}, {"k_pe_out", maybe(a.k_pe_out)},
+                      {"index_k_out", maybe(a.index_k_out)}, {"topk_fill", maybe(a.topk_fill)}};
+  Named ins = {{"kv", &a.kv},
+               {"k_pe", &a.k_pe},
+               {"positions", &a.positions},
+               {"kv_norm_w", &a.kv_norm_w},
+               {"rope_cos_sin", &a.rope_cos_sin},
+               {"q_c", maybe(a.q_c)},
+               {"q_norm_w", maybe(a.q_norm_w)},
+               {"index_k", maybe(a.index_k)},
+               {"index_ln_w", maybe(a.index_ln_w)},
+               {"index_ln_b", maybe(a.index_ln_b)},
+               {"slot_mapping", maybe(a.slot_mapping)}};
   const char* const table_names[] = {"targets", "targets_host", "row_dests", "row_dests_host"};
-  for (size_t i = 0; i < 4; ++i) ins.emplace_back(table_names[i], a.tables[i]);
-  Named written;
-  for (size_t i = 0; i < a.written.size(); ++i) written.emplace_back(fmt::format("written[{}]", i), a.written[i]);
-  Named ins_and_written = ins;
-  ins_and_written.insert(ins_and_written.end(), written.begin(), written.end());
-  refuse_overlap("dispatch", outs, ins_and_written, true);
+  for (size_t i = 0; i < 4; ++i) ins.push_back({table_names[i], &a.tables[i]});
+  const size_t num_ins = ins.size();
+  for (size_t i = 0; i < a.written.size(); ++i) ins.push_back({"written", &a.written[i], static_cast<int64_t>(i)});
+  refuse_overlap("dispatch", outs, ins, true);  // outputs against inputs, tables, written tensors and each other
+  const Named written(ins.begin() + static_cast<std::ptrdiff_t>(num_ins), ins.end());
+  ins.resize(num_ins);
   refuse_overlap("dispatch", written, ins, false);
   return p;
 }
@@ -318,7 +338,7 @@ pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tenso
   // Rows are copied in any order (on the GPU by many blocks at once): a cache overlapping the rows, the slots or
   // the other cache would read or clobber bytes another row writes.
   refuse_overlap("combine", written_caches(mla_cache, index_cache, p.fmt),
-                 {{"rows", rows}, {"slot_mapping", slot_mapping}}, true);
+                 {{"rows", &rows}, {"slot_mapping", &slot_mapping}}, true);
   return p;
 }
 
@@ -344,8 +364,7 @@ pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor&
   }
   // As in combine: rows are quantized and stored in any order, so no cache may overlap an input or the other cache.
   refuse_overlap("insert", written_caches(mla_cache, index_cache, p.fmt),
-                 {{"kv_c", kv_c}, {"k_pe", k_pe}, {"index_k", index_k.value_or(at::Tensor())},
-                  {"slot_mapping", slot_mapping}},
+                 {{"kv_c", &kv_c}, {"k_pe", &k_pe}, {"index_k", maybe(index_k)}, {"slot_mapping", &slot_mapping}},
                  true);
   return p;
 }

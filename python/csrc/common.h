@@ -63,8 +63,16 @@ std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Ten
 /// deadline (now + 2**62 us in ns) and the wait ended at once.
 constexpr int64_t kMaxFenceTimeoutUs = int64_t{24} * 3600 * 1000 * 1000;
 
-/// Named tensors of an op's overlap check (undefined tensors: no memory).
-using Named = std::vector<std::pair<std::string, at::Tensor>>;
+/// A tensor of an op's overlap check, by reference (null or undefined: no memory); its name reads "name[index]" when
+/// index >= 0. Nothing is copied or formatted unless the check fails: a dispatch checks ~35 tensors on every call.
+struct NamedTensor {
+  const char* name;
+  const at::Tensor* tensor;
+  int64_t index = -1;
+};
+using Named = std::vector<NamedTensor>;
+/// &*t, or null for an empty optional (a NamedTensor of an optional argument).
+inline const at::Tensor* maybe(const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; }
 /// ValueError naming the first tensor of `writes` that shares memory with another of `writes` (writes_pairwise) or
 /// one of `reads`, and that tensor (first_overlap): "op: a (...) shares memory with b (...): an output must not
 /// overlap an input or another output ...". Every op checks its outputs with it before anything is written.

@@ -37,7 +37,7 @@ int32_t check_quantize_index_q(const at::Tensor& q, const at::Tensor& q_fp8, con
   check_dense(q_fp8, "quantize_index_q: q_fp8", {T, H, 128}, at::kByte, q.device());
   check_dense(q_scale, "quantize_index_q: q_scale", {T, H}, at::kFloat, q.device());
   TORCH_CHECK_VALUE(H <= std::numeric_limits<int32_t>::max(), "quantize_index_q: num_heads = ", H, " is too large");
-  refuse_overlap("quantize_index_q", {{"q_fp8", q_fp8}, {"q_scale", q_scale}}, {{"q", q}}, true);
+  refuse_overlap("quantize_index_q", {{"q_fp8", &q_fp8}, {"q_scale", &q_scale}}, {{"q", &q}}, true);
   return static_cast<int32_t>(H);
 }
 
@@ -88,9 +88,9 @@ pcpkv::IndexerParams make_indexer_params(const at::Tensor& q_fp8, const at::Tens
   if (has(positions_out)) check_dense(*positions_out, "indexer_topk: positions_out", {T, topk}, at::kInt, dev);
   // Rows are scored and written in any order (on the GPU by many blocks at once): an output holding an input (out =
   // request_idx.view(T, 1), out = block_tables) or the other output would be read after it was overwritten.
-  refuse_overlap("indexer_topk", {{"out", out}, {"positions_out", positions_out.value_or(at::Tensor())}},
-                 {{"q_fp8", q_fp8}, {"q_scale", q_scale}, {"weights", weights}, {"positions", positions},
-                  {"request_idx", request_idx}, {"block_tables", block_tables}, {"index_cache", index_cache}},
+  refuse_overlap("indexer_topk", {{"out", &out}, {"positions_out", maybe(positions_out)}},
+                 {{"q_fp8", &q_fp8}, {"q_scale", &q_scale}, {"weights", &weights}, {"positions", &positions},
+                  {"request_idx", &request_idx}, {"block_tables", &block_tables}, {"index_cache", &index_cache}},
                  true);
   pcpkv::IndexerParams p;
   TORCH_CHECK_VALUE(logit == "exact" || logit == "fp32_tree", "indexer_topk: logit = '", logit,
@@ -137,8 +137,8 @@ pcpkv::SparseMlaParams make_sparse_mla_params(const at::Tensor& q, const at::Ten
                     dev, ", got ", describe(mla_cache));
   // As the indexer: out and lse are written per (token, head) in any order, so neither may hold an input or the
   // other (lse a view into out).
-  refuse_overlap("sparse_mla", {{"out", out}, {"lse", lse}},
-                 {{"q", q}, {"mla_cache", mla_cache}, {"indices", indices}}, true);
+  refuse_overlap("sparse_mla", {{"out", &out}, {"lse", &lse}},
+                 {{"q", &q}, {"mla_cache", &mla_cache}, {"indices", &indices}}, true);
   // The float32 the kernels read, checked as given (1e300 would become inf, 1e-50 zero).
   const float scale = translate_errors([&] { return pcpkv::sparse_mla_softmax_scale(softmax_scale); });
   TORCH_CHECK_VALUE(scale_read == "fp32" || scale_read == "bf16", "sparse_mla: scale_read = '", scale_read,
@@ -178,7 +178,7 @@ pcpkv::LseMergeParams make_lse_merge_params(const at::Tensor& outs, const at::Te
   check_dense(lses, "lse_merge: lses", {S, T, H}, at::kFloat, dev);
   check_dense(out, "lse_merge: out", {T, H, D}, at::kFloat, dev);
   check_dense(lse, "lse_merge: lse", {T, H}, at::kFloat, dev);
-  refuse_overlap("lse_merge", {{"out", out}, {"lse", lse}}, {{"outs", outs}, {"lses", lses}}, true);
+  refuse_overlap("lse_merge", {{"out", &out}, {"lse", &lse}}, {{"outs", &outs}, {"lses", &lses}}, true);
   pcpkv::LseMergeParams p;
   p.num_shards = static_cast<int32_t>(S);
   p.num_rows = T * H;
