@@ -294,6 +294,14 @@ std::string yarn_fallback(const std::string& key, const ModelConfig& m, bool pre
 
 void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& origin, std::set<std::string>& used,
                 const JsonPaths& paths, const std::string& base_name, ConfigNotes& notes, bool strict) {
+  // No theta at the top level nor in rope_scaling / rope_parameters: the preset's stays, said like any other missing
+  // key (SPEC section 1 reads theta from the config; HF transformers would take its config class's default instead).
+  const auto given = [](const json& o, const char* key) { return o.contains(key) && !o.at(key).is_null(); };
+  const auto nested = [&](const char* key) {
+    return given(j, key) && j.at(key).is_object() && given(j.at(key), "rope_theta");
+  };
+  if (!given(j, "rope_theta") && !nested("rope_scaling") && !nested("rope_parameters"))
+    notes.missing.push_back(fmt::format("rope_theta (kept preset {} value {})", base_name, m.rope.theta));
   r.read("rope_theta", m.rope.theta);
   const json* rs = nullptr;
   const char* rs_key = nullptr;

@@ -116,6 +116,27 @@ TEST(Model, BadConfigsNameFieldAndValue) {
             std::string::npos);
 }
 
+TEST(Model, AConfigWithoutRopeThetaSaysThePresetValueIsKept) {
+  const auto missing_of = [](const std::string& text) {
+    ConfigNotes notes;
+    parse_hf_config(text, {}, &notes, false, "test.json");
+    std::string all;
+    for (const std::string& s : notes.missing) all += s + ";";
+    return all;
+  };
+  EXPECT_NE(missing_of(R"({"model_type": "glm_moe_dsa"})").find("rope_theta (kept preset glm-5 value 1000000)"),
+            std::string::npos);
+  EXPECT_NE(missing_of(R"({"model_type": "glm_moe_dsa", "rope_parameters": {"rope_type": "default"}})")
+                .find("rope_theta (kept preset"),
+            std::string::npos);
+  // Given at the top level, or inside rope_parameters / rope_scaling: not missing.
+  for (const char* text :
+       {R"({"model_type": "glm_moe_dsa", "rope_theta": 5e5})",
+        R"({"model_type": "glm_moe_dsa", "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})",
+        R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "rope_theta": 5e5}})"})
+    EXPECT_EQ(missing_of(text).find("rope_theta"), std::string::npos) << text;
+}
+
 TEST(Model, ShippedConfigsLoad) {
   for (const std::string& name : preset_names()) {
     ConfigNotes notes;
