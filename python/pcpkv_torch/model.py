@@ -171,11 +171,18 @@ class RopeSpec:
 
     @staticmethod
     def from_hf(config: Any) -> "RopeSpec":
-        """Reads ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (older configs).
+        """Reads ``rope_scaling`` when it is a non-empty dict, else ``rope_parameters`` (transformers 5's rule), with
+        ``rope_theta`` from that dict or the top level.
         Raises ValueError for a rope type pcpkv does not implement (only default and YaRN), and naming the
         key and value for a mistyped or out-of-range one."""
-        where = "rope_parameters" if _get(config, "rope_parameters") else "rope_scaling"
-        params = _get(config, "rope_parameters") or _get(config, "rope_scaling") or {}
+        scaling, parameters = _get(config, "rope_scaling"), _get(config, "rope_parameters")
+        # HF transformers 5 (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict): rope_parameters = rope_scaling
+        # or rope_parameters; a transformers config object returns one dict for both names.
+        if scaling and scaling is not parameters:
+            where, params = "rope_scaling", scaling
+        else:
+            where = "rope_parameters" if parameters else "rope_scaling"
+            params = parameters or scaling or {}
         if not isinstance(params, Mapping):
             raise ValueError(f"{where} = {params!r} must be a dict")
         where += "."

@@ -563,3 +563,19 @@ def test_model_spec_indexer_types_rope_theta_and_cache_format():
         with pytest.raises(ValueError, match=re.escape(f"has_indexer = {bad!r} must be True or False")):
             pk.CacheFormat("fp8_ds_mla", has_indexer=bad)
     assert pk.CacheFormat("fp8", has_indexer=False).row_bytes == 576
+
+
+def test_rope_choice_follows_transformers_when_both_keys_are_given():
+    """A raw config dict with rope_scaling and rope_parameters: transformers 5 keeps `rope_scaling or
+    rope_parameters` (an empty rope_scaling gives way); pcpkv's RopeSpec must read the same dict (it read
+    rope_parameters first, so a file with both could rotate k_pe with another table than the model)."""
+    transformers = pytest.importorskip("transformers")
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    plain = {"rope_type": "default", "rope_theta": 50000.0}
+    for scaling, parameters in ((yarn, plain), (plain, yarn), ({}, yarn), (None, yarn)):
+        raw = {"rope_scaling": scaling, "rope_parameters": parameters}
+        hf = transformers.DeepseekV32Config(**{k: v for k, v in raw.items() if v is not None})
+        want = pk.RopeSpec.from_hf(hf)
+        assert pk.RopeSpec.from_hf(raw) == want, (scaling, parameters)
+        assert want.scaling == ("deepseek_yarn" if (scaling or parameters) is yarn else "default")

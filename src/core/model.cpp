@@ -305,12 +305,18 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
   r.read("rope_theta", m.rope.theta);
   const json* rs = nullptr;
   const char* rs_key = nullptr;
-  const char* null_key = nullptr;  // a scaling key present as null: HF's "no scaling"
+  const char* null_key = nullptr;  // a scaling key present as null or {}: HF's "no scaling"
+  const char* null_what = "null";
+  // HF transformers 5 (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict): rope_parameters = rope_scaling or
+  // rope_parameters, so a null or empty rope_scaling ({}) gives way to rope_parameters.
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
     used.insert(key);
     if (!j.contains(key)) continue;
-    if (j.at(key).is_null()) {
-      if (!null_key) null_key = key;
+    if (j.at(key).is_null() || (j.at(key).is_object() && j.at(key).empty())) {
+      if (!null_key) {
+        null_key = key;
+        null_what = j.at(key).is_null() ? "null" : "empty";
+      }
       continue;
     }
     PCPKV_CHECK(j.at(key).is_object(), "{}: '{}' must be an object, got {}", origin, key,
@@ -326,7 +332,7 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
       const bool was_yarn = m.rope.scaling == RopeScaling::kDeepseekYarn;
       m.rope.scaling = RopeScaling::kDefault;
       notes.remarks.push_back(fmt::format(
-          "{}: '{}' is null: default RoPE (no scaling){}", origin, null_key,
+          "{}: '{}' is {}: default RoPE (no scaling){}", origin, null_key, null_what,
           was_yarn ? fmt::format(", replacing the {} preset's YaRN", base_name) : std::string()));
     }
     return;

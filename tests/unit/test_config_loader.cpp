@@ -305,5 +305,31 @@ TEST(ConfigLoader, MaxPositionEmbeddingsBelowOneIsRefused) {
   EXPECT_EQ(error_of(R"({"model_type": "glm_moe_dsa", "max_position_embeddings": 1})"), "no error");
 }
 
+// HF transformers 5 keeps `rope_scaling or rope_parameters`: a file with both reads rope_scaling, an empty
+// rope_scaling ({}) gives way to rope_parameters (pcpkv used the empty one: default RoPE instead of the YaRN given).
+TEST(ConfigLoader, RopeScalingOrRopeParametersAsTransformersChooses) {
+  const std::string yarn = R"({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1, "rope_theta": 1e4})";
+  const std::string plain = R"({"rope_type": "default", "rope_theta": 5e4})";
+  const auto load = [](const std::string& scaling, const std::string& parameters) {
+    return parse_hf_config(R"({"model_type": "deepseek_v32", "rope_scaling": )" + scaling +
+                               R"(, "rope_parameters": )" + parameters + "}",
+                           {}, nullptr, false, "both.json");
+  };
+  EXPECT_EQ(load(yarn, plain).rope.scaling, RopeScaling::kDeepseekYarn);
+  EXPECT_EQ(load(plain, yarn).rope.scaling, RopeScaling::kDefault);
+  EXPECT_EQ(load(plain, yarn).rope.theta, 5e4);
+  EXPECT_EQ(load("{}", yarn).rope.scaling, RopeScaling::kDeepseekYarn);
+  EXPECT_EQ(load("{}", yarn).rope.theta, 1e4);
+  EXPECT_EQ(load("null", plain).rope.theta, 5e4);
+  // {} alone: no scaling, said as for null.
+  ConfigNotes notes;
+  const ModelConfig m = parse_hf_config(R"({"model_type": "deepseek_v32", "rope_scaling": {}})", {}, &notes, false,
+                                        "empty.json");
+  EXPECT_EQ(m.rope.scaling, RopeScaling::kDefault);
+  ASSERT_FALSE(notes.remarks.empty());
+  EXPECT_NE(notes.remarks[0].find("'rope_scaling' is empty: default RoPE"), std::string::npos) << notes.remarks[0];
+}
+
 }  // namespace
 }  // namespace pcpkv
