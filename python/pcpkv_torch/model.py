@@ -255,7 +255,8 @@ class ModelSpec:
         """From a HF config (dict or transformers config). The indexer RoPE style is the config's
         ``indexer_rope_interleave`` when present, else the model type's (glm_moe_dsa: interleaved, as HF's
         GlmMoeDsaIndexer; deepseek_v32: NeoX, as HF's DeepseekV32Indexer). Absent (or null) optional keys take
-        the defaults of the fields below; q_lora_rank is required.
+        the defaults of the fields below (rms_norm_eps: 1e-5 for glm_moe_dsa, as GlmMoeDsaConfig); q_lora_rank is
+        required.
 
         Raises ValueError naming the key and its value when q_lora_rank is missing, a key has the wrong type
         (a string, a list, a fractional integer, a non-finite number), a value is out of range (q_lora_rank a
@@ -277,8 +278,10 @@ class ModelSpec:
         if why := q_lora_rank_problem(q_lora_rank):
             raise ValueError(f"q_lora_rank = {q_lora_rank} {why}")
         eps = {}
-        for key in ("rms_norm_eps", "index_norm_eps"):
-            eps[key] = _read(config, key, float, 1e-6)
+        # Absent: the default of the model type's transformers config class (GlmMoeDsaConfig 1e-5, DeepseekV32Config
+        # 1e-6; neither has index_norm_eps), which the C++ loader's presets hold too.
+        for key, default in (("rms_norm_eps", 1e-5 if model_type == "glm_moe_dsa" else 1e-6), ("index_norm_eps", 1e-6)):
+            eps[key] = _read(config, key, float, default)
             _check_range(key, eps[key], 0.0, 1.0, lo_open=True, hi_open=True)
         ints = {}
         for key, default, lo in (("index_topk", 2048, 1), ("num_hidden_layers", 0, 1), ("index_topk_freq", 1, 1),

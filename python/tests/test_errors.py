@@ -579,3 +579,13 @@ def test_rope_choice_follows_transformers_when_both_keys_are_given():
         want = pk.RopeSpec.from_hf(hf)
         assert pk.RopeSpec.from_hf(raw) == want, (scaling, parameters)
         assert want.scaling == ("deepseek_yarn" if (scaling or parameters) is yarn else "default")
+
+
+def test_absent_rms_norm_eps_is_the_model_types_transformers_default():
+    """GLM-5's config class defaults rms_norm_eps to 1e-5; pcpkv took 1e-6 for a config dict without the key
+    (other q_c_out / kv_c values than the model, and than the C++ loader's glm-5 preset)."""
+    transformers = pytest.importorskip("transformers")
+    for model_type, cls in (("glm_moe_dsa", transformers.GlmMoeDsaConfig),
+                            ("deepseek_v32", transformers.DeepseekV32Config)):
+        spec = pk.ModelSpec.from_hf_config({"model_type": model_type, "q_lora_rank": 1536})
+        assert spec.rms_norm_eps == cls().rms_norm_eps, model_type
