@@ -173,7 +173,8 @@ class RopeSpec:
     def from_hf(config: Any) -> "RopeSpec":
         """Reads ``rope_scaling`` when it is a non-empty dict, else ``rope_parameters`` (transformers 5's rule), with
         ``rope_theta`` from that dict or the top level.
-        Raises ValueError for a rope type pcpkv does not implement (only default and YaRN), and naming the
+        Raises ValueError for a rope type pcpkv does not implement (only default and YaRN), naming the key for a
+        YaRN dict without factor or original_max_position_embeddings (HF transformers requires both), and naming the
         key and value for a mistyped or out-of-range one."""
         scaling, parameters = _get(config, "rope_scaling"), _get(config, "rope_parameters")
         # HF transformers 5 (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict): rope_parameters = rope_scaling
@@ -202,11 +203,13 @@ class RopeSpec:
             return RopeSpec("default", theta)
         if rope_type not in ("yarn", "deepseek_yarn"):
             raise ValueError(f"rope type {rope_type!r} is not supported (default or yarn)")
+        # factor and original_max_position_embeddings are required, as HF transformers' YaRN validation requires
+        # them (pcpkv took 1.0 and 4096 silently: another table than the model's)
         return RopeSpec(
             "deepseek_yarn",
             theta,
-            _read(params, "factor", float, 1.0, where=where),
-            _read(params, "original_max_position_embeddings", int, 4096, where=where),
+            _read(params, "factor", float, where=where),
+            _read(params, "original_max_position_embeddings", int, where=where),
             _read(params, "beta_fast", float, 32.0, where=where),
             _read(params, "beta_slow", float, 1.0, where=where),
             _read(params, "mscale", float, 1.0, where=where),

@@ -341,10 +341,17 @@ def test_model_spec_errors_name_the_key():
         ({"rope_theta": "1e4"}, "rope_theta = '1e4' must be a number"),
         ({"rope_scaling": [40]}, "rope_scaling = \\[40\\] must be a dict"),
         ({"rope_scaling": {"type": "yarn", "factor": "40"}}, "rope_scaling.factor = '40' must be a number"),
-        ({"rope_scaling": {"type": "yarn", "factor": 0.5}}, "factor = 0.5 must be in"),
-        ({"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 4096.5}},
+        ({"rope_scaling": {"type": "yarn", "factor": 0.5, "original_max_position_embeddings": 4096}},
+         "factor = 0.5 must be in"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096.5}},
          "rope_parameters.original_max_position_embeddings = 4096.5 must be an integer"),
-        ({"rope_parameters": {"rope_type": "yarn", "beta_fast": 1, "beta_slow": 32}}, "beta_fast = 1.0 is less than"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                              "beta_fast": 1, "beta_slow": 32}}, "beta_fast = 1.0 is less than"),
+        # HF transformers requires both for YaRN; pcpkv took 1.0 and 4096 without a word
+        ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}},
+         "rope_scaling.factor is missing from the HF config"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 40}},
+         "rope_parameters.original_max_position_embeddings is missing from the HF config"),
         ({"rope_parameters": {"rope_type": 7}}, "rope_parameters.rope_type = 7 must be a string"),
     ]
     for over, match in cases:
