@@ -110,6 +110,16 @@ TEST(Model, BadConfigsNameFieldAndValue) {
   EXPECT_NE(error_of(R"({"model_type": "glm_moe_dsa", "indexer_types": ["full", "half"]})").find("indexer_types[1]"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"model_type": "glm_moe_dsa", "n_group": 3})").find("n_group = 3"), std::string::npos);
+  // One indexer_types entry per layer: 2 for 3 layers, 4 for 3 layers (the loader kept both).
+  for (const char* types : {R"(["full", "shared"])", R"(["full", "shared", "full", "full"])"})
+    EXPECT_NE(error_of(std::string(R"({"model_type": "glm_moe_dsa", "num_hidden_layers": 3, "indexer_types": )") +
+                       types + "}")
+                  .find("but num_hidden_layers = 3"),
+              std::string::npos)
+        << types;
+  EXPECT_NE(error_of(R"({"model_type": "glm_moe_dsa", "num_hidden_layers": 2, "index_topk_pattern": "FSF"})")
+                .find("indexer_types has 3 entries but num_hidden_layers = 2"),
+            std::string::npos);
   // Messages name the file, not the base preset; a needed key may not be null.
   EXPECT_EQ(error_of(R"({"model_type": "glm_moe_dsa", "q_lora_rank": -8})").rfind("test.json: q_lora_rank = -8", 0), 0u);
   EXPECT_NE(error_of(R"({"model_type": "glm_moe_dsa", "q_lora_rank": null})").find("'q_lora_rank' is null"),
