@@ -307,6 +307,13 @@ def test_host_side_errors():
         assert pk.CacheFormat("fp8", k_scale=ok).k_scale == ok
     with pytest.raises(ValueError, match="block-size|block_size"):
         pk.make_plan(2, [pk.Request(5)], block_size=12)
+    # PlanConfig's int32 fields: 2^32 + 2 ranks made a plan of 2 ranks, a block_size of 2^32 + 16 one of 16 slots
+    # per block (while PcpPlan kept the given numbers, so num_slots was wrong), 2^31 was called -2147483648
+    for world, block_size, what in ((2 ** 32 + 2, 64, "pcp_world = 4294967298"),
+                                    (2, 2 ** 31, "block_size = 2147483648"),
+                                    (2, 2 ** 32 + 16, "block_size = 4294967312")):
+        with pytest.raises(ValueError, match=f"make_plan: {what} is out of the int32 range"):
+            pk.make_plan(world, [pk.Request(8)], block_size=block_size)
     plan = small_plan(2)
     bad = plan.slot_mapping[0].clone()
     bad[3] = plan.num_slots + 5
