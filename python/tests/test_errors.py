@@ -69,6 +69,8 @@ def test_dispatch_errors_name_the_argument(device):
         assert_nothing_written(w, match)
 
     call("kv: expected bfloat16", kv=loc["kv"].float())
+    call(r"dispatch: fmt = 'fp8_ds_mla' must be a CacheFormat \(e.g. CacheFormat\('fp8_ds_mla'\)",
+         fmt="fp8_ds_mla")  # was AttributeError
     call("k_pe: expected bfloat16", k_pe=loc["k_pe"][:, :32])
     call("positions: expected", positions=loc["positions"].int())
     call("kv_norm_w: expected", kv_norm_w=wt["kv_norm_w"][:256])
@@ -143,6 +145,11 @@ def test_combine_insert_fence_errors_name_the_argument(device):
         pk.combine(rows, w.gathered[:-1], w.mla[0], w.idx[0], fmt=fmt)
     with pytest.raises(ValueError, match="index_cache is required"):
         pk.combine(rows, w.gathered, w.mla[0], None, fmt=fmt)
+    # a format name or None for fmt raised AttributeError (combine, insert, CacheTargets.from_caches)
+    with pytest.raises(ValueError, match="combine: fmt = None must be a CacheFormat"):
+        pk.combine(rows, w.gathered, w.mla[0], w.idx[0], fmt=None)
+    with pytest.raises(ValueError, match=r"CacheTargets.from_caches: fmt = 'fp8' must be a CacheFormat"):
+        pk.CacheTargets.from_caches(w.mla, w.idx, "fp8")
     with pytest.raises(ValueError, match="k_scale = nan"):  # the raw op checks what CacheFormat checks
         torch.ops.pcpkv.combine(rows, w.gathered, w.mla[0], w.idx[0], "fp8_ds_mla", "pow2", float("nan"), True)
     with pytest.raises(ValueError, match="k_scale = 1e-45 must be a finite, positive, normal float32"):  # subnormal
@@ -163,6 +170,8 @@ def test_combine_insert_fence_errors_name_the_argument(device):
         pk.insert(kv_c, k_pe, idx_k[:, :64], slots, w.mla[0], w.idx[0], fmt=fmt)
     with pytest.raises(ValueError, match="index_k is missing"):
         pk.insert(kv_c, k_pe, None, slots, w.mla[0], w.idx[0], fmt=fmt)
+    with pytest.raises(ValueError, match="insert: fmt = 'fp8_ds_mla' must be a CacheFormat"):
+        pk.insert(kv_c, k_pe, idx_k, slots, w.mla[0], w.idx[0], fmt="fp8_ds_mla")
     with pytest.raises(ValueError, match="insert: slot_mapping"):
         pk.insert(kv_c, k_pe, idx_k, slots.int(), w.mla[0], w.idx[0], fmt=fmt)
     if device == "cuda":
