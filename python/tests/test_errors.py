@@ -77,6 +77,10 @@ def test_dispatch_errors_name_the_argument(device):
     call("rope_cos_sin: expected", rope_cos_sin=w.rope_cos_sin[:, :32])
     call("q_c and q_c_out go together", q_c_out=None)
     call("q_norm_w", q_norm_w=wt["q_norm_w"][:8])
+    call("kv_eps = nan must be finite", kv_eps=float("nan"))
+    # named as given: 1e300 became the float32 inf and was reported as "q_eps = inf"
+    call(r"dispatch: q_eps = 1e\+300 overflows the float32", q_eps=1e300)
+    call(r"dispatch: index_eps = -1e\+39 overflows the float32", index_eps=-1e39)
     # a zero-width q_c has null data pointers, which the kernel contract reads as "no Q norm" (it wrote the rest)
     no_q = torch.zeros(M, 0, dtype=torch.bfloat16, device=w.device)
     call(r"dispatch: q_c: q_lora_rank \(its width\) = 0 must be a multiple of 8", q_c=no_q, q_c_out=no_q.clone(),
