@@ -11,6 +11,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:?usage: setup_python.sh VENV}"
+# Absolute: pcpkv-python execs it from any directory (a relative VENV worked only from the caller's).
+mkdir -p "$venv"
+venv="$(cd "$venv" && pwd)"
 reqs="$root/python/requirements-ci.txt"
 base="${PCPKV_PYTHON:-python3}"
 

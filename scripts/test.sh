@@ -11,6 +11,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${PCPKV_BUILD_DIR:-$root/build}"
+# Absolute: the Python part runs from python/ (a relative PCPKV_BUILD_DIR named no venv there).
+mkdir -p "$build"
+build="$(cd "$build" && pwd)"
 
 "$root/scripts/setup.sh"
 if [ ! -f "$build/build.ninja" ]; then

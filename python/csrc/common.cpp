@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace pcpkv_torch {
@@ -218,9 +219,15 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
                     describe(a.rope_cos_sin));
   p.rope_cos_sin = a.rope_cos_sin.data_ptr<float>();
   p.rope_num_positions = a.rope_cos_sin.size(0);
-  p.q_eps = static_cast<float>(a.q_eps);
-  p.kv_eps = static_cast<float>(a.kv_eps);
-  p.index_eps = static_cast<float>(a.index_eps);
+  // Checked as given: 1e300 became the float32 inf, which the library then reported as "q_eps = inf".
+  const auto eps = [](double v, const char* name) {
+    TORCH_CHECK_VALUE(!(std::abs(v) > std::numeric_limits<float>::max()), "dispatch: ", name, " = ", v,
+                      " overflows the float32 the kernels read (it must be finite and >= 0)");
+    return static_cast<float>(v);
+  };
+  p.q_eps = eps(a.q_eps, "q_eps");
+  p.kv_eps = eps(a.kv_eps, "kv_eps");
+  p.index_eps = eps(a.index_eps, "index_eps");
   p.mla_rope = a.mla_rope_interleaved ? pcpkv::RopeStyle::kInterleaved : pcpkv::RopeStyle::kNeox;
   p.index_rope = a.index_rope_interleaved ? pcpkv::RopeStyle::kInterleaved : pcpkv::RopeStyle::kNeox;
   p.index_hadamard = a.index_hadamard;

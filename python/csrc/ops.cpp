@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 #include <thread>
@@ -96,6 +97,10 @@ PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_de
   TORCH_CHECK_VALUE(is_decode.size() == num_new_tokens.size() && context_lens.size() == num_new_tokens.size(),
                     "make_plan: is_decode (", is_decode.size(), "), num_new_tokens (", num_new_tokens.size(),
                     ") and context_lens (", context_lens.size(), ") must have one entry per request");
+  // PlanConfig holds them as int32: checked before the cast (2^32 + 2 ranks was a plan of 2 that said 2^32 + 2).
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"pcp_world", pcp_world}, {"block_size", block_size}})
+    TORCH_CHECK_VALUE(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
+                      "make_plan: ", name, " = ", v, " is out of the int32 range of a plan");
   pcpkv::PlanConfig cfg;
   cfg.pcp_world = static_cast<int32_t>(pcp_world);
   cfg.block_size = static_cast<int32_t>(block_size);

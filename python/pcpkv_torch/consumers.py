@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .model import CacheFormat
+from .model import CacheFormat, check_cache_format, scale_problem
 
 __all__ = ["quantize_index_q", "indexer_topk", "sparse_mla", "lse_merge"]
 
@@ -101,6 +101,9 @@ def sparse_mla(q: Tensor, mla_cache: Tensor, indices: Tensor, *, fmt: CacheForma
     Returns (out, lse). Raises ValueError for a wrong dtype/shape/device, a bad format, softmax_scale,
     scale_read or kernel, out or lse sharing memory with an input or each other (naming both: lse a view into
     out was accepted); on CPU also for an index outside [-1, num_slots)."""
+    check_cache_format(fmt, "sparse_mla")
+    if why := scale_problem(softmax_scale):  # float() took '0.1' and True
+        raise ValueError(f"sparse_mla: softmax_scale = {softmax_scale!r} {why}")
     T, H = (q.shape[0], q.shape[1]) if isinstance(q, torch.Tensor) and q.dim() == 3 else (0, 0)
     if out is None:
         out = torch.empty((T, H, 512), dtype=torch.float32, device=q.device)

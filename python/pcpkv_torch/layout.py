@@ -11,9 +11,11 @@ traces under torch.compile and runs on any device.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from .model import MLA_ROW_BYTES, CacheFormat
+from .model import MLA_ROW_BYTES, CacheFormat, scale_problem
 
 __all__ = [
     "allocate_mla_cache",
@@ -24,6 +26,16 @@ __all__ = [
     "dequantize_mla",
     "dequantize_indexer",
 ]
+
+
+def _check_ints(fill=None, **counts) -> None:
+    """ValueError naming the argument for a count that is not an integer >= 0 (a bool is not one: block_size=True
+    made one-slot blocks) or a fill that is not a byte value (fill=-1 filled 255, fill=1.5 filled 1)."""
+    for name, v in counts.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"{name} = {v!r} must be an integer >= 0")
+    if fill is not None and (isinstance(fill, bool) or not isinstance(fill, numbers.Integral) or not 0 <= fill <= 255):
+        raise ValueError(f"fill = {fill!r} must be a byte value (an integer in [0, 255]) or None")
 
 
 def _padded(shape_inner: int, num_blocks: int, block_size: int, row_stride: int, block_stride: int, device,
@@ -40,7 +52,9 @@ def allocate_mla_cache(num_blocks: int, block_size: int, kv_format: str, device=
     row_bytes + row_pad and block stride block_size * row stride + block_pad (bytes).
 
     fill: byte to initialize every byte with (None: uninitialized). Raises ValueError on an unknown format,
-    a block_size that is not a power of two, or pads that break 4-byte alignment of the fp32 scales."""
+    a block_size that is not a power of two, pads that break 4-byte alignment of the fp32 scales, a count that is
+    not an integer >= 0 or a fill that is not a byte value."""
+    _check_ints(fill, num_blocks=num_blocks, block_size=block_size, row_pad=row_pad, block_pad=block_pad)
     if kv_format not in MLA_ROW_BYTES:
         raise ValueError(f"kv_format = {kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
     if block_size < 1 or block_size & (block_size - 1):
@@ -55,7 +69,8 @@ def allocate_mla_cache(num_blocks: int, block_size: int, kv_format: str, device=
 def allocate_indexer_cache(num_blocks: int, block_size: int, device=None, *, block_pad: int = 0,
                            fill: int | None = None) -> torch.Tensor:
     """Indexer-K cache (vLLM DeepseekV32IndexerCache): uint8 [num_blocks, block_size, 132] with block stride
-    block_size * 132 + block_pad bytes. Raises ValueError on a bad block_size or block_pad."""
+    block_size * 132 + block_pad bytes. Raises ValueError on a bad block_size, block_pad, num_blocks or fill."""
+    _check_ints(fill, num_blocks=num_blocks, block_size=block_size, block_pad=block_pad)
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size = {block_size} must be a power of two")
     if block_pad % 4 or block_pad < 0:
@@ -66,7 +81,9 @@ def allocate_indexer_cache(num_blocks: int, block_size: int, device=None, *, blo
 def allocate_staging(pcp_world: int, max_local_tokens: int, fmt: CacheFormat, device=None, *,
                      num_ubatches: int = 1, fill: int | None = None) -> torch.Tensor:
     """Staging workspace of one rank (SPEC section 3): uint8 [2, num_ubatches, pcp_world, max_local_tokens,
-    fmt.row_bytes]. staging[buffer, ubatch] is the rows argument of pcpkv_torch.combine."""
+    fmt.row_bytes]. staging[buffer, ubatch] is the rows argument of pcpkv_torch.combine. Raises ValueError for a
+    count that is not an integer >= 0 or a fill that is not a byte value."""
+    _check_ints(fill, pcp_world=pcp_world, max_local_tokens=max_local_tokens, num_ubatches=num_ubatches)
     t = torch.empty((2, num_ubatches, pcp_world, max_local_tokens, fmt.row_bytes), dtype=torch.uint8, device=device)
     if fill is not None:
         t.fill_(fill)
@@ -120,14 +137,20 @@ def _select(x: torch.Tensor, slots) -> torch.Tensor:
     flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     if slots is None:
         return flat
-    slots = torch.as_tensor(slots, dtype=torch.long, device=x.device)
+    slots = torch.as_tensor(slots, device=x.device)
+    if slots.numel() and (slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool):  # 1.7: slot 1
+        raise ValueError(f"slots: expected integer slot indices, got {slots.dtype}")
+    slots = slots.to(torch.long)
     return flat.index_select(0, slots)
 
 
 def dequantize_mla(cache: torch.Tensor, kv_format: str, k_scale: float = 1.0, slots=None):
     """Decoded (kv_c fp32 [N, 512], k_pe fp32 [N, 64]) of an MLA cache, N = len(slots) (or every slot,
     num_blocks * block_size, when slots is None). The values are exactly pcpkv's decode (verify.h
-    decode_slot): bf16 -> fp32; fp8: e4m3 * k_scale; fp8_ds_mla: e4m3 * tile scale, k_pe bf16."""
+    decode_slot): bf16 -> fp32; fp8: e4m3 * k_scale; fp8_ds_mla: e4m3 * tile scale, k_pe bf16. Raises ValueError
+    for an fp8 k_scale that pcpkv's writers refuse (nan, 0, ...: every value came back nan or 0)."""
+    if kv_format == "fp8" and (why := scale_problem(k_scale)):
+        raise ValueError(f"dequantize_mla: k_scale = {k_scale!r} {why}")
     v = mla_cache_view(cache, kv_format)
     kv_c = _select(v["kv_c"], slots).float()
     k_pe = _select(v["k_pe"], slots).float()

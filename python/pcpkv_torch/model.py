@@ -82,6 +82,14 @@ class CacheFormat:
         return transport_row_bytes(self.kv_format, self.has_indexer)
 
 
+def check_cache_format(fmt, where: str) -> None:
+    """ValueError naming `where` and the value when fmt is not a CacheFormat (a format name such as "fp8", or None,
+    raised AttributeError in the op that read fmt.kv_format)."""
+    if not isinstance(fmt, CacheFormat):
+        raise ValueError(f"{where}: fmt = {fmt!r} must be a CacheFormat (e.g. CacheFormat({fmt!r}) for a format name)"
+                         if isinstance(fmt, str) else f"{where}: fmt = {fmt!r} must be a CacheFormat")
+
+
 def q_lora_rank_problem(q_lora_rank: int) -> str | None:
     """Why q_lora_rank (the width of q_c) cannot be the dispatch's, or None: DispatchParams takes a multiple of 8
     in [8, 4096] (pcpkv/publish/dispatch.h). The callers name the argument."""

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .model import CacheFormat, RopeSpec
+from .model import CacheFormat, RopeSpec, check_cache_format
 from .tables import CacheTargets, FenceState, RowDests
 
 __all__ = ["rope_table", "dispatch", "combine", "insert", "fence", "validate_slots", "cuda_dispatch_impl"]
@@ -102,6 +102,7 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     match their host copies; on CPU also for a slot out of range or repeated, or a position outside the
     table."""
     num_tokens = kv.shape[0] if isinstance(kv, Tensor) and kv.dim() >= 1 else 0
+    check_cache_format(fmt, "dispatch")
     if topk_fill_mode not in ("full", "tail", "none"):
         raise ValueError(f"dispatch: topk_fill_mode = {topk_fill_mode!r} must be 'full', 'tail' or 'none'")
     if topk_fill_mode == "tail":
@@ -137,6 +138,7 @@ def combine(rows: Tensor, slot_mapping: Tensor, mla_cache: Tensor, index_cache: 
     indexer, index_cache uint8 [num_blocks, block_size, 132]. Raises ValueError on a bad argument (CPU: also a
     slot out of range or repeated), and, naming both, when a cache shares memory with rows, slot_mapping or the
     other cache (by address range; checked before anything is written, on every device)."""
+    check_cache_format(fmt, "combine")
     torch.ops.pcpkv.combine(rows, slot_mapping, mla_cache, index_cache, fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale,
                             fmt.has_indexer)
 
@@ -148,6 +150,7 @@ def insert(kv_c: Tensor, k_pe: Tensor, index_k: Optional[Tensor], slot_mapping: 
     slot_mapping int64 [N], into the caches (shapes as in combine). Quantizes from the bf16 values, so the
     bytes differ from the fused path's (each has its own CPU reference). Raises ValueError on a bad argument, and,
     naming both, when a cache shares memory with an input or the other cache (as combine)."""
+    check_cache_format(fmt, "insert")
     if (index_k is not None) != fmt.has_indexer:
         raise ValueError(f"insert: index_k is {'given' if index_k is not None else 'missing'} but "
                          f"fmt.has_indexer = {fmt.has_indexer}")

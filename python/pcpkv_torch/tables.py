@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .model import CacheFormat
+from .model import CacheFormat, check_cache_format
 
 __all__ = ["CacheTargets", "RowDests", "FenceState", "allocate_fence_pads", "peer_pointers", "pointer_table"]
 
@@ -149,8 +149,7 @@ class CacheTargets:
         Raises ValueError naming the argument when a geometry cannot hold fmt's rows, the two caches' blocks
         differ, a pointer list is empty, has a null entry or the wrong length, the devices disagree, or two
         replicas (of those sizes at those addresses, MLA and indexer caches alike) overlap, naming both."""
-        if not isinstance(fmt, CacheFormat):
-            raise ValueError(f"CacheTargets: fmt must be a CacheFormat, got {type(fmt).__name__}")
+        check_cache_format(fmt, "CacheTargets")
         mla_ptrs = _pointers(mla_ptrs, "CacheTargets: mla_ptrs")
         mla = _mla_geometry(like_mla, fmt, "CacheTargets: like_mla")
         device = like_mla.device if device is None else torch.device(device)
@@ -193,6 +192,7 @@ class CacheTargets:
         be written past its end), and no two caches may share memory (the same replica twice, an indexer cache
         inside an MLA cache). Raises ValueError naming the argument and index otherwise, or when a list is
         empty."""
+        check_cache_format(fmt, "CacheTargets.from_caches")
         if isinstance(mla_caches, torch.Tensor) or not mla_caches:
             raise ValueError("CacheTargets.from_caches: mla_caches must be a non-empty list of MLA caches, got "
                              f"{_describe(mla_caches) if isinstance(mla_caches, torch.Tensor) else mla_caches!r}")

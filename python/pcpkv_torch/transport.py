@@ -20,12 +20,18 @@ logger = logging.getLogger("pcpkv_torch")
 def choose_transport(hosts: Sequence[str], peer_access, nccl_available: bool = False) -> tuple[str, str]:
     """The transport for a PCP group described by hosts (one name per rank, equal within a host), peer_access
     ([P, P] bools, row a column b: rank a can store into rank b's memory; a nested list or a bool tensor; the
-    diagonal is not read) and nccl_available. Returns (transport, reason), reason a one-line why. Raises
-    ValueError naming the field for a malformed topology, and when the peers are unreachable without NCCL."""
-    if isinstance(hosts, str) or not all(isinstance(h, str) for h in hosts):
+    diagonal is not read) and nccl_available (True or False). Returns (transport, reason), reason a one-line why.
+    Raises ValueError naming the field for a malformed topology, and when the peers are unreachable without NCCL.
+    Taken as truth values before: nccl_available="no" (chose collect over NCCL), a float tensor's 0.4 or nan (peer
+    access); a generator of hosts was used up by the check and reported as 0 hosts."""
+    if isinstance(hosts, str) or not isinstance(hosts, Sequence) or not all(isinstance(h, str) for h in hosts):
         raise ValueError(f"hosts = {hosts!r}: expected a sequence of host names (str), one per rank")
+    if not isinstance(nccl_available, bool):
+        raise ValueError(f"nccl_available = {nccl_available!r} must be True or False")
+    if isinstance(peer_access, torch.Tensor) and peer_access.dtype != torch.bool:
+        raise ValueError(f"peer_access: expected a bool tensor (or nested lists of bools), got {peer_access.dtype}")
     access = peer_access if isinstance(peer_access, torch.Tensor) else torch.tensor(peer_access, dtype=torch.bool)
-    return tuple(torch.ops.pcpkv.choose_transport(list(hosts), access, bool(nccl_available)))
+    return tuple(torch.ops.pcpkv.choose_transport(list(hosts), access, nccl_available))
 
 
 def one_process_topology(pcp_world: int) -> dict:

@@ -466,6 +466,11 @@ def test_consumer_errors_name_the_argument(device):
     attn_call("softmax_scale = 1e-40 must be", softmax_scale=1e-40)
     attn_call("scale_read = 'fp16'", scale_read="fp16")
     attn_call("kernel = 'fast'", kernel="fast")
+    # float() took a string and a bool; a format name for fmt raised AttributeError
+    attn_call("softmax_scale = '0.1' must be a number", softmax_scale="0.1")
+    attn_call("softmax_scale = True must be a number", softmax_scale=True)
+    attn_call(r"sparse_mla: fmt = 'fp8_ds_mla' must be a CacheFormat \(e.g. CacheFormat\('fp8_ds_mla'\)",
+              fmt="fp8_ds_mla")
     if device == "cpu":
         bad = idx.clone()
         bad[5, 17 % idx.shape[1]] = 1 << 20

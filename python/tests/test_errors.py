@@ -69,12 +69,18 @@ def test_dispatch_errors_name_the_argument(device):
         assert_nothing_written(w, match)
 
     call("kv: expected bfloat16", kv=loc["kv"].float())
+    call(r"dispatch: fmt = 'fp8_ds_mla' must be a CacheFormat \(e.g. CacheFormat\('fp8_ds_mla'\)",
+         fmt="fp8_ds_mla")  # was AttributeError
     call("k_pe: expected bfloat16", k_pe=loc["k_pe"][:, :32])
     call("positions: expected", positions=loc["positions"].int())
     call("kv_norm_w: expected", kv_norm_w=wt["kv_norm_w"][:256])
     call("rope_cos_sin: expected", rope_cos_sin=w.rope_cos_sin[:, :32])
     call("q_c and q_c_out go together", q_c_out=None)
     call("q_norm_w", q_norm_w=wt["q_norm_w"][:8])
+    call("kv_eps = nan must be finite", kv_eps=float("nan"))
+    # named as given: 1e300 became the float32 inf and was reported as "q_eps = inf"
+    call(r"dispatch: q_eps = 1e\+300 overflows the float32", q_eps=1e300)
+    call(r"dispatch: index_eps = -1e\+39 overflows the float32", index_eps=-1e39)
     # a zero-width q_c has null data pointers, which the kernel contract reads as "no Q norm" (it wrote the rest)
     no_q = torch.zeros(M, 0, dtype=torch.bfloat16, device=w.device)
     call(r"dispatch: q_c: q_lora_rank \(its width\) = 0 must be a multiple of 8", q_c=no_q, q_c_out=no_q.clone(),
@@ -143,6 +149,11 @@ def test_combine_insert_fence_errors_name_the_argument(device):
         pk.combine(rows, w.gathered[:-1], w.mla[0], w.idx[0], fmt=fmt)
     with pytest.raises(ValueError, match="index_cache is required"):
         pk.combine(rows, w.gathered, w.mla[0], None, fmt=fmt)
+    # a format name or None for fmt raised AttributeError (combine, insert, CacheTargets.from_caches)
+    with pytest.raises(ValueError, match="combine: fmt = None must be a CacheFormat"):
+        pk.combine(rows, w.gathered, w.mla[0], w.idx[0], fmt=None)
+    with pytest.raises(ValueError, match=r"CacheTargets.from_caches: fmt = 'fp8' must be a CacheFormat"):
+        pk.CacheTargets.from_caches(w.mla, w.idx, "fp8")
     with pytest.raises(ValueError, match="k_scale = nan"):  # the raw op checks what CacheFormat checks
         torch.ops.pcpkv.combine(rows, w.gathered, w.mla[0], w.idx[0], "fp8_ds_mla", "pow2", float("nan"), True)
     with pytest.raises(ValueError, match="k_scale = 1e-45 must be a finite, positive, normal float32"):  # subnormal
@@ -163,6 +174,8 @@ def test_combine_insert_fence_errors_name_the_argument(device):
         pk.insert(kv_c, k_pe, idx_k[:, :64], slots, w.mla[0], w.idx[0], fmt=fmt)
     with pytest.raises(ValueError, match="index_k is missing"):
         pk.insert(kv_c, k_pe, None, slots, w.mla[0], w.idx[0], fmt=fmt)
+    with pytest.raises(ValueError, match="insert: fmt = 'fp8_ds_mla' must be a CacheFormat"):
+        pk.insert(kv_c, k_pe, idx_k, slots, w.mla[0], w.idx[0], fmt="fp8_ds_mla")
     with pytest.raises(ValueError, match="insert: slot_mapping"):
         pk.insert(kv_c, k_pe, idx_k, slots.int(), w.mla[0], w.idx[0], fmt=fmt)
     if device == "cuda":
@@ -307,6 +320,13 @@ def test_host_side_errors():
         assert pk.CacheFormat("fp8", k_scale=ok).k_scale == ok
     with pytest.raises(ValueError, match="block-size|block_size"):
         pk.make_plan(2, [pk.Request(5)], block_size=12)
+    # PlanConfig's int32 fields: 2^32 + 2 ranks made a plan of 2 ranks, a block_size of 2^32 + 16 one of 16 slots
+    # per block (while PcpPlan kept the given numbers, so num_slots was wrong), 2^31 was called -2147483648
+    for world, block_size, what in ((2 ** 32 + 2, 64, "pcp_world = 4294967298"),
+                                    (2, 2 ** 31, "block_size = 2147483648"),
+                                    (2, 2 ** 32 + 16, "block_size = 4294967312")):
+        with pytest.raises(ValueError, match=f"make_plan: {what} is out of the int32 range"):
+            pk.make_plan(world, [pk.Request(8)], block_size=block_size)
     plan = small_plan(2)
     bad = plan.slot_mapping[0].clone()
     bad[3] = plan.num_slots + 5

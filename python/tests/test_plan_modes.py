@@ -100,6 +100,13 @@ def test_bad_mode_names_raise_value_error():
     from pcpkv_torch.models import BlockTables, StepBatch, StepRequest
     with pytest.raises(ValueError, match="local_order"):
         StepBatch(2, [StepRequest("a", torch.arange(4))], BlockTables(8, 16), local_order="vllm")
+    # A step the plan refuses leaves the block tables as they were: it reserved the blocks and marked the tokens
+    # cached, so the same request's next step was refused ("context_len = 0, but 3 tokens ... are cached").
+    blocks = BlockTables(8, 16)
+    with pytest.raises(ValueError, match="pcp_world = 0"):
+        StepBatch(0, [StepRequest("a", torch.arange(3))], blocks)
+    assert (blocks.tables, blocks.lengths, blocks.num_free) == ({}, {}, 7)
+    assert StepBatch(2, [StepRequest("a", torch.arange(3))], blocks).num_tokens == 3
 
 
 def topo(P, nccl=False):
@@ -125,6 +132,13 @@ def test_auto_transport_on_faked_topologies():
         pk.choose_transport(["a"] * 3, torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="hosts"):
         pk.choose_transport("node-a", [[True]])
+    # truth values before: "no" chose collect over NCCL, 0.4 and nan were peer access; a generator read as 0 hosts
+    with pytest.raises(ValueError, match="nccl_available = 'no' must be True or False"):
+        pk.choose_transport(["a", "b"], torch.zeros(2, 2, dtype=torch.bool), nccl_available="no")
+    with pytest.raises(ValueError, match="peer_access: expected a bool tensor .* got torch.float32"):
+        pk.choose_transport(["a", "a"], torch.tensor([[1.0, 0.4], [float("nan"), 1.0]]))
+    with pytest.raises(ValueError, match="hosts = <generator"):
+        pk.choose_transport((h for h in ["a", "a"]), torch.ones(2, 2, dtype=torch.bool))
 
 
 def test_resolve_transport_logs_the_reason():

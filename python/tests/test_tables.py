@@ -30,6 +30,19 @@ def test_dequantize_known_bytes():
         pk.allocate_mla_cache(1, 4, "int8")
     with pytest.raises(ValueError, match="power of two"):
         pk.allocate_indexer_cache(1, 6)
+    # silently taken before: block_size=True (one-slot blocks), fill=-1 (255) and 1.5 (1), a float slot (1.7 read as
+    # slot 1), an fp8 k_scale of nan (every value nan); num_blocks=-1 and a negative pcp_world raised torch's errors
+    for call, match in ((lambda: pk.allocate_mla_cache(2, True, "fp8"), "block_size = True must be an integer"),
+                        (lambda: pk.allocate_mla_cache(-1, 4, "fp8"), "num_blocks = -1 must be an integer >= 0"),
+                        (lambda: pk.allocate_mla_cache(2, 4, "fp8", fill=-1), r"fill = -1 must be a byte value"),
+                        (lambda: pk.allocate_indexer_cache(2, 4, fill=1.5), r"fill = 1.5 must be a byte value"),
+                        (lambda: pk.allocate_staging(-1, 4, pk.CacheFormat()), "pcp_world = -1 must be an integer"),
+                        (lambda: pk.dequantize_mla(cache, "fp8_ds_mla", slots=[6.7]), "slots: expected integer"),
+                        (lambda: pk.dequantize_mla(pk.allocate_mla_cache(1, 4, "fp8", fill=0x38), "fp8",
+                                                   k_scale=float("nan")), "dequantize_mla: k_scale = nan must be")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert pk.dequantize_mla(cache, "fp8_ds_mla", slots=[])[0].shape == (0, 512)
 
 
 def test_plan_tensors():

@@ -295,8 +295,11 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     tensors_.push_back(std::move(info));
   }
 
-  std::stable_sort(tensors_.begin(), tensors_.end(),
-                   [](const StTensorInfo& a, const StTensorInfo& b) { return a.begin < b.begin; });
+  // By begin, then end: an empty tensor comes before the one whose data begins at its offset (safetensors writes
+  // it there when it sorts first), not after it, where it would read as an overlap.
+  std::stable_sort(tensors_.begin(), tensors_.end(), [](const StTensorInfo& a, const StTensorInfo& b) {
+    return a.begin < b.begin || (a.begin == b.begin && a.end < b.end);
+  });
   int64_t expected_begin = 0;
   const StTensorInfo* prev = nullptr;
   for (const StTensorInfo& t : tensors_) {

@@ -417,9 +417,12 @@ void Bootstrap::Impl::rendezvous_follower() {
   pids.assign(cfg.world_size, 0);
   pids[cfg.rank] = ::getpid();
   // Rank 0's reason when it gave up this attempt's rendezvous (ranks/tombstone.h), else "".
-  auto rank0_gave_up = [&]() {
+  // connected: the rank 0 this rank reached removed any earlier tombstone before it listened, so one now is its own,
+  // however soon after this process's start it was written (within the start time's 10 ms tick it read as an
+  // earlier attempt's: "rank 0 closed the connection during rendezvous", the reason lost).
+  auto rank0_gave_up = [&](bool connected = false) {
     const bootstrap_tombstone::Found t = bootstrap_tombstone::read(cfg.address, cfg.token);
-    if (!t.this_attempt) return std::string();
+    if (!(t.this_attempt || (connected && !t.reason.empty() && !t.earlier_boot))) return std::string();
     bootstrap_tombstone::mark_reported(t);
     return t.reason;
   };
@@ -469,7 +472,7 @@ void Bootstrap::Impl::rendezvous_follower() {
   std::memcpy(hello.data() + sizeof(h), cfg.token.data(), cfg.token.size());
   std::memcpy(hello.data() + sizeof(h) + cfg.token.size(), job.data(), job.size());
   if (send_frame(conns[0].get(), FrameType::kHello, hello.data(), hello.size(), dl) != IoStatus::kOk) {
-    if (const std::string why = rank0_gave_up(); !why.empty())
+    if (const std::string why = rank0_gave_up(true); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
     PCPKV_FAIL("bootstrap: rank {} could not send its hello to rank 0 (pid {})", cfg.rank, pid);
   }
@@ -483,7 +486,7 @@ void Bootstrap::Impl::rendezvous_follower() {
   if (st != IoStatus::kOk) {
     // Rank 0 may have failed the job while our hello was still unread (it then never told us): its
     // tombstone says why.
-    if (const std::string why = rank0_gave_up(); !why.empty())
+    if (const std::string why = rank0_gave_up(true); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
     PCPKV_FAIL("bootstrap: rank 0 (pid {}) closed the connection during rendezvous", pid);
   }

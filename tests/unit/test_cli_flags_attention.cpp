@@ -76,6 +76,11 @@ TEST(CliFlagsAttention, OtherFlagsBeforeTheHeader) {
   expect_refused("--bench --tokens 0", {"--tokens", "0"});
   expect_refused("--bench --repeats 0", {"--repeats", "0"});
   expect_refused("--bench --topk 0", {"--topk", "0"});
+  // Positions past GLM-5's max_position_embeddings (202752): refused by the publication, after the header on stdout.
+  expect_refused("--prefill 3 --prefill-context 202750 --decodes 0",
+                 {"--prefill-context 202750", "prefill of 3 tokens from position 202750", "reaches position 202752"});
+  expect_refused("--prefill 3 --decodes 1 --decode-context 202752",
+                 {"--decode-context 202752", "decode at position 202752", "max_position_embeddings is 202752"});
 }
 
 // The same rule as `pcpkv run`: a decimal outside the flag's range is refused, not wrapped (-1 as a uint64

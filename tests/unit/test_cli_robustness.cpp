@@ -272,3 +272,29 @@ TEST(CliRobustness, RunScriptKeepsStdoutForTheReport) {
   ASSERT_TRUE(nlohmann::json::accept(out)) << out.substr(0, 300);
   EXPECT_TRUE(nlohmann::json::parse(out)["ok"].get<bool>());
 }
+
+// scripts/setup_python.sh given a relative VENV (scripts/test.sh passes <PCPKV_BUILD_DIR>/python-venv, so
+// PCPKV_BUILD_DIR=b) wrote `exec "b/python-venv/bin/python"` into pcpkv-python, which then failed (exit 127) from
+// any other directory: test.sh runs it from python/. Hermetic: the base interpreter and the venv's python are
+// stand-ins, the CUDA toolkit an empty libcublasLt.so.13.
+TEST(CliRobustness, PythonSetupWithARelativeVenvWorksFromAnyDirectory) {
+  ScratchDir dir;
+  fs::create_directories(dir.file("cuda/lib64"));
+  std::ofstream(dir.file("cuda/lib64/libcublasLt.so.13")).put('\n');
+  std::ofstream(dir.file("python3")) << "#!/bin/sh\n"
+                                        "if [ \"$1\" = -m ] && [ \"$2\" = venv ]; then\n"
+                                        "  mkdir -p \"$3/bin\" && printf '#!/bin/sh\\necho stand-in venv python\\n' "
+                                        "> \"$3/bin/python\" && chmod +x \"$3/bin/python\"\n"
+                                        "else echo 3.11.2; fi\n";
+  fs::permissions(dir.file("python3"), fs::perms::owner_all);
+  const std::string setup = std::string(PCPKV_SOURCE_DIR) + "/scripts/setup_python.sh";
+  const std::string cmd = "cd " + quoted(dir.file("")) + " && PCPKV_PYTHON=" + quoted(dir.file("python3")) +
+                          " CUDA_HOME=" + quoted(dir.file("cuda")) + " " + quoted(setup) + " venv >out 2>err";
+  int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << pcpkv_test::slurp(dir.file("err"));
+  const std::string run = "cd / && " + quoted(dir.file("venv/bin/pcpkv-python")) + " >" + quoted(dir.file("out")) +
+                          " 2>" + quoted(dir.file("err"));
+  status = std::system(run.c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << pcpkv_test::slurp(dir.file("err"));
+  EXPECT_NE(pcpkv_test::slurp(dir.file("out")).find("stand-in venv python"), std::string::npos);
+}

@@ -168,6 +168,22 @@ TEST(Safetensors, ReadsAHandBuiltFile) {
   EXPECT_EQ(r.read_bytes("b"), (std::vector<uint8_t>{9, 8, 7}));
 }
 
+// An empty tensor at the offset where the next tensor's data begins, as the safetensors package (0.8) writes
+// it when the empty one sorts first (here 'z', an I64 placed before the F32 'a'): it was refused as "tensor 'z':
+// data [4, 4) overlaps tensor 'a'", since tensors of one begin kept their header (name) order.
+TEST(Safetensors, AnEmptyTensorBeforeTheNextOneIsRead) {
+  TempDir dir;
+  const std::string header = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},)"
+                             R"("x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
+                             R"("z":{"dtype":"I64","shape":[0],"data_offsets":[4,4]}})";
+  const std::string path = dir.file("empty.safetensors");
+  write_file(path, raw_file(header, {1, 2, 3, 4, 0, 0, 0x80, 0x3f}));
+  const SafetensorsReader r(path);
+  EXPECT_TRUE(r.read_as<int64_t>("z", StDtype::kI64, {0}).empty());
+  EXPECT_EQ(r.read_as<float>("a", StDtype::kF32, {1})[0], 1.0f);
+  EXPECT_EQ(r.read_bytes("x"), (std::vector<uint8_t>{1, 2, 3, 4}));
+}
+
 TEST(Safetensors, WrongDtypeOrShapeNamesTheTensor) {
   TempDir dir;
   const std::vector<float> kv(4 * 512, 0.5f);

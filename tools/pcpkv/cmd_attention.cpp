@@ -440,11 +440,14 @@ CheckedOptions check_flags(const AttentionOptions& o) {
   for (int64_t len : prefills) c.cfg.plan.requests.push_back({RequestKind::kPrefill, len, o.prefill_context});
   for (int32_t i = 0; i < o.decodes; ++i)
     c.cfg.plan.requests.push_back({RequestKind::kDecode, 1, o.decode_context + 13 * int64_t{i}});
-  // Plans are cheap: build each now, so a batch that cannot be planned is refused before the header.
+  // Plans are cheap: build each now, so a batch that cannot be planned, or reaches past the model's positions
+  // (the publication refused it after the header), is refused before the header.
+  const std::string batch = fmt::format("--prefill {} --prefill-context {} --decodes {} --decode-context {} (model {})",
+                                        clip(o.prefill), o.prefill_context, o.decodes, o.decode_context, model.name);
   for (int64_t w : c.worlds) {
     PlanConfig pc = c.cfg.plan;
     pc.pcp_world = static_cast<int32_t>(w);
-    (void)make_plan(pc);
+    validate_positions(make_plan(pc), model.max_position_embeddings, batch);
   }
   return c;
 }

@@ -139,11 +139,13 @@ class StepBatch:
         if need > blocks.num_free:
             raise ValueError(f"requests: the step needs {need} more cache blocks, {blocks.num_free} are free "
                              f"(num_blocks = {blocks.num_blocks})")
-        for q in requests:
-            blocks.reserve(q.request_id, q.context_len + int(q.token_ids.numel()))
+        # The plan first: a step it refuses (pcp_world = 0) reserved the blocks and marked the tokens cached, so the
+        # same request's next step was refused ("context_len = 0, but 3 tokens of this request are cached").
         plan = make_plan(pcp_world, [Request(int(q.token_ids.numel()), q.context_len, q.decode) for q in requests],
                          block_size=blocks.block_size, shuffle_blocks=False, local_order=local_order,
                          decode_ownership=decode_ownership)
+        for q in requests:
+            blocks.reserve(q.request_id, q.context_len + int(q.token_ids.numel()))
         self.pcp_world, self.block_size = pcp_world, blocks.block_size
         self.num_slots = blocks.num_slots
         self.requests = list(requests)
