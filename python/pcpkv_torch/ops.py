@@ -181,7 +181,12 @@ def fence(state: FenceState, barrier_idx: int = 0, *, timeout_us: int = 10_000_0
 def validate_slots(slot_mapping: Tensor, num_slots: int, name: str = "slot_mapping", null_block_size: int = 0):
     """Host check (synchronizes when slot_mapping is on a GPU; not inside a graph capture): every entry -1 or
     in [0, num_slots), none repeated, none in the null block [0, null_block_size). Raises ValueError naming
-    the first bad entry."""
+    the first bad entry, and for a slot_mapping that is not an int64 [T] tensor (the ops' dtype: float slots 0.5, 1.5
+    passed the range checks)."""
+    if not isinstance(slot_mapping, Tensor) or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
+        got = (f"{slot_mapping.dtype} {list(slot_mapping.shape)}" if isinstance(slot_mapping, Tensor)
+               else type(slot_mapping).__name__)
+        raise ValueError(f"{name}: expected an int64 [num_tokens] tensor, got {got}")
     s = slot_mapping.detach().to("cpu").tolist()
     seen = {}
     for i, v in enumerate(s):

@@ -332,6 +332,10 @@ def test_host_side_errors():
     bad[3] = plan.num_slots + 5
     with pytest.raises(ValueError, match=r"slot_mapping\[3\] = .* out of range"):
         pk.validate_slots(bad, plan.num_slots)
+    # the ops' int64 [T] only: float slots (0.5, 1.5) passed the range checks, a list had no .detach
+    for wrong in (torch.tensor([0.5, 1.5]), plan.slot_mapping[0].int(), plan.slot_mapping[0][None], [0, 1]):
+        with pytest.raises(ValueError, match=r"slot_mapping: expected an int64 \[num_tokens\] tensor"):
+            pk.validate_slots(wrong, plan.num_slots)
 
 
 def test_model_spec_errors_name_the_key():
