@@ -48,6 +48,14 @@ TEST(CliBadInput, EmptyNumberIsRefusedNamingTheFlag) {
     pcpkv_test::expect_refusal(run_cli(cmd, dir), cmd, {"an empty value is not a number, got ''"}, dir);
 }
 
+TEST(CliBadInput, MemoryLimitMustBeFinite) {
+  // inf was refused as "must be >= 0 ... got inf", which it is.
+  ScratchDir dir;
+  for (const char* v : {"inf", "nan", "-1"})
+    expect_refused(fmt::format("--pcp 2 --tokens 16 --memory-limit-gb {}", v),
+                   {"--memory-limit-gb: must be a finite number >= 0", fmt::format("got {}", v)}, dir);
+}
+
 TEST(CliBadInput, ControlCharactersOfAValueAreEscaped) {
   // A newline or a terminal escape sequence in a quoted value reached stderr raw: the error is one line.
   ScratchDir dir;

@@ -226,7 +226,8 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
               "every decode), got {}",
               o.decode_context);
   PCPKV_CHECK(std::isfinite(o.memory_limit_gb) && o.memory_limit_gb >= 0,
-              "--memory-limit-gb: must be >= 0 (0: this machine's available memory), got {}", o.memory_limit_gb);
+              "--memory-limit-gb: must be a finite number >= 0 (0: this machine's available memory), got {}",
+              o.memory_limit_gb);
   check_run_count("--repeats", o.repeats, 1);
   PCPKV_CHECK(o.threads >= 0, "--threads: must be >= 0, got {}", o.threads);
   PCPKV_CHECK(o.threads <= 1024, "--threads: {} is more than pcpkv supports (1024)", o.threads);
