@@ -79,8 +79,9 @@ void refuse_overlap(const char* op, const Named& writes, const Named& reads, boo
   const NamedTensor& a = writes[hit->first];
   const NamedTensor& b = hit->second < writes.size() ? writes[hit->second] : reads[hit->second - writes.size()];
   TORCH_CHECK_VALUE(false, op, ": ", name_of(a), " (", describe_named(a), ") shares memory with ", name_of(b), " (",
-                    describe_named(b), "): an output must not overlap an input or another output (rows are read and written "
-                    "in any order)");
+                    describe_named(b),
+                    "): an output must not overlap an input or another output (rows are read and written in any "
+                    "order)");
 }
 
 void check_written_devices(const char* op, const std::vector<at::Tensor>& written, const char* ref,
