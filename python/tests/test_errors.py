@@ -620,3 +620,23 @@ def test_absent_rms_norm_eps_is_the_model_types_transformers_default():
                             ("deepseek_v32", transformers.DeepseekV32Config)):
         spec = pk.ModelSpec.from_hf_config({"model_type": model_type, "q_lora_rank": 1536})
         assert spec.rms_norm_eps == cls().rms_norm_eps, model_type
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_indexer_cache_of_another_block_size_is_refused(device):
+    """combine and insert wrote an indexer cache [16, 8, 132] next to an MLA cache [8, 16, 656] (a slot's indexer
+    row then sits in another block than its MLA row); the cache tables already refused it."""
+    fmt = pk.CacheFormat("fp8_ds_mla", has_indexer=True)
+    mla = pk.allocate_mla_cache(8, 16, "fp8_ds_mla", device, fill=0xA5)
+    idx = pk.allocate_indexer_cache(16, 8, device, fill=0xA5)
+    before = (mla.clone(), idx.clone())
+    n = 4
+    slots = torch.arange(n, dtype=torch.int64, device=device) + 16
+    bf = lambda w: torch.ones(n, w, dtype=torch.bfloat16, device=device)  # noqa: E731
+    rows = torch.zeros(1, n, fmt.row_bytes, dtype=torch.uint8, device=device)
+    match = r"target: indexer cache block_size = 8 differs from the MLA cache's 16"
+    with pytest.raises(ValueError, match="insert: " + match):
+        pk.insert(bf(512), bf(64), bf(128), slots, mla, idx, fmt=fmt)
+    with pytest.raises(ValueError, match="combine: " + match):
+        pk.combine(rows, slots, mla, idx, fmt=fmt)
+    assert torch.equal(mla, before[0]) and torch.equal(idx, before[1])

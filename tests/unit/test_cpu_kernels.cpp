@@ -694,6 +694,21 @@ TEST(CpuKernels, BadTargetGeometryNamesTheTarget) {
   t.index_base = nullptr;
   e = error_of([&] { validate_cache_target(t, f, "dispatch: targets", 0); });
   EXPECT_EQ(e, "dispatch: targets[0].index_base is null on a layer with an indexer") << e;
+  // An indexer cache of another block size (valid geometry of its own): a slot names another row in it.
+  t = b.target();
+  t.index = dense_indexer_geometry(t.index.num_blocks / 2, t.mla.block_size * 2);
+  e = error_of([&] { validate_cache_target(t, f, "combine: target"); });
+  EXPECT_EQ(e.rfind(fmt::format("combine: target: indexer cache block_size = {} differs from the MLA cache's {}",
+                                t.index.block_size, t.mla.block_size),
+                    0),
+            0u)
+      << e;
+  std::vector<uint16_t> bf(8 * 512, 0x3f80);
+  InsertParams ip = b.insert_params(bf.data());
+  ip.target = t;
+  EXPECT_NE(error_of([&] { insert_reference(ip); }).find("insert: target: indexer cache block_size"), std::string::npos);
+  EXPECT_TRUE(b.mla.untouched("mla after a mismatched indexer block size"));
+  EXPECT_TRUE(b.idx.untouched("indexer after a mismatched indexer block size"));
 }
 
 TEST(CpuKernels, OverlappingOutputsAreRefusedNamingBothFieldsBeforeWriting) {

@@ -146,6 +146,13 @@ void validate_cache_target(const CacheTarget& t, const CacheFormat& fmt, const c
   } catch (const Error& e) {  // the geometry's message does not know which target it is
     throw Error(fmt::format("{}{}: {}", name, indexed(), e.what()), e.where());
   }
+  // One slot, one row in each cache: slot = block * block_size + offset (SPEC section 4) with one block_size, as
+  // vLLM allocates both caches from one block table. Other block sizes put a token's indexer row in another block.
+  if (fmt.has_indexer)
+    PCPKV_CHECK(t.index.block_size == t.mla.block_size,
+                "{}{}: indexer cache block_size = {} differs from the MLA cache's {}: both caches of a target are "
+                "addressed by one slot (block * block_size + offset)",
+                name, indexed(), t.index.block_size, t.mla.block_size);
 }
 
 void validate_dispatch_shape(const DispatchParams& p) {
