@@ -347,8 +347,7 @@ void apply_rope(const json& j, ModelConfig& m, Reader& r, const std::string& ori
 
   Reader rr(*rs, fmt::format("{}: {}", origin, rs_key), &paths, rs_key);
   const double top_theta = m.rope.theta;
-  const bool top_theta_given = j.contains("rope_theta") && !j.at("rope_theta").is_null();
-  if (rr.read("rope_theta", m.rope.theta, rs) && top_theta_given && m.rope.theta != top_theta) {
+  if (rr.read("rope_theta", m.rope.theta, rs) && given(j, "rope_theta") && m.rope.theta != top_theta) {
     // HF transformers 5 reads the theta of rope_parameters too; the top-level key is then dead text.
     notes.remarks.push_back(fmt::format("{}: top-level 'rope_theta' = {} is shadowed by '{}' = {}: using {}", origin,
                                         as_written(j.at("rope_theta"), &paths, "rope_theta"), full("rope_theta"),

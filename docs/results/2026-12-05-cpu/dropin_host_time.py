@@ -1,29 +1,21 @@
-"""Host time of one pcpkv_torch.vllm.fused_norm_rope call against pcpkv_torch.dispatch on the same work (perf.md 38).
+"""Host time of one pcpkv_torch.vllm.fused_norm_rope call against pcpkv_torch.dispatch on the same work (perf.md 37).
 
-Usage: cd python && PYTHONPATH=. ../build/python-venv/bin/pcpkv-python ../docs/results/2026-12-05-cpu/dropin_host_time.py
+Usage (from python/):
+  PYTHONPATH=. ../build/python-venv/bin/pcpkv-python ../docs/results/2026-12-05-cpu/dropin_host_time.py
 CPU tensors, fp8_ds_mla + indexer, vLLM's argument shapes (tests/test_vllm_dropin.py vllm_inputs) with T tokens;
 T = 0 times the host path alone, T = 1 adds one token of the CPU kernel. Medians of 5 x 2000 calls, one thread.
 """
-import statistics
+import os
 import sys
-import time
 
 sys.path.insert(0, "tests")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import test_vllm_dropin as d  # noqa: E402
+from op_host_time import per_call_us  # noqa: E402  (median, best) of 5 x 2000 calls
 from pcpkv_torch.vllm import fused_norm_rope  # noqa: E402
 
 pk = d.pk
-
-
-def per_call_us(fn, n=2000, rounds=5):
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(out)
 
 
 def main():
@@ -51,7 +43,8 @@ def main():
 
         dropin()
         direct()
-        print(f"| T = {T} | drop-in {per_call_us(dropin):.1f} us | pcpkv_torch.dispatch {per_call_us(direct):.1f} us |")
+        ours, plain = per_call_us(dropin)[0], per_call_us(direct)[0]
+        print(f"| T = {T} | drop-in {ours:.1f} us | pcpkv_torch.dispatch {plain:.1f} us |")
 
 
 if __name__ == "__main__":

@@ -121,14 +121,15 @@ __global__ void copy_kernel(const uint4* __restrict__ s, uint4* __restrict__ d, 
     __stcs(d + i, __ldcs(s + i));
 }
 
-float single_ms(const std::function<void(cudaStream_t)>& launch, cudaStream_t st) {
+// Median ms of `runs` timed calls of `run` (after 3 untimed ones), each between two events on `st`.
+float median_ms(const std::function<void()>& run, cudaStream_t st, int runs) {
   cudaEvent_t b, e;
   CK(cudaEventCreate(&b));
   CK(cudaEventCreate(&e));
   std::vector<float> ms;
-  for (int i = 0; i < 23; ++i) {
+  for (int i = 0; i < runs + 3; ++i) {
     CK(cudaEventRecord(b, st));
-    launch(st);
+    run();
     CK(cudaEventRecord(e, st));
     CK(cudaEventSynchronize(e));
     float m = 0;
@@ -139,6 +140,12 @@ float single_ms(const std::function<void(cudaStream_t)>& launch, cudaStream_t st
   return ms[ms.size() / 2];
 }
 
+// One launch on an idle GPU: the launch itself included.
+float single_ms(const std::function<void(cudaStream_t)>& launch, cudaStream_t st) {
+  return median_ms([&] { launch(st); }, st, 20);
+}
+
+// 10 launches back to back in one CUDA graph, per launch: no launch gaps.
 float graph_ms(const std::function<void(cudaStream_t)>& launch, cudaStream_t st) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
@@ -146,21 +153,7 @@ float graph_ms(const std::function<void(cudaStream_t)>& launch, cudaStream_t st)
   for (int i = 0; i < 10; ++i) launch(st);
   CK(cudaStreamEndCapture(st, &g));
   CK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t b, e;
-  CK(cudaEventCreate(&b));
-  CK(cudaEventCreate(&e));
-  std::vector<float> ms;
-  for (int i = 0; i < 13; ++i) {
-    CK(cudaEventRecord(b, st));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(e, st));
-    CK(cudaEventSynchronize(e));
-    float m = 0;
-    CK(cudaEventElapsedTime(&m, b, e));
-    if (i >= 3) ms.push_back(m / 10);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return median_ms([&] { CK(cudaGraphLaunch(ge, st)); }, st, 10) / 10;
 }
 
 int main() {
