@@ -21,7 +21,7 @@ END = "<!-- cli-help:end -->"
 
 
 def default_binary() -> str:
-    return os.path.join(os.environ.get("PCPKV_BUILD_DIR") or os.path.join(ROOT, "build"), "pcpkv")
+    return os.path.join(ROOT, os.environ.get("PCPKV_BUILD_DIR") or "build", "pcpkv")
 
 
 def help_text(binary: str, *args: str) -> str:

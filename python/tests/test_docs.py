@@ -101,7 +101,8 @@ def test_headline_check_fails_on_a_stale_table_and_a_number_without_its_date(tmp
 
 
 def cli_binary():
-    path = os.path.join(os.environ.get("PCPKV_BUILD_DIR") or os.path.join(ROOT, "build"), "pcpkv")
+    # scripts/test.sh's rule: PCPKV_BUILD_DIR, relative to the repository root, else build/
+    path = os.path.join(ROOT, os.environ.get("PCPKV_BUILD_DIR") or "build", "pcpkv")
     if not os.access(path, os.X_OK):
         pytest.skip(f"no built CLI at {path} (PCPKV_BUILD_DIR names the build directory)")
     return path
