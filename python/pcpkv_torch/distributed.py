@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from .model import MLA_ROW_BYTES, CacheFormat, check_cache_format
-from .rank_agreement import agree_on, share_verdicts
+from .rank_agreement import agree_on, share_verdicts, torch_gather
 from .tables import CacheTargets, FenceState, RowDests
 
 __all__ = ["Bootstrap", "SymmetricBuffer", "SymmetricCaches", "resource_counts", "dead_ranks"]
@@ -95,22 +95,6 @@ def _member_rank(group, what: str) -> int:
     return rank
 
 
-def _torch_gather(group, what: str):
-    """The verdict exchange before pcpkv's bootstrap exists: the torch group's all_gather_object of str."""
-    import torch.distributed as dist
-
-    def gather(s: str) -> list:
-        out = [None] * dist.get_world_size(group)
-        try:
-            dist.all_gather_object(out, s, group=group)
-        except Exception as e:  # noqa: BLE001 - gloo / NCCL errors when a peer is gone
-            raise RuntimeError(f"{what}: the torch.distributed group's all-gather failed on rank "
-                               f"{dist.get_rank(group)} (a peer exited or was killed?): {e}") from e
-        return out
-
-    return gather
-
-
 def _timeout_problem(timeout_s) -> str:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         return f"timeout_s = {timeout_s!r} must be a positive number of seconds"
@@ -134,7 +118,7 @@ class Bootstrap:
         self.world = dist.get_world_size(group)
         # the first exchange carries each rank's verdict on its own arguments along with its host
         mine = f"{socket.gethostname()}\n{_timeout_problem(timeout_s)}"
-        got = [s.split("\n", 1) for s in _torch_gather(group, "Bootstrap")(mine)]
+        got = [s.split("\n", 1) for s in torch_gather(group, "Bootstrap")(mine)]
         share_verdicts(lambda _: [w for _, w in got], "Bootstrap", "")
         hosts = [h for h, _ in got]
         if len(set(hosts)) != 1:
@@ -295,7 +279,7 @@ class SymmetricCaches:
         except ValueError as e:
             why = str(e)
         if bootstrap is None:
-            share_verdicts(_torch_gather(group, what), what, why)
+            share_verdicts(torch_gather(group, what), what, why)
             bootstrap = Bootstrap(group, timeout_s=timeout_s)
             self.bootstrap = bootstrap
         else:

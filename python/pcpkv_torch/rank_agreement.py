@@ -14,9 +14,26 @@ import hashlib
 import json
 from typing import Callable, Sequence
 
-__all__ = ["share_verdicts", "agree_on", "first_difference"]
+__all__ = ["share_verdicts", "agree_on", "first_difference", "torch_gather"]
 
 Gather = Callable[[str], Sequence[str]]
+
+
+def torch_gather(group, what: str) -> Gather:
+    """The exchange over a torch.distributed group (all_gather_object; before pcpkv's bootstrap exists, or where
+    there is none). Its failure (a peer gone) is RuntimeError naming `what` and this rank."""
+    import torch.distributed as dist
+
+    def gather(s: str) -> list:
+        out = [None] * dist.get_world_size(group)
+        try:
+            dist.all_gather_object(out, s, group=group)
+        except Exception as e:  # noqa: BLE001 - gloo / NCCL errors when a peer is gone
+            raise RuntimeError(f"{what}: the torch.distributed group's all-gather failed on rank "
+                               f"{dist.get_rank(group)} (a peer exited or was killed?): {e}") from e
+        return out
+
+    return gather
 
 
 def share_verdicts(gather: Gather, what: str, why: str) -> None:

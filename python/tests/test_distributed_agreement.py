@@ -66,6 +66,25 @@ def _use_after_close(rank):
     return {k: _outcome(f) for k, f in uses.items()}
 
 
+def _with_given_bootstrap(rank):
+    """The verdicts and the layout digest through a bootstrap the caller made (pcpkv's, bounded by its timeout)."""
+    from pcpkv_torch.distributed import Bootstrap, SymmetricBuffer
+
+    boot = Bootstrap(timeout_s=TIMEOUT_S)
+    try:
+        out = {"given: num_blocks=0": _outcome(lambda: _build_and_close(bootstrap=boot,
+                                                                        num_blocks=0 if rank == 1 else 4)),
+               "given: has_indexer swapped": _outcome(lambda: _build_and_close(
+                   bootstrap=boot, has_indexer=[True, False] if rank == 0 else [False, True])),
+               "given: agreed": _outcome(lambda: _build_and_close(bootstrap=boot))}
+        buf = SymmetricBuffer(boot, 256, "plain")
+        buf.close()
+        out["buffer after close"] = {k: _outcome(lambda k=k: getattr(buf, k)) for k in ("local", "peers", "ptrs")}
+    finally:
+        boot.close()
+    return out
+
+
 def _staging_disagreement(rank):
     with _caches() as c:
         got = _outcome(lambda: c.staging_for(c.fmts[0], 5 if rank == 0 else 3))
@@ -75,6 +94,7 @@ def _staging_disagreement(rank):
 
 def _scenarios(rank, world):
     import torch.distributed as dist
+    from pcpkv_torch.distributed import Bootstrap
 
     out = {}
     # item 1: same total bytes, other layouts
@@ -92,6 +112,11 @@ def _scenarios(rank, world):
     for name, (kw, _) in BAD_ON_RANK_1.items():
         out[name] = _outcome(lambda: _build_and_close(**(kw if rank == 1 else {})))
     out["agreed"] = _outcome(lambda: _build_and_close())  # and the group still works
+    out["Bootstrap timeout_s=-1"] = _outcome(lambda: Bootstrap(timeout_s=-1 if rank == 1 else TIMEOUT_S).close())
+    try:
+        out.update(_with_given_bootstrap(rank))
+    except Exception as e:  # noqa: BLE001 - judged by the test
+        out["given: setup"] = (type(e).__name__, str(e), 0.0)
     # item 9: use after close; a rank outside the subgroup
     try:
         out["use after close"] = _use_after_close(rank)
@@ -141,14 +166,30 @@ def test_a_bad_argument_on_one_rank_is_named_on_every_rank_promptly(scenarios, n
     _raised_everywhere(scenarios, name, "ValueError", "rank 1", BAD_ON_RANK_1[name][1])
 
 
+def test_a_bad_bootstrap_timeout_on_one_rank_is_named_on_every_rank_promptly(scenarios):
+    _raised_everywhere(scenarios, "Bootstrap timeout_s=-1", "ValueError", "bad argument on rank 1",
+                       "timeout_s = -1")
+
+
+def test_a_given_bootstrap_carries_the_verdicts_and_the_layout_digest(scenarios):
+    for r, by_name in enumerate(scenarios):
+        assert "given: setup" not in by_name, by_name["given: setup"]
+    _raised_everywhere(scenarios, "given: num_blocks=0", "ValueError", "bad argument on rank 1", "num_blocks = 0")
+    _raised_everywhere(scenarios, "given: has_indexer swapped", "ValueError",
+                       "ranks disagree on layer 0 has_indexer: rank 0 True, rank 1 False")
+
+
 def test_the_group_still_agrees_after_refusals(scenarios):
     for r, by_name in enumerate(scenarios):
         assert by_name["agreed"][0] == "ok", (r, by_name["agreed"])
+        assert by_name["given: agreed"][0] == "ok", (r, by_name["given: agreed"])
 
 
 def test_use_after_close_is_a_runtime_error(scenarios):
     for r, by_name in enumerate(scenarios):
-        for use, (got, msg, _) in by_name["use after close"].items():
+        uses = {**by_name["use after close"], **by_name["buffer after close"]}
+        assert len(uses) == 10, uses
+        for use, (got, msg, _) in uses.items():
             assert got == "RuntimeError" and "used after close()" in msg, (r, use, got, msg)
 
 
