@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -144,8 +145,11 @@ class EngineCaches:
                 dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=self._timeout_s),
                                        wait_all_ranks=True)
             except RuntimeError as e:
-                raise _Refused(f"{_WHERE}: {what}: a rank did not arrive within timeout_s = {self._timeout_s} s "
-                               f"({e})", False) from None
+                # gloo names the missing ranks ("Ranks 1, 3 failed to pass monitoredBarrier"): say it our way
+                m = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e))
+                who = f"rank {m.group(1).strip()}" if m else "a rank"
+                raise _Refused(f"{_WHERE}: {what}: {who} did not arrive within timeout_s = {self._timeout_s} s "
+                               f"(torch.distributed: {e})", False) from None
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self._group)
         return out
@@ -456,11 +460,12 @@ class EngineCaches:
     def _open_advice(h) -> str:
         if h[0] == "cuda" and h[2][1:2] == b"e":
             return ("; its storage is an expandable segment (PYTORCH_ALLOC_CONF=expandable_segments:True), imported "
-                    "through pidfd_getfd, which needs ptrace permission over the owner (same user and "
+                    "through pidfd_getfd, which needs the owner's PID namespace and ptrace permission (same user and "
                     "/proc/sys/kernel/yama/ptrace_scope 0, or CAP_SYS_PTRACE): allow it, or allocate the caches with "
                     "expandable_segments:False")
         if h[0] == "fd":
-            return "; its shared memory is opened through /proc/<pid>/fd, which needs the same user"
+            return ("; its shared memory is opened through /proc/<pid>/fd, which needs the same user and PID "
+                    "namespace")
         return ""
 
     def _open_storage(self, h):

@@ -166,6 +166,25 @@ def _refusals(rank, world):
     if rank == 0:
         staging[0] = pk.allocate_staging(world + 1, plan.max_local_tokens, fmts[0]).share_memory_()
     attempt("staging", mla, idx, staging)
+    # rank 1 cannot open rank 0's mapping: refused on both, and the mappings opened before are released
+    import gc
+    from pcpkv_torch.distributed import resource_counts
+
+    mla, idx, staging = _engine_caches(plan, fmts, "cpu")
+    real = engine_caches.EngineCaches._open_storage
+
+    def failing(self, h):
+        if self.rank == 1 and getattr(failing, "calls", 0) >= 2:
+            raise OSError("injected: cannot open")
+        failing.calls = getattr(failing, "calls", 0) + 1
+        return real(self, h)
+
+    engine_caches.EngineCaches._open_storage = failing
+    before = resource_counts()["shm_mappings"]
+    attempt("open", mla, idx, staging)
+    gc.collect()
+    got["open mappings left"] = resource_counts()["shm_mappings"] - before
+    engine_caches.EngineCaches._open_storage = real
     # use after close
     mla, idx, staging = _engine_caches(plan, fmts, "cpu")
     ec = pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=30.0)
@@ -187,6 +206,7 @@ EXPECTED = {
     "unshared": ("ValueError", ["rank 1: index_caches[0]", "not in shared memory", "share_memory_()"]),
     "host": ("RuntimeError", ["rank 1 is on host 'other-host'", "one host"]),
     "staging": ("ValueError", ["rank 0: staging[0]", "W=2"]),
+    "open": ("RuntimeError", ["rank 1: cannot map rank 0's index_caches[0]: injected: cannot open"]),
 }
 
 
@@ -201,9 +221,55 @@ def test_every_refusal_is_raised_on_every_rank_naming_rank_tensor_and_reason():
             for p in parts:
                 assert p in msg, (r, case, p, msg)
         assert got["shape"][1] == out[0][1]["shape"][1]  # every rank says the same
+        assert got["open mappings left"] == 0, got["open mappings left"]
         for what in ("targets", "fence_state", "row_dests", "mla"):
             name, msg = got[f"closed {what}"]
             assert name == "RuntimeError" and "after close()" in msg, (r, what, got[f"closed {what}"])
+
+
+def _one_rank_late(rank, world):
+    import time
+
+    plan = _plan(world)
+    fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
+    mla, idx, staging = _engine_caches(plan, fmts, "cpu")
+    if rank == 1:
+        time.sleep(12)  # never calls EngineCaches within rank 0's timeout_s
+        return None
+    t0 = time.monotonic()
+    try:
+        pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=3.0)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - t0
+    return None
+
+
+def test_a_rank_that_never_arrives_is_named_not_waited_for():
+    out = run_ranks(_one_rank_late, W, timeout=120)
+    kind, val = out[0]
+    assert kind == "ok" and val is not None, out
+    msg, seconds = val
+    assert "rank 1 did not arrive within timeout_s = 3.0 s" in msg, msg
+    assert seconds < 10, seconds
+
+
+def test_peer_access_between_distinct_gpus_is_checked_per_peer(monkeypatch):
+    # The topology check alone (one GPU here): rank 0 on GPU-0 with peers on its own GPU (fine), on a visible GPU
+    # without peer access, and on a GPU this process cannot see.
+    from pcpkv_torch import engine_caches
+
+    monkeypatch.setattr(engine_caches, "_cuda_uuid", lambda i: f"GPU-{i}")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    ec = engine_caches.EngineCaches.__new__(engine_caches.EngineCaches)
+    ec.rank, ec.device = 0, torch.device("cuda", 0)
+    fails = ec._check_peer_access([{"uuid": u} for u in ("GPU-0", "GPU-0", "GPU-1", "GPU-7")])
+    msgs = [m for _, m in fails]
+    assert len(msgs) == 2, msgs
+    assert "cuda:0 cannot access rank 2's GPU cuda:1 by peer access" in msgs[0], msgs
+    assert "rank 3's GPU GPU-7 is not visible to this process" in msgs[1], msgs
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) == (0, 1))
+    assert [m for _, m in ec._check_peer_access([{"uuid": u} for u in ("GPU-0", "GPU-1")])] == []
 
 
 def test_arguments_are_checked_before_any_collective():
