@@ -375,7 +375,7 @@ class EngineCaches:
         handles, kinds, tensors, index = [], [], [], {}
         for name, t in self._own:
             s = t.untyped_storage()
-            key = s.data_ptr()
+            key = (s.data_ptr(), s.nbytes())  # one storage, however many tensors view it
             if key not in index:  # views of one allocation are exported (and opened by peers) once
                 handle = kind = None
                 try:
@@ -386,7 +386,7 @@ class EngineCaches:
                 index[key] = len(handles)
                 handles.append(handle)
                 kinds.append(kind)
-            tensors.append((index[key], t.data_ptr() - key, t.dtype, tuple(t.shape), tuple(t.stride())))
+            tensors.append((index[key], t.data_ptr() - key[0], t.dtype, tuple(t.shape), tuple(t.stride())))
         self.allocation_kinds = {name: kinds[x[0]] for (name, _), x in zip(self._own, tensors)}
         return handles, tensors
 
@@ -405,7 +405,8 @@ class EngineCaches:
     @staticmethod
     def _export_advice(e: Exception) -> str:
         msg = str(e)
-        if "expandable" in msg or "cuMemExportToShareableHandle" in msg:
+        conf = " ".join(os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")).lower()
+        if "expandable" in msg or "cuMemExportToShareableHandle" in msg or "expandable_segments:true" in conf:
             return ("with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the segments must be created exportable "
                     "(TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=1, set before the first CUDA allocation), or allocate the "
                     "caches with expandable_segments:False")

@@ -25,12 +25,26 @@ def _plan(world):
 
 
 def _flat(t):
-    return torch.as_strided(t, (t.untyped_storage().nbytes(),), (1,), 0)
+    """A cache's whole extent (num_blocks block strides: padding and guard bytes included), as World.flat."""
+    return torch.as_strided(t, (t.shape[0] * t.stride(0),), (1,), t.storage_offset())
 
 
-def _engine_caches(plan, fmts, device, *, share=True, num_blocks=None, row_pad=16):
+def _carved(tensors, device):
+    """The tensors as views of one allocation (vLLM carves its per-layer caches out of one buffer), 256-byte
+    aligned, same geometry and contents."""
+    sizes = [t.untyped_storage().nbytes() for t in tensors]
+    offs = [sum((n + 255) // 256 * 256 for n in sizes[:i]) for i in range(len(sizes))]
+    flat = torch.empty(offs[-1] + sizes[-1], dtype=torch.uint8, device=device)
+    views = [flat.as_strided(t.shape, t.stride(), o) for t, o in zip(tensors, offs)]
+    for v, t in zip(views, tensors):
+        v.copy_(t)
+    return views
+
+
+def _engine_caches(plan, fmts, device, *, share=True, num_blocks=None, row_pad=16, one_allocation=False):
     """What an engine allocates for this rank: per layer an MLA cache (padded rows and blocks, vLLM-like) and an
-    indexer cache where the layer has one, and one staging workspace per transport row size; guard-filled."""
+    indexer cache where the layer has one, and one staging workspace per transport row size; guard-filled.
+    one_allocation: all of them views of one buffer."""
     nb = num_blocks or plan.num_blocks
     mla = [pk.allocate_mla_cache(nb, plan.block_size, f.kv_format, device, row_pad=row_pad, block_pad=64,
                                  fill=GUARD) for f in fmts]
@@ -39,13 +53,19 @@ def _engine_caches(plan, fmts, device, *, share=True, num_blocks=None, row_pad=1
     rows = sorted({f.row_bytes for f in fmts})
     staging = [pk.allocate_staging(plan.pcp_world, plan.max_local_tokens,
                                    next(f for f in fmts if f.row_bytes == rb), device, fill=0) for rb in rows]
+    if one_allocation:
+        has = [i for i, t in enumerate(idx) if t is not None]
+        views = _carved(mla + [idx[i] for i in has] + staging, device)
+        mla, staging = views[:len(mla)], views[len(mla) + len(has):]
+        for k, i in enumerate(has):
+            idx[i] = views[len(mla) + k]
     if share and device == "cpu":
         for t in mla + [i for i in idx if i is not None] + staging:
             t.share_memory_()
     return mla, idx, staging
 
 
-def _publish(rank, world, device, strategy):
+def _publish(rank, world, device, strategy, one_allocation=False):
     """Each rank publishes its tokens of both layers with direct, then with staging, into the engine's caches;
     returns, per transport and layer, whether its own replica equals the oracle's bytes."""
     import torch.multiprocessing as tmp
@@ -63,10 +83,11 @@ def _publish(rank, world, device, strategy):
         o = World(plan, f, "cpu", seed=10 + l)
         o.publish("direct")
         oracle.append(o.replica_bytes(0))
-    mla, idx, staging = _engine_caches(plan, fmts, device)
+    mla, idx, staging = _engine_caches(plan, fmts, device, one_allocation=one_allocation)
     before = resource_counts()
     ec = pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=30.0)
-    out = dict(kinds=sorted(set(ec.allocation_kinds.values())), during=resource_counts())
+    out = dict(kinds=sorted(set(ec.allocation_kinds.values())), during=resource_counts(),
+               storages=len({t.untyped_storage().data_ptr() for v in ec.mla for t in v}))
     _both_transports(rank, ec, plan, fmts, inputs, oracle, mla, idx, device, out)
     ec.close()
     import gc
@@ -118,11 +139,15 @@ def _check_published(out, device):
     return out[0][1]["kinds"]
 
 
-@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
-def test_direct_and_staging_into_engine_allocated_cpu_caches(strategy):
-    kinds = _check_published(run_ranks(_publish, W, "cpu", strategy, timeout=120), "cpu")
+@pytest.mark.parametrize("strategy,one_allocation", [("file_descriptor", False), ("file_system", False),
+                                                     ("file_descriptor", True)])
+def test_direct_and_staging_into_engine_allocated_cpu_caches(strategy, one_allocation):
+    out = run_ranks(_publish, W, "cpu", strategy, one_allocation, timeout=120)
+    kinds = _check_published(out, "cpu")
     want = "file descriptor" if strategy == "file_descriptor" else "file_system"
     assert all(want in k for k in kinds), kinds
+    # views of one allocation: each rank's one storage is mapped once (W storages behind the MLA caches)
+    assert out[0][1]["storages"] == (W if one_allocation else 2 * W), out[0][1]["storages"]
 
 
 # ---- refusals: every rank raises, naming the rank, the tensor and why ----------------------------------------
@@ -358,9 +383,27 @@ def _async_backend(rank, world):
 
 
 @requires_cuda
-def test_cuda_malloc_async_backend_is_refused_naming_the_setting():
-    out = run_ranks(_async_backend, W, timeout=300, env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+def test_cuda_malloc_async_backend_is_refused_naming_the_setting(monkeypatch):
+    # torch picks the allocator backend when it loads: the rank processes inherit the setting from here
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    out = run_ranks(_async_backend, W, timeout=300)
     for r in range(W):
         kind, msg = out[r]
         assert kind == "ok" and msg is not None, out[r]
         assert "cudaMallocAsync" in msg and "PYTORCH_CUDA_ALLOC_CONF" in msg, msg
+
+
+@requires_cuda
+def test_expandable_segments_are_exported_or_refused_with_what_to_do(monkeypatch):
+    # torch 2.11 exports an expandable segment's VMM handles (POSIX descriptors, imported with pidfd_getfd); where
+    # the import is not permitted (ptrace_scope) or the segments were made without handles
+    # (TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0), every rank must say so and what to do instead.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    out = run_ranks(_publish, W, "cuda", "file_descriptor", timeout=300)
+    if all(kind == "ok" for kind, _ in out.values()):
+        kinds = _check_published(out, "cuda")
+        assert any("expandable segment" in k for k in kinds), kinds
+    else:
+        for r in range(W):
+            kind, msg = out[r]
+            assert kind == "err" and "expandable_segments" in msg, out[r]
