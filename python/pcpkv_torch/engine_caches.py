@@ -55,6 +55,10 @@ def _host_identity() -> tuple[str, str]:
     return socket.gethostname(), boot
 
 
+def _shown(x) -> str:
+    return _describe(x) if isinstance(x, torch.Tensor) else repr(x)
+
+
 def _cuda_uuid(index: int) -> str:
     props = torch.cuda.get_device_properties(index)
     return str(getattr(props, "uuid", f"cuda:{index}"))
@@ -208,8 +212,7 @@ class EngineCaches:
         if isinstance(num_barriers, bool) or not isinstance(num_barriers, int) or num_barriers < 1:
             raise ValueError(f"num_barriers = {num_barriers!r} must be an integer >= 1")
         if isinstance(mla_caches, torch.Tensor) or not isinstance(mla_caches, Sequence) or not mla_caches:
-            raise ValueError(f"mla_caches must be a non-empty list of per-layer MLA caches, got "
-                             f"{_describe(mla_caches) if isinstance(mla_caches, torch.Tensor) else repr(mla_caches)}")
+            raise ValueError(f"mla_caches must be a non-empty list of per-layer MLA caches, got {_shown(mla_caches)}")
         L = len(mla_caches)
         if isinstance(fmts, CacheFormat):
             fmts = [fmts] * L
@@ -222,7 +225,7 @@ class EngineCaches:
             index_caches = [None] * L
         if isinstance(index_caches, torch.Tensor) or not isinstance(index_caches, Sequence) or len(index_caches) != L:
             raise ValueError(f"index_caches must be a list with one entry per layer ({L}; None where a layer has "
-                             f"no indexer), got {_describe(index_caches) if isinstance(index_caches, torch.Tensor) else repr(index_caches)}")
+                             f"no indexer), got {_shown(index_caches)}")
         for i, f in enumerate(self.fmts):
             if f.has_indexer and not isinstance(index_caches[i], torch.Tensor):
                 raise ValueError(f"index_caches[{i}] = {index_caches[i]!r}: layer {i} has an indexer "
