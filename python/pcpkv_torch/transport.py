@@ -50,6 +50,10 @@ def resolve_transport(transport: str, topology: dict) -> tuple[str, str]:
         return transport, ""
     if transport != "auto":
         raise ValueError(f"transport = {transport!r}; expected one of {TRANSPORTS} or 'auto'")
+    keys = ("hosts", "peer_access", "nccl_available")
+    if not isinstance(topology, dict) or not {"hosts", "peer_access"} <= set(topology) <= set(keys):
+        raise ValueError(f"topology = {topology!r} must be a dict of hosts, peer_access and optionally "
+                         "nccl_available (choose_transport's arguments; e.g. one_process_topology(W))")
     chosen, reason = choose_transport(**topology)
     logger.info("transport auto: %s", reason)
     return chosen, reason

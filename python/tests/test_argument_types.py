@@ -39,3 +39,44 @@ def test_one_process_topology_names_pcp_world(bad):
 
     with pytest.raises(ValueError, match=f"pcp_world = {bad!r}"):
         one_process_topology(bad)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, -(2**63)])
+def test_make_plan_refuses_a_seed_outside_uint64(seed):
+    # Was: -1 taken silently as 2^64 - 1 (the op casts int64 to pcpkv's uint64 seed); 2^64 the op's RuntimeError
+    # "Expected a value of type 'int' ... found type 'int'". The CLI's --seed range is [0, 2^64 - 1].
+    with pytest.raises(ValueError, match=re.escape(f"make_plan: seed = {seed} is out of range [0, {2**64 - 1}]")):
+        pk.make_plan(2, [pk.Request(40)], block_size=16, seed=seed)
+
+
+def test_make_plan_takes_every_uint64_seed_as_the_cli_does():
+    # Was: a seed in [2^63, 2^64) (valid for `pcpkv run --seed`) raised the op's RuntimeError. Its block tables are
+    # those of the same seed as the op's two's-complement int64, which the C++ plan reads back as that uint64.
+    big = 2**64 - 5
+    a = pk.make_plan(2, [pk.Request(300)], block_size=16, seed=big)
+    b = pk.make_plan(2, [pk.Request(300)], block_size=16, seed=7)
+    assert not torch.equal(a.block_tables, b.block_tables)  # the seed reached the shuffle
+    assert torch.equal(a.block_tables, pk.make_plan(2, [pk.Request(300)], block_size=16, seed=big).block_tables)
+
+
+@pytest.mark.parametrize("topology", [None, "cuda", {"hosts": ["h"]}, {"hosts": ["h"], "peer_access": [[True]],
+                                                                        "bogus": 1}])
+def test_resolve_transport_auto_names_a_malformed_topology(topology):
+    # Was: TypeError from choose_transport(**topology) ("argument after ** must be a mapping" / unexpected keyword)
+    with pytest.raises(ValueError, match="topology = .* must be a dict of hosts, peer_access"):
+        pk.resolve_transport("auto", topology)
+
+
+@pytest.mark.parametrize("kw, named", [(dict(kv_format="fp8", has_indexer="no"), "has_indexer = 'no'"),
+                                       (dict(kv_format="fp8", has_indexer=1), "has_indexer = 1"),
+                                       (dict(kv_format=["fp8"]), "kv_format = ['fp8']")])
+def test_transport_row_bytes_names_a_bad_argument(kw, named):
+    # Was: has_indexer='no' (truthy) gave 720, the indexer row, where CacheFormat refuses it; a list kv_format was
+    # a TypeError (unhashable)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        pk.transport_row_bytes(**kw)
+
+
+def test_cache_format_names_an_unhashable_kv_format():
+    with pytest.raises(ValueError, match=re.escape("kv_format = ['fp8']")):
+        pk.CacheFormat(["fp8"])
