@@ -117,8 +117,10 @@ class Bootstrap:
         self.group = group
         self.world = dist.get_world_size(group)
         # the first exchange carries each rank's verdict on its own arguments along with its host
-        mine = f"{socket.gethostname()}\n{_timeout_problem(timeout_s)}"
-        got = [s.split("\n", 1) for s in torch_gather(group, "Bootstrap")(mine)]
+        why = _timeout_problem(timeout_s)
+        mine = f"{socket.gethostname()}\n{why}"
+        wait = 60.0 if why else float(timeout_s)  # a bad timeout_s is refused after this exchange, on every rank
+        got = [s.split("\n", 1) for s in torch_gather(group, "Bootstrap", wait)(mine)]
         share_verdicts(lambda _: [w for _, w in got], "Bootstrap", "")
         hosts = [h for h, _ in got]
         if len(set(hosts)) != 1:
@@ -279,7 +281,8 @@ class SymmetricCaches:
         except ValueError as e:
             why = str(e)
         if bootstrap is None:
-            share_verdicts(torch_gather(group, what), what, why)
+            wait = 60.0 if _timeout_problem(timeout_s) else float(timeout_s)  # a bad one: refused by this exchange
+            share_verdicts(torch_gather(group, what, wait), what, why)
             bootstrap = Bootstrap(group, timeout_s=timeout_s)
             self.bootstrap = bootstrap
         else:

@@ -171,6 +171,8 @@ def _refusals(rank, world):
     attempt("shape", *_engine_caches(plan, fmts, "cpu", num_blocks=plan.num_blocks + (rank == 1)))
     # other strides on rank 1 (rows padded differently)
     attempt("strides", *_engine_caches(plan, fmts, "cpu", row_pad=16 if rank == 0 else 32))
+    # another num_barriers on rank 1: its fence pads differ
+    attempt("num_barriers", *_engine_caches(plan, fmts, "cpu"), num_barriers=1 + rank)
     # rank 0 passes one MLA cache for both layers: they share memory
     mla, idx, staging = _engine_caches(plan, fmts, "cpu")
     attempt("overlap", [mla[0], mla[0]] if rank == 0 else mla, idx, staging)
@@ -215,7 +217,8 @@ def _refusals(rank, world):
     ec = pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=30.0)
     ec.close()
     for what, use in (("targets", lambda: ec.targets), ("fence_state", lambda: ec.fence_state),
-                      ("row_dests", lambda: ec.row_dests(fmts[0])), ("mla", lambda: ec.mla)):
+                      ("row_dests", lambda: ec.row_dests(fmts[0])), ("mla", lambda: ec.mla),
+                      ("staging_for", lambda: ec.staging_for(fmts[0], 1))):
         try:
             use()
             got[f"closed {what}"] = ("none", "")
@@ -227,6 +230,8 @@ def _refusals(rank, world):
 EXPECTED = {
     "shape": ("ValueError", ["rank 1: mla_caches[0] has shape", "rank 0's"]),
     "strides": ("ValueError", ["rank 1: mla_caches[0] has strides"]),
+    "num_barriers": ("ValueError", ["rank 1: fence pads [num_barriers, 2, W]", "shape [2, 2, 2] but rank 0's has "
+                                    "[1, 2, 2]"]),
     "overlap": ("ValueError", ["rank 0: mla_caches[0]", "shares memory with mla_caches[1]"]),
     "unshared": ("ValueError", ["rank 1: index_caches[0]", "not in shared memory", "share_memory_()"]),
     "host": ("RuntimeError", ["rank 1 is on host 'other-host'", "one host"]),
@@ -247,35 +252,106 @@ def test_every_refusal_is_raised_on_every_rank_naming_rank_tensor_and_reason():
                 assert p in msg, (r, case, p, msg)
         assert got["shape"][1] == out[0][1]["shape"][1]  # every rank says the same
         assert got["open mappings left"] == 0, got["open mappings left"]
-        for what in ("targets", "fence_state", "row_dests", "mla"):
+        for what in ("targets", "fence_state", "row_dests", "mla", "staging_for"):
             name, msg = got[f"closed {what}"]
-            assert name == "RuntimeError" and "after close()" in msg, (r, what, got[f"closed {what}"])
+            assert name == "RuntimeError" and f"{what} used after close()" in msg, (r, what, got[f"closed {what}"])
 
 
-def _one_rank_late(rank, world):
+def _timed_refusal(world, timeout_s, die=False):
+    """(message, seconds) of this rank's EngineCaches RuntimeError, or None; die: exit (code 3) at the export,
+    after the first exchange."""
+    import os
     import time
+
+    from pcpkv_torch import engine_caches
 
     plan = _plan(world)
     fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
     mla, idx, staging = _engine_caches(plan, fmts, "cpu")
-    if rank == 1:
-        time.sleep(12)  # never calls EngineCaches within rank 0's timeout_s
-        return None
+    if die:
+        engine_caches.EngineCaches._export = lambda self, fails: os._exit(3)
     t0 = time.monotonic()
     try:
-        pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=3.0)
+        pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=timeout_s)
     except RuntimeError as e:
         return str(e), time.monotonic() - t0
     return None
 
 
-def test_a_rank_that_never_arrives_is_named_not_waited_for():
-    out = run_ranks(_one_rank_late, W, timeout=120)
+def _one_rank_late(rank, world, late):
+    """Rank `late` arrives 8 s after the others (timeout_s 3 s); they stay in the group until it has tried."""
+    import time
+
+    if rank == late:
+        time.sleep(8)
+        return _timed_refusal(world, 3.0)
+    out = _timed_refusal(world, 3.0)
+    time.sleep(12)
+    return out
+
+
+@pytest.mark.parametrize("late", [1, 0])
+def test_a_rank_that_never_arrives_is_named_not_waited_for(late):
+    # late = 0 was: gloo's monitored_barrier bounds only rank 0's wait; rank 1 waited for rank 0 the group's own
+    # timeout (30 min by default; here until rank 0 arrived) and said "a rank did not arrive". The late rank
+    # itself then passed the barrier on a stale message and waited in the all-gather until its peer exited.
+    # Now the late rank finds the pair its peer timed out on closed.
+    out = run_ranks(_one_rank_late, W, late, timeout=120)
+    assert all(kind == "ok" and val is not None for kind, val in out.values()), out
+    msg, seconds = out[1 - late][1]
+    assert f"rank {late} did not arrive within timeout_s = 3.0 s" in msg, msg
+    assert seconds < 6, (seconds, msg)
+    msg, seconds = out[late][1]
+    assert f"rank {1 - late} left the group (it exited, was killed, or gave up waiting" in msg, msg
+    assert seconds < 3, (seconds, msg)
+
+
+def _rank_1_killed_after_the_first_exchange(rank, world):
+    return _timed_refusal(world, 20.0, die=rank == 1)
+
+
+def test_a_rank_killed_during_setup_is_named_promptly():
+    out = run_ranks(_rank_1_killed_after_the_first_exchange, W, timeout=120)
+    assert out[1] == ("exit", 3), out[1]
     kind, val = out[0]
     assert kind == "ok" and val is not None, out
     msg, seconds = val
-    assert "rank 1 did not arrive within timeout_s = 3.0 s" in msg, msg
-    assert seconds < 10, seconds
+    assert "exporting the caches" in msg and "rank 1 left the group (it exited, was killed" in msg, msg
+    assert seconds < 10, (seconds, msg)
+
+
+def _outside_the_group(rank, world):
+    import torch.distributed as dist
+
+    plan = _plan(1)
+    fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
+    mla, idx, staging = _engine_caches(plan, fmts, "cpu")
+    group = dist.new_group([0])  # collective: every rank creates it, rank 1 is left out
+    got = {}
+    for case, g in (("member", group), ("not a group", 42)):
+        if case == "member" and rank == 0:
+            pk.EngineCaches(mla, idx, fmts, staging=staging, group=g, timeout_s=10.0).close()
+            got[case] = ("ok", "")
+            continue
+        try:
+            pk.EngineCaches(mla, idx, fmts, staging=staging, group=g, timeout_s=10.0)
+            got[case] = ("ok", "")
+        except (ValueError, RuntimeError) as e:
+            got[case] = (type(e).__name__, str(e))
+    return got
+
+
+def test_a_process_outside_the_group_or_a_bad_group_is_a_value_error_naming_group():
+    # Was: torch's own "Invalid process group specified" / "Process group 42 is not initialized ..." (no
+    # 'group', no pcpkv_torch.EngineCaches), as SymmetricCaches already names it.
+    out = run_ranks(_outside_the_group, W, timeout=120)
+    assert all(kind == "ok" for kind, _ in out.values()), out
+    assert out[0][1]["member"] == ("ok", ""), out[0]
+    name, msg = out[1][1]["member"]
+    assert name == "ValueError" and "EngineCaches: group: this process" in msg and "not a member" in msg, msg
+    for r in range(W):
+        name, msg = out[r][1]["not a group"]
+        assert name == "ValueError" and "group = 42 is not a torch.distributed process group" in msg, msg
 
 
 def test_peer_access_between_distinct_gpus_is_checked_per_peer(monkeypatch):
