@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import struct
 from typing import Optional, Sequence
 
 import torch
@@ -317,7 +318,9 @@ class EngineCaches:
     def _layout(self) -> list:
         """What every rank must agree on: per tensor (name, dtype, shape, strides), formats, pads."""
         out = [(n, str(t.dtype), tuple(t.shape), tuple(t.stride())) for n, t in self._own]
-        out.append(("fmts", tuple((f.kv_format, f.ds_mla_scale, f.k_scale, f.has_indexer) for f in self.fmts)))
+        # k_scale as the float32 the kernels divide by: 2, 2.0 and numpy's float32(2) are one format
+        out.append(("fmts", tuple((f.kv_format, f.ds_mla_scale, struct.unpack("f", struct.pack("f", f.k_scale))[0],
+                                   f.has_indexer) for f in self.fmts)))
         return out
 
     def _digest(self) -> str:

@@ -80,3 +80,25 @@ def test_transport_row_bytes_names_a_bad_argument(kw, named):
 def test_cache_format_names_an_unhashable_kv_format():
     with pytest.raises(ValueError, match=re.escape("kv_format = ['fp8']")):
         pk.CacheFormat(["fp8"])
+
+
+@pytest.mark.parametrize("peer_access, named", [
+    ([[1, 1], [1, 1]], "got torch.int64"),                 # was: taken as True (as a float tensor's 0.4 had been)
+    ([[0.4, float("nan")], [1.0, 1.0]], "got torch.float32"),
+    ([["yes", "yes"], ["yes", "yes"]], "peer_access = [['yes'"),  # was: torch's "too many dimensions 'str'"
+    ([[True], [True, True]], "peer_access = [[True], [True, True]]"),  # was: torch's "expected sequence of length"
+    (None, "peer_access = None"),                           # was: TypeError
+    (torch.ones(2, 2, dtype=torch.bool, device="meta"), "on meta"),  # was: NotImplementedError
+])
+def test_choose_transport_names_peer_access_that_is_not_bools(peer_access, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        pk.choose_transport(["h0", "h0"], peer_access)
+
+
+def test_choose_transport_still_takes_nested_bools_and_arrays():
+    import numpy as np
+
+    assert pk.choose_transport(["h0", "h0"], [[True, True], [True, True]])[0] == "direct"
+    assert pk.choose_transport(["h0", "h0"], np.ones((2, 2), dtype=bool))[0] == "direct"
+    with pytest.raises(ValueError, match=re.escape("peer_access must be [0, 0]")):
+        pk.choose_transport([], [])  # the shape is still the op's to name

@@ -160,9 +160,9 @@ def _refusals(rank, world):
     fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
     got = {}
 
-    def attempt(case, mla, idx, staging, **kw):
+    def attempt(case, mla, idx, staging, formats=None, **kw):
         try:
-            pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=30.0, **kw).close()
+            pk.EngineCaches(mla, idx, formats or fmts, staging=staging, timeout_s=30.0, **kw).close()
             got[case] = ("none", "")
         except (ValueError, RuntimeError) as e:
             got[case] = (type(e).__name__, str(e))
@@ -171,6 +171,9 @@ def _refusals(rank, world):
     attempt("shape", *_engine_caches(plan, fmts, "cpu", num_blocks=plan.num_blocks + (rank == 1)))
     # other strides on rank 1 (rows padded differently)
     attempt("strides", *_engine_caches(plan, fmts, "cpu", row_pad=16 if rank == 0 else 32))
+    # one fp8 k_scale written 2 on rank 0 and 2.0 on rank 1: one format (was refused as 'fmts differ')
+    fp8 = [pk.CacheFormat("fp8", k_scale=2 if rank == 0 else 2.0, has_indexer=i) for _, i in FMTS]
+    attempt("k_scale 2 and 2.0", *_engine_caches(plan, fp8, "cpu"), formats=fp8)
     # another num_barriers on rank 1: its fence pads differ
     attempt("num_barriers", *_engine_caches(plan, fmts, "cpu"), num_barriers=1 + rank)
     # rank 0 passes one MLA cache for both layers: they share memory
@@ -251,6 +254,7 @@ def test_every_refusal_is_raised_on_every_rank_naming_rank_tensor_and_reason():
             for p in parts:
                 assert p in msg, (r, case, p, msg)
         assert got["shape"][1] == out[0][1]["shape"][1]  # every rank says the same
+        assert got["k_scale 2 and 2.0"] == ("none", ""), got["k_scale 2 and 2.0"]
         assert got["open mappings left"] == 0, got["open mappings left"]
         for what in ("targets", "fence_state", "row_dests", "mla", "staging_for"):
             name, msg = got[f"closed {what}"]
