@@ -43,6 +43,13 @@ _ARRIVAL_TAG = 0x70637076  # 'pcpv': keeps the check's tokens apart from the cal
 _STRANDED: list = []  # works of a failed check: a late peer may still complete them, so their buffers stay alive
 
 
+def _global(group, r: int) -> int:
+    """Rank r of group in the default group (what isend / irecv take in every torch 2.x)."""
+    import torch.distributed as dist
+
+    return r if group is None else dist.get_global_rank(group, r)
+
+
 def _exchange(group, peers: list, value: int, timeout_s: float) -> tuple:
     """Sends `value` to every peer and receives one from each, at most timeout_s in all: ({peer: value received},
     {peer that sent nothing: why}, the works and buffers)."""
@@ -63,8 +70,8 @@ def _exchange(group, peers: list, value: int, timeout_s: float) -> tuple:
     sends, recvs, missing = [], {}, {}
     for r in peers:  # posting on a pair gloo already closed raises at once
         try:
-            sends.append(dist.isend(mine, group=group, group_dst=r, tag=_ARRIVAL_TAG))
-            recvs[r] = dist.irecv(got[r], group=group, group_src=r, tag=_ARRIVAL_TAG)
+            sends.append(dist.isend(mine, _global(group, r), group=group, tag=_ARRIVAL_TAG))
+            recvs[r] = dist.irecv(got[r], _global(group, r), group=group, tag=_ARRIVAL_TAG)
         except RuntimeError as e:
             missing[r] = why(r, e)
     deadline = time.monotonic() + min(float(timeout_s), 1e6)  # timedelta cannot hold inf
@@ -105,7 +112,7 @@ def arrival_check(group, timeout_s: float, what: str) -> None:
         verdict, told = torch.full((1,), _GAVE_UP, dtype=torch.int64), []
         for r in peers:  # gloo closed the pairs whose wait timed out (their peers see that); the others are told
             try:
-                told.append(dist.isend(verdict, group=group, group_dst=r, tag=_ARRIVAL_TAG))
+                told.append(dist.isend(verdict, _global(group, r), group=group, tag=_ARRIVAL_TAG))
             except RuntimeError:
                 pass
         _STRANDED.append((works, verdict, told))

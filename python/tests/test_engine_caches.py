@@ -310,6 +310,36 @@ def test_a_rank_that_never_arrives_is_named_not_waited_for(late):
     assert seconds < 3, (seconds, msg)
 
 
+def _late_in_a_subgroup(rank, world):
+    """Global ranks 1 and 2 form the group (ranks 0 and 1 in it); global rank 2 arrives 8 s late."""
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    plan = _plan(2)
+    fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
+    mla, idx, staging = _engine_caches(plan, fmts, "cpu")
+    if rank == 2:
+        time.sleep(8)
+    try:
+        pk.EngineCaches(mla, idx, fmts, staging=staging, group=group, timeout_s=3.0)
+    except RuntimeError as e:
+        out = str(e)
+    if rank == 1:
+        time.sleep(8)
+    return out
+
+
+def test_a_late_rank_of_a_subgroup_is_named_by_its_rank_in_the_group():
+    out = run_ranks(_late_in_a_subgroup, 3, timeout=120)
+    assert all(kind == "ok" for kind, _ in out.values()), out
+    assert "rank 1 did not arrive within timeout_s = 3.0 s (seen from rank 0 of 2)" in out[1][1], out[1]
+    assert "rank 0 left the group" in out[2][1] and "(seen from rank 1 of 2)" in out[2][1], out[2]
+
+
 def _rank_1_killed_after_the_first_exchange(rank, world):
     return _timed_refusal(world, 20.0, die=rank == 1)
 
