@@ -313,8 +313,8 @@ std::pair<at::Tensor, at::Tensor> cache_targets(const at::Tensor& mla, const at:
     if (it != memo.end()) return {it->second.host, it->second.table};
   }
   translate_errors([&] { pcpkv::validate_cache_target(t, cf, "fused_norm_rope: mla_kv_cache / indexer_k_cache"); });
-  at::Tensor host = at::zeros({1, kTargetRecordBytes}, at::kByte);
-  std::memcpy(host.data_ptr(), &t, sizeof(t));
+  at::Tensor host = at::zeros({1, kTargetRecordBytes}, at::kByte);  // a record of make_cache_targets' table
+  *reinterpret_cast<pcpkv::CacheTarget*>(host.data_ptr()) = t;
   at::Tensor table = dev.is_cpu() ? host : host.to(dev);
   std::lock_guard<std::mutex> lock(mu);
   if (memo.size() >= kMaxCached) memo.clear();
