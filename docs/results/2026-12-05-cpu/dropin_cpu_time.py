@@ -1,4 +1,4 @@
-"""dropin_host_time.py timed in the calling thread's CPU time (docs/perf.md section 39): on a loaded machine the
+"""dropin_host_time.py timed in the calling thread's CPU time (docs/perf-log.md section 39): on a loaded machine the
 wall-clock medians include the time the process waits for a core; CPU time counts only the calls' own work.
 
 Usage (from python/, as dropin_host_time.py):
