@@ -19,6 +19,7 @@
 #include "pcpkv/core/inputs_io.h"
 #include "pcpkv/publish/save_run.h"
 #include "progress.h"
+#include "error_line.h"
 #include "run_job.h"
 #include "run_report.h"
 
@@ -68,7 +69,7 @@ int run_command(const RunOptions& o) {
   Progress progress(true);
   const PreparedRun prep = prepare_run(o, &progress);
   // The choice of --transport auto on stderr too, so that it shows beside a --json result.
-  if (!prep.transport_reason.empty()) fmt::print(stderr, "pcpkv run: {}\n", prep.transport_reason);
+  if (!prep.transport_reason.empty()) print_stderr(fmt::format("pcpkv run: {}\n", prep.transport_reason));
   const RunOutcome out = execute_run(prep, &progress);
   progress.finish();
   const double elapsed = progress.elapsed_s();
