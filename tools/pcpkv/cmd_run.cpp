@@ -16,6 +16,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/dispatch.h"
 #include "pcpkv/flag_checks.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/inputs_io.h"
 #include "pcpkv/publish/save_run.h"
 #include "progress.h"
@@ -46,7 +47,7 @@ std::string save_outputs(const RunOptions& o, const PreparedRun& prep, const Run
   // fails with EFBIG instead and the writer removes its temporary file.
   std::signal(SIGXFSZ, SIG_IGN);
   Progress progress(true);
-  progress.step(fmt::format("saving {}", o.save));
+  progress.step(fmt::format("saving {}", clip(o.save)));
   try {
     save_run(o.save, prep.model, prep.plan, prep.fmt, prep.inputs, pick->result, info);
   } catch (const Error& e) {
