@@ -8,7 +8,6 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/file.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -34,6 +33,7 @@
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/interrupt.h"
 #include "ranks/bootstrap_wire.h"
+#include "ranks/fd_limit.h"
 #include "ranks/tombstone.h"
 
 namespace pcpkv {
@@ -139,44 +139,18 @@ void send_frame_quiet(int fd, FrameType type, const std::string& text, Deadline 
   }
 }
 
-std::string limit_text(rlim_t v) { return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v); }
-
-// "1024 (soft; hard limit 4096)": the open-file limit as messages name it.
-std::string nofile_text() {
-  rlimit rl{};
-  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return "unknown";
-  return fmt::format("{} (soft; hard limit {})", limit_text(rl.rlim_cur), limit_text(rl.rlim_max));
-}
-
-// Descriptors this process has open now (entries of /proc/self/fd, less the one reading it); 0 when unreadable.
-int64_t open_descriptors() {
-  DIR* d = ::opendir("/proc/self/fd");
-  if (d == nullptr) return 0;
-  int64_t n = 0;
-  while (const dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
-  ::closedir(d);
-  return n > 0 ? n - 1 : 0;
-}
-
 // A rank's bootstrap holds at most a connection per peer (rank 0) and, while all_gather_fds shares buffers, a
-// descriptor per rank, besides what the process has open. When the soft open-file limit is lower, it is raised
-// to the hard limit (as NCCL and many servers do; an unprivileged process may); "" when the job fits, else why not.
+// descriptor per rank, besides what the process has open: "" when the job fits (after raising the soft limit,
+// fd_limit::fit), else why not.
 std::string fit_descriptor_limit(int world, bool root) {
-  const int64_t open = open_descriptors();
+  const int64_t open = fd_limit::open_now();
   const int64_t need = open + (root ? 2 : 1) * int64_t{world} + 32;  // 32: listener, lock, tombstone, sockets, slack
-  rlimit rl{};
-  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return "";
-  auto fits = [&](const rlimit& l) { return l.rlim_cur == RLIM_INFINITY || static_cast<int64_t>(l.rlim_cur) >= need; };
-  if (fits(rl)) return "";
-  const rlim_t soft = rl.rlim_cur;
-  rlimit raised = rl;
-  raised.rlim_cur = rl.rlim_max;
-  if (::setrlimit(RLIMIT_NOFILE, &raised) == 0 && fits(raised)) return "";
+  const std::string limit = fd_limit::fit(need);
+  if (limit.empty()) return "";
   return fmt::format("a job of {} ranks needs about {} open files at rank {} ({} open now, a connection per rank and "
-                     "a descriptor per rank while buffers are shared), but the open-file limit (RLIMIT_NOFILE) is {} "
-                     "with a hard limit of {}, the most it can be raised to: raise the hard limit (ulimit -Hn, "
+                     "a descriptor per rank while buffers are shared), but {}: raise the hard limit (ulimit -Hn, "
                      "/etc/security/limits.conf, the container's nofile) or run fewer ranks",
-                     world, need, root ? 0 : 1, open, limit_text(soft), limit_text(rl.rlim_max));
+                     world, need, root ? 0 : 1, open, limit);
 }
 
 std::string dir_of(const std::string& path) {
@@ -537,7 +511,7 @@ void Bootstrap::Impl::rendezvous_root() {
         fail_job(fmt::format("rendezvous failed at rank 0 ('{}'): accepting rank connections failed: {}{}; {} of {} "
                              "rank(s) had connected",
                              cfg.address, errno_text(err),
-                             err == EMFILE ? fmt::format(" (the open-file limit, RLIMIT_NOFILE, is {})", nofile_text())
+                             err == EMFILE ? fmt::format(" (the open-file limit, RLIMIT_NOFILE, is {})", fd_limit::describe())
                                            : std::string(),
                              accepted + 1, world));
       }

@@ -29,6 +29,7 @@
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
+#include "ranks/fd_limit.h"
 
 extern char** environ;
 
@@ -208,6 +209,16 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
               "Unix socket path holds at most {}; give a directory of at most {} bytes",
               opts.socket_dir.empty() ? "TMPDIR (the default of --socket-dir)" : "--socket-dir", clip(parent),
               parent.size(), socket_rel, socket_len, kSunPathMax, kSunPathMax - socket_rel.size());
+  // The launcher keeps the read ends of two pipes per relayed rank: a job that cannot fit under the open-file limit
+  // (raised to the hard limit first; the ranks inherit it) says so before anything starts.
+  if (opts.output != LaunchOutput::kRaw) {
+    const int64_t need = fd_limit::open_now() + 2 * int64_t{opts.nproc} + 16;
+    if (const std::string why = fd_limit::fit(need); !why.empty())
+      throw std::system_error(EMFILE, std::generic_category(),
+                              fmt::format("launch --nproc {}: relaying the ranks' output needs about {} open files, "
+                                          "but {}: raise the hard limit (ulimit -Hn) or give --output raw",
+                                          opts.nproc, need, why));
+  }
   remove_stale_launch_dirs(parent);
   // Before the directory exists: a signal from here on stops the ranks and removes it (kStopSignals).
   std::optional<SignalScope> signals;

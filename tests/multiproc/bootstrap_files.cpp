@@ -112,29 +112,49 @@ TEST(BootstrapFiles, AJobOverTheOpenFileLimitSaysSoOnEveryRank) {
   }
 }
 
-// A soft limit too low for the job is raised to the hard limit, as NCCL does: the job runs.
-TEST(BootstrapFiles, ALowSoftLimitIsRaised) {
-  rlimit mine{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &mine), 0);
-  if (mine.rlim_max != RLIM_INFINITY && mine.rlim_max < 200) GTEST_SKIP() << "hard open-file limit below 200";
-  const auto out = run_ranks(
-      24,
-      [](const BootstrapConfig& c) {
+// `world` ranks whose soft open-file limit is `soft` (the hard one unchanged) meet and, with share_fds, share a
+// descriptor with every rank; each checks that its soft limit was raised to the hard one.
+std::vector<test::RankOutcome> ranks_under_soft_limit(int world, rlim_t soft, bool share_fds) {
+  return run_ranks(
+      world,
+      [soft, share_fds](const BootstrapConfig& c) {
         rlimit low{};
         ::getrlimit(RLIMIT_NOFILE, &low);
-        low.rlim_cur = 40;
+        low.rlim_cur = soft;
         RANK_CHECK(::setrlimit(RLIMIT_NOFILE, &low) == 0, "setrlimit");
         auto b = Bootstrap::connect(c);
-        const int fd = ::memfd_create("limit", MFD_CLOEXEC);
-        auto fds = b->all_gather_fds(fd);  // 24 descriptors at every rank at once, besides the connections
-        ::close(fd);
+        if (share_fds) {
+          const int fd = ::memfd_create("limit", MFD_CLOEXEC);
+          auto fds = b->all_gather_fds(fd);  // a descriptor per rank at every rank at once, besides the connections
+          ::close(fd);
+        }
+        b->barrier();
         rlimit now{};
         ::getrlimit(RLIMIT_NOFILE, &now);
         RANK_CHECK(now.rlim_cur == now.rlim_max, "soft limit {} not raised to {}", now.rlim_cur, now.rlim_max);
         return 0;
       },
-      20.0, 60.0);
+      120.0, 240.0);
+}
+
+bool hard_limit_below(rlim_t n) {
+  rlimit mine{};
+  return ::getrlimit(RLIMIT_NOFILE, &mine) != 0 || (mine.rlim_max != RLIM_INFINITY && mine.rlim_max < n);
+}
+
+// A soft limit too low for the job is raised to the hard limit, as NCCL does: the job runs.
+TEST(BootstrapFiles, ALowSoftLimitIsRaised) {
+  if (hard_limit_below(200)) GTEST_SKIP() << "hard open-file limit below 200";
+  const auto out = ranks_under_soft_limit(24, 40, true);
   EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
+}
+
+// The common case of the issue: 1024 ranks under the common soft limit of 1024 (rank 0 alone needs 1023
+// connections, a listener and a lock) work once it is raised.
+TEST(BootstrapFiles, AThousandRanksUnderASoftLimitOfAThousand) {
+  if (hard_limit_below(4096)) GTEST_SKIP() << "hard open-file limit below 4096";
+  const auto out = ranks_under_soft_limit(1024, 1024, false);
+  EXPECT_TRUE(test::all_ok(out)) << test::describe(out).substr(0, 4000);
 }
 
 // accept() failing with EMFILE after the start's check (the process opened files meanwhile): an error naming the
