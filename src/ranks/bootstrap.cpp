@@ -550,7 +550,10 @@ void Bootstrap::Impl::rendezvous_follower() {
   // earlier attempt's: "rank 0 closed the connection during rendezvous", the reason lost).
   auto rank0_gave_up = [&](bool connected = false) {
     const bootstrap_tombstone::Found t = bootstrap_tombstone::read(cfg.address, cfg.token);
-    if (!(t.this_attempt || (connected && !t.reason.empty() && !t.earlier_boot))) return std::string();
+    // token_per_attempt: no retry shares the token, so a rank that started after rank 0 gave up (24 ranks forked on
+    // 2 cores) is still of this attempt.
+    const bool ours = (connected || cfg.token_per_attempt) && !t.reason.empty() && !t.earlier_boot;
+    if (!(t.this_attempt || ours)) return std::string();
     bootstrap_tombstone::mark_reported(t);
     return t.reason;
   };
@@ -927,6 +930,7 @@ std::optional<BootstrapConfig> bootstrap_config_from_env() {
     c.token = token;
     c.job = fmt::format("pcpkv launch (pid {})", ::getppid());
     c.source = "pcpkv launch";
+    c.token_per_attempt = true;  // a fresh token per launch (a retry is another launch)
     PCPKV_CHECK(c.rank < c.world_size, "bootstrap: {}={} must be < {}={}", kEnvRank, c.rank, kEnvWorldSize,
                 c.world_size);
     check_local(c, kEnvRank, kEnvWorldSize, kEnvLocalRank, kEnvLocalWorldSize);

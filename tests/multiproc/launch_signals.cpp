@@ -117,5 +117,27 @@ TEST(LaunchSignals, ALowSoftLimitIsRaised) {
   EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
+// `ulimit -n 20` with 24 ranks (issue 31 item 4): rank 0 spun past its timeout and the others said only that not
+// every rank arrived. Now every rank names the limit at once, also the ranks that start after rank 0 gave up (24
+// processes on 2 cores): a launch's job token is its own, so rank 0's tombstone is this attempt's.
+TEST(LaunchLimits, EveryRankNamesTheOpenFileLimitAtOnce) {
+  test::TempDir parent, logs;
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t pid = start_launch({"--nproc", "24", "--timeout", "20", "--output", "raw", "--socket-dir", parent.path,
+                                  "--", "bench-fence", "--backend", "cpu"},
+                                 logs, 20, 20);
+  const int status = wait_status(pid, 60);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::ifstream in(logs.path + "/out.log");
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_EQ(WEXITSTATUS(status), 4) << out;  // rank setup failed
+  EXPECT_EQ(test::count_occurrences(out, "a job of 24 ranks needs about"), 24) << out;
+  EXPECT_EQ(test::count_occurrences(out, "the open-file limit (RLIMIT_NOFILE) is 20 with a hard limit of 20"), 24)
+      << out;
+  EXPECT_LT(seconds, 10.0) << "a rank waited for its timeout (20 s)\n" << out;
+  EXPECT_TRUE(launch_dirs(parent.path).empty()) << "the launcher's directory was left";
+}
+
 }  // namespace
 }  // namespace pcpkv
