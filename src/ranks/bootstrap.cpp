@@ -74,7 +74,7 @@ std::string job_name(const std::string& job) { return job.empty() ? "an unnamed 
 // One rank 0 per address, for as long as its Bootstrap lives: a second job given the same MASTER_PORT (or
 // PCPKV_BOOTSTRAP) is refused at once, as torchrun's store refuses a port in use, instead of taking over
 // the socket and meeting the first job's ranks. flock() goes with the process: a killed job leaves no lock.
-// The lock file goes with its Bootstrap (remove_lock) and a crashed holder's is reclaimed by the next rank 0 in the
+// The lock file goes with its Bootstrap (~Impl) and a crashed holder's is reclaimed by the next rank 0 in the
 // directory (sweep_stale_locks): both unlink it while holding the lock, so a rank 0 that opened the file just before
 // locks an unlinked inode; it sees that (the path names another inode or none) and starts over.
 bool still_named(int fd, const std::string& path) {
@@ -508,12 +508,11 @@ void Bootstrap::Impl::rendezvous_root() {
         // one the tombstone needs, and the ranks queued behind it see their connection closed and read it.
         listener.reset();
         pending.clear();
-        fail_job(fmt::format("rendezvous failed at rank 0 ('{}'): accepting rank connections failed: {}{}; {} of {} "
-                             "rank(s) had connected",
-                             cfg.address, errno_text(err),
-                             err == EMFILE ? fmt::format(" (the open-file limit, RLIMIT_NOFILE, is {})", fd_limit::describe())
-                                           : std::string(),
-                             accepted + 1, world));
+        const std::string limit =
+            err == EMFILE ? fmt::format(" (the open-file limit, RLIMIT_NOFILE, is {})", fd_limit::describe()) : "";
+        fail_job(fmt::format("rendezvous failed at rank 0 ('{}'): accepting rank connections failed: {}{}; {} of the "
+                             "{} other rank(s) had connected",
+                             cfg.address, errno_text(err), limit, accepted, world - 1));
       }
       uid_t uid = 0;
       pid_t pid = 0;

@@ -278,10 +278,11 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     for (pid_t& pid : pids)
       if (pid > 0) ::waitpid(pid, nullptr, 0);
     remover.remove_now();
+    const auto started = std::count_if(pids.begin(), pids.end(), [](pid_t p) { return p > 0; });
     throw std::system_error(err, std::generic_category(),
                             fmt::format("launch: {} failed after starting {} of {} rank(s) (they were stopped; is the "
                                         "descriptor or process limit too low? ulimit -n, ulimit -u)",
-                                        what, std::count_if(pids.begin(), pids.end(), [](pid_t p) { return p > 0; }), n));
+                                        what, started, n));
   };
 
   for (int r = 0; r < n; ++r) {

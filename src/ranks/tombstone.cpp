@@ -1,6 +1,7 @@
 // The rendezvous tombstone (see ranks/tombstone.h). File: token, boot id, CLOCK_BOOTTIME ns, keep-until
-// CLOCK_BOOTTIME ns, reason, one per line (the reason is the rest of the file). Times are compared in the boot clock because a process's start
-// time (/proc/self/stat) is counted from boot; the boot id keeps a file from before a reboot old.
+// CLOCK_BOOTTIME ns, reason, one per line (the reason is the rest of the file). Times are compared in the boot
+// clock because a process's start time (/proc/self/stat) is counted from boot; the boot id keeps a file from
+// before a reboot old.
 #include "ranks/tombstone.h"
 
 #include <fcntl.h>

@@ -110,8 +110,8 @@ TEST(LaunchSignals, ALowSoftLimitIsRaised) {
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &mine), 0);
   if (mine.rlim_max != RLIM_INFINITY && mine.rlim_max < 200) GTEST_SKIP() << "hard open-file limit below 200";
   test::TempDir parent, logs;
-  const pid_t pid = start_launch({"--nproc", "16", "--socket-dir", parent.path, "--program", "/bin/true", "--", "x"}, logs,
-                                 24, mine.rlim_max);
+  const pid_t pid = start_launch(
+      {"--nproc", "16", "--socket-dir", parent.path, "--program", "/bin/true", "--", "x"}, logs, 24, mine.rlim_max);
   const int status = wait_status(pid, 30);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);

@@ -112,7 +112,8 @@ TEST_F(InterruptTest, ACollectiveEndsAtTheInterruptAndThePeerIsTold) {
   EXPECT_EQ(out[0].exit_code, 7) << test::describe(out);
   EXPECT_LT(out[0].seconds, 5.0) << test::describe(out);
   EXPECT_EQ(out[1].exit_code, 3) << test::describe(out);
-  EXPECT_NE(out[1].output.find(") was interrupted (a signal such as Ctrl-C)"), std::string::npos) << test::describe(out);
+  EXPECT_NE(out[1].output.find(") was interrupted (a signal such as Ctrl-C)"), std::string::npos)
+      << test::describe(out);
   EXPECT_LT(out[1].seconds, 5.0) << test::describe(out);
 }
 

@@ -136,7 +136,8 @@ int run_app(CLI::App& app, int argc, char** argv) {
     return 2;
   } catch (const pcpkv::Error& e) {
     pcpkv::cli::print_error(e.what());
-    if (pcpkv::read_env("PCPKV_DEBUG") && !e.where().empty()) pcpkv::cli::print_stderr(fmt::format("pcpkv: (raised at {})\n", e.where()));
+    if (pcpkv::read_env("PCPKV_DEBUG") && !e.where().empty())
+      pcpkv::cli::print_stderr(fmt::format("pcpkv: (raised at {})\n", e.where()));
     return 2;
   } catch (const std::bad_alloc&) {
     pcpkv::cli::print_stderr("pcpkv: error: out of memory (try fewer --tokens or a smaller --pcp)\n");
@@ -178,7 +179,8 @@ int main_body(int argc, char** argv) {
   errno = 0;
   if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
     const int err = errno;
-    pcpkv::cli::print_error(fmt::format("cannot write the output to stdout: {}", err ? std::strerror(err) : "write error"));
+    pcpkv::cli::print_error(
+        fmt::format("cannot write the output to stdout: {}", err ? std::strerror(err) : "write error"));
     if (code == 0) code = 3;  // a failed verdict (1) or bad input (2) keeps its code
   }
   return code;
