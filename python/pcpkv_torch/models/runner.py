@@ -151,9 +151,13 @@ class PcpModel:
         embedding output and every decoder layer's output [N, hidden] as HF's output_hidden_states gives them,
         the last one after the final norm), N = all new tokens of the step, requests in order.
         Bad requests raise ValueError before anything changes; an exception part-way rolls the step back (blocks,
-        cached token counts, top-k) and propagates."""
+        cached token counts, top-k) and propagates. DistPcpModel: the ranks' requests, transport and cache state
+        are compared first (agreement.step_entries); a mismatch raises ValueError on every rank."""
         if self._restored:
             raise RuntimeError("PcpModel.step: restore() already put HF's attention back; build a new PcpModel")
+        # Every rank of a DistPcpModel must run this very step on the same cache state: compared by a digest
+        # before any work (a no-op with every rank in this process).
+        self.world.agree_step(requests, transport, self.blocks)
         if transport is not None:
             transport, _ = self.world.resolve_transport(transport)
         vocab = int(self.hf.config.vocab_size)
