@@ -67,7 +67,7 @@ def _scenarios(rank, world, path):
     part failing (before the fix: ranks that went on with different work) does not hide the others'."""
     model = torch.load(path, weights_only=False)
     out = {}
-    for part in (_seed, _weights, _steps, _rollback, _refused):  # _refused last: before the fix rank 0 hung in it
+    for part in (_seed, _weights, _steps, _rollback, _diverged, _refused):  # _refused last: before the fix rank 0 hung in it
         try:
             part(out, model, rank, world)
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -162,6 +162,28 @@ def _rollback(out, model, rank, world):
         out["retry == clean"] = torch.equal(got, want)
 
 
+def _diverged(out, model, rank, world):
+    """A step that fails on rank 1 only, after its last collective (the final norm): rank 1 rolls back, rank 0
+    keeps the step; the next step is refused on both, naming the cache state, instead of attending to slots rank 1
+    never wrote."""
+    first, second = _steps_of()
+    pcp = _make(model)
+    try:
+        def boom(*_):
+            raise RuntimeError("boom")
+
+        hook = model.model.norm.register_forward_pre_hook(boom) if rank == 1 else None
+        try:
+            out["diverged first"] = _error(lambda: pcp.step(first))
+        finally:
+            if hook is not None:
+                hook.remove()
+        out["diverged second"] = _error(lambda: pcp.step(second))
+    finally:
+        pcp.restore()
+        pcp.world.close()
+
+
 @pytest.fixture(scope="module")
 def scenarios():
     out = run_ranks(_scenarios, 2, model_file(), timeout=150)
@@ -209,3 +231,10 @@ def test_a_step_failing_part_way_rolls_back_on_every_rank(scenarios):
         assert s.get("failed") == "RuntimeError: boom", s
         assert s.get("rolled back"), s
     assert scenarios[0].get("retry == clean"), scenarios[0]
+
+
+def test_ranks_whose_cache_state_diverged_are_refused(scenarios):
+    assert scenarios[0].get("diverged first") is None and scenarios[1].get("diverged first") == "RuntimeError: boom"
+    for r in range(2):
+        assert scenarios[r].get("diverged second") == ("Disagreement: DistPcpModel.step: the ranks disagree on "
+                                                       "cache state: free blocks: rank 0: 11; rank 1: 15"), scenarios[r]
