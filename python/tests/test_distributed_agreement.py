@@ -67,7 +67,7 @@ def _scenarios(rank, world, path):
     part failing (before the fix: ranks that went on with different work) does not hide the others'."""
     model = torch.load(path, weights_only=False)
     out = {}
-    for part in (_seed, _weights, _steps, _rollback, _diverged, _refused):  # _refused last: before the fix rank 0 hung in it
+    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _refused):  # _refused last: before the fix rank 0 hung in it
         try:
             part(out, model, rank, world)
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -184,6 +184,30 @@ def _diverged(out, model, rank, world):
         pcp.world.close()
 
 
+def _apart(out, model, rank, world):
+    """A step that fails on rank 1 before its layer-1 fence: rank 0 times out there (its epoch one ahead), both roll
+    back; the retry is refused on both naming the fence epochs (it ran: rank 1 passed its next fence on rank 0's
+    stale signal, before rank 0 wrote that layer's rows)."""
+    first, second = _steps_of()
+    pcp = _make(model, fence_timeout_s=1.0)
+    try:
+        pcp.step(first)
+
+        def boom(*_):
+            raise RuntimeError("boom")
+
+        hook = model.model.layers[1].self_attn.register_forward_pre_hook(boom) if rank == 1 else None
+        try:
+            out["apart first"] = _error(lambda: pcp.step(second))
+        finally:
+            if hook is not None:
+                hook.remove()
+        out["apart retry"] = _error(lambda: pcp.step(second))
+    finally:
+        pcp.restore()
+        pcp.world.close()
+
+
 @pytest.fixture(scope="module")
 def scenarios():
     out = run_ranks(_scenarios, 2, model_file(), timeout=150)
@@ -238,3 +262,12 @@ def test_ranks_whose_cache_state_diverged_are_refused(scenarios):
     for r in range(2):
         assert scenarios[r].get("diverged second") == ("Disagreement: DistPcpModel.step: the ranks disagree on "
                                                        "cache state: free blocks: rank 0: 11; rank 1: 15"), scenarios[r]
+
+
+def test_ranks_whose_fences_fell_apart_are_refused(scenarios):
+    assert "rank 1 never arrived" in (scenarios[0].get("apart first") or ""), scenarios[0]
+    assert scenarios[1].get("apart first") == "RuntimeError: boom", scenarios[1]
+    for r in range(2):
+        assert scenarios[r].get("apart retry") == (
+            "Disagreement: DistPcpModel.step: the ranks disagree on fence epochs (apart after a step failed on some "
+            "ranks only: build a new DistPcpModel): rank 0: (5,); rank 1: (4,)"), scenarios[r]
