@@ -136,11 +136,7 @@ def _rollback(out, model, rank, world):
     try:
         pcp.step(first)
         before = (pcp.blocks.num_free, dict(pcp.blocks.lengths))
-
-        def boom(*_):
-            raise RuntimeError("boom")
-
-        hook = model.model.layers[2].mlp.register_forward_pre_hook(boom)
+        hook = model.model.layers[2].mlp.register_forward_pre_hook(_boom)
         try:
             out["failed"] = _error(lambda: pcp.step(second))
         finally:
@@ -162,26 +158,36 @@ def _rollback(out, model, rank, world):
         out["retry == clean"] = torch.equal(got, want)
 
 
+def _one_rank_fails(model, rank, module, steps, fail_at=0, **kw):
+    """[error of each step]: steps run in turn on a fresh DistPcpModel, steps[fail_at] with `module` (of the
+    model) raising on rank 1 only."""
+    pcp = _make(model, **kw)
+    errors = []
+    try:
+        for i, step in enumerate(steps):
+            hook = module(model).register_forward_pre_hook(_boom) if rank == 1 and i == fail_at else None
+            try:
+                errors.append(_error(lambda: pcp.step(step)))
+            finally:
+                if hook is not None:
+                    hook.remove()
+    finally:
+        pcp.restore()
+        pcp.world.close()
+    return errors
+
+
+def _boom(*_):
+    raise RuntimeError("boom")
+
+
 def _diverged(out, model, rank, world):
     """A step that fails on rank 1 only, after its last collective (the final norm): rank 1 rolls back, rank 0
     keeps the step; the next step is refused on both, naming the cache state, instead of attending to slots rank 1
     never wrote."""
     first, second = _steps_of()
-    pcp = _make(model)
-    try:
-        def boom(*_):
-            raise RuntimeError("boom")
-
-        hook = model.model.norm.register_forward_pre_hook(boom) if rank == 1 else None
-        try:
-            out["diverged first"] = _error(lambda: pcp.step(first))
-        finally:
-            if hook is not None:
-                hook.remove()
-        out["diverged second"] = _error(lambda: pcp.step(second))
-    finally:
-        pcp.restore()
-        pcp.world.close()
+    out["diverged first"], out["diverged second"] = _one_rank_fails(model, rank, lambda m: m.model.norm,
+                                                                    [first, second])
 
 
 def _apart(out, model, rank, world):
@@ -189,23 +195,9 @@ def _apart(out, model, rank, world):
     back; the retry is refused on both naming the fence epochs (it ran: rank 1 passed its next fence on rank 0's
     stale signal, before rank 0 wrote that layer's rows)."""
     first, second = _steps_of()
-    pcp = _make(model, fence_timeout_s=1.0)
-    try:
-        pcp.step(first)
-
-        def boom(*_):
-            raise RuntimeError("boom")
-
-        hook = model.model.layers[1].self_attn.register_forward_pre_hook(boom) if rank == 1 else None
-        try:
-            out["apart first"] = _error(lambda: pcp.step(second))
-        finally:
-            if hook is not None:
-                hook.remove()
-        out["apart retry"] = _error(lambda: pcp.step(second))
-    finally:
-        pcp.restore()
-        pcp.world.close()
+    _, out["apart first"], out["apart retry"] = _one_rank_fails(
+        model, rank, lambda m: m.model.layers[1].self_attn, [first, second, second], fail_at=1,
+        fence_timeout_s=1.0)
 
 
 @pytest.fixture(scope="module")
