@@ -67,7 +67,8 @@ def _scenarios(rank, world, path):
     part failing (before the fix: ranks that went on with different work) does not hide the others'."""
     model = torch.load(path, weights_only=False)
     out = {}
-    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _refused):  # _refused last: before the fix rank 0 hung in it
+    # _refused last: before the fix rank 0 hung in it
+    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _refused):
         try:
             part(out, model, rank, world)
         except Exception as e:  # noqa: BLE001 - reported to the test

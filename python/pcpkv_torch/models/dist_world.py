@@ -110,7 +110,8 @@ class DistPcpWorld(PcpWorld):
             # the fence epochs too: a step that failed on one rank before a fence leaves the ranks' epochs apart,
             # and a fence passed on a stale epoch would read rows a peer has not written yet
             epochs = () if self.fence_state is None else tuple(self.fence_state.epochs.reshape(-1).tolist())
-            return agreement.step_entries(requests, transport, blocks) + [("fence epochs (apart after a step failed on some ranks only: build a new DistPcpModel)", epochs)]
+            why = "apart after a step failed on some ranks only: build a new DistPcpModel"
+            return agreement.step_entries(requests, transport, blocks) + [(f"fence epochs ({why})", epochs)]
 
         self._named("the step agreement", lambda: agreement.check(self._agree_gather, "DistPcpModel.step", entries))
 
@@ -195,10 +196,10 @@ def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout
     their arguments (seed, num_blocks, block_size, kv_format, transport, row_chunk, the plan modes, max_positions,
     check_replicas; not timing / record_topk / poison), the model's config, dtype and device kind and a digest of
     its state dict (the weights, hashed where they live); each step() compares its requests (ids, token ids,
-    context_len, decode), transport, the cache state and the fence epochs first (agreement.py). A mismatch raises ValueError
-    (agreement.Disagreement) on every rank naming the first differing field (and request) and each rank's value;
-    an argument one rank refuses raises there as it would alone and on every other rank naming that rank and the
-    message. Release its memory with model.world.close()."""
+    context_len, decode), transport, the cache state and the fence epochs first (agreement.py). A mismatch raises
+    ValueError (agreement.Disagreement) on every rank naming the first differing field (and request) and each
+    rank's value; an argument one rank refuses raises there as it would alone and on every other rank naming that
+    rank and the message. Release its memory with model.world.close()."""
     import inspect
 
     import torch.distributed as dist
