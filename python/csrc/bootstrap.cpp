@@ -57,6 +57,16 @@ TORCH_LIBRARY_FRAGMENT(pcpkv, m) {
            [](const c10::intrusive_ptr<BootstrapHolder>& self, bool ok, std::string why, std::string what) {
              runtime_errors([&] { self->get("agree").agree(ok, why, what); });
            })
+      // every rank's blob in rank order (setup-time descriptions and digests: the ranks compare what they share)
+      .def("all_gather",
+           [](const c10::intrusive_ptr<BootstrapHolder>& self, std::string blob) -> std::vector<std::string> {
+             return runtime_errors([&] {
+               std::vector<std::string> out;
+               for (const auto& b : self->get("all_gather").all_gather_v(blob.data(), blob.size()))
+                 out.emplace_back(b.begin(), b.end());
+               return out;
+             });
+           })
       .def("abort",
            [](const c10::intrusive_ptr<BootstrapHolder>& self, std::string why) {
              if (self->boot) self->boot->abort(why);
