@@ -12,14 +12,15 @@ from pcpkv_torch.models import agreement
 
 
 def run(entries_of, W=3):
-    """{rank: "ok" | "Type: message"} of agreement.check on W threads; entries_of(rank) -> entries."""
+    """({rank: "ok" | "Type: message"}, exchanges) of agreement.check on W threads (entries_of(rank) -> entries),
+    through a str -> [W] str exchange as rank_agreement.torch_gather's."""
     slots, barrier, calls = [None] * W, threading.Barrier(W), [0]
 
-    def gather(t):
+    def gather(text):
         r = threading.get_ident()
-        slots[ranks[r]] = t.clone()
+        slots[ranks[r]] = text
         barrier.wait()
-        out = torch.stack(slots)
+        out = list(slots)
         barrier.wait()
         if ranks[r] == 0:
             calls[0] += 1

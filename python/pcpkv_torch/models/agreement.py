@@ -1,25 +1,28 @@
 """Every rank agrees or every rank refuses: what the ranks of a DistPcpModel must share (the setup's arguments, seed,
-config and weights; each step's requests and cache state) is compared across the torch.distributed group by a small
-digest before any work.
+config and weights; each step's requests, cache state and fence epochs) is compared across the torch.distributed
+group by a small digest before any work.
 
 check(gather, what, entries) takes this rank's entries, an ordered list of (field, value) with plain values (int,
-float, str, bool, None, bytes, tuples of them). One all-gather of int64 [3] (verdict, number of entries, a 63-bit
-digest) settles the common case. When the digests differ, or a rank could not even list its entries (its exception
-is its verdict), a second exchange gathers every rank's entries (pickled; only then) and every rank raises the same
-ValueError naming the first differing field and each rank's value (ranks grouped by value), or the rank that failed
-and its message.
+float, str, bool, None, bytes, tuples of them), and gather, pcpkv_torch.rank_agreement's exchange (torch_gather: str
+-> [world] str). One exchange of a short string (verdict, number of entries, a 63-bit digest) settles the common
+case. When the digests differ, or a rank could not even list its entries (its exception is its verdict), a second
+exchange carries every rank's entries (only then) and every rank raises the same ValueError naming the first
+differing field (and request) and each rank's value, ranks grouped by value and long sequences (token ids) shown
+by length and first differing index, or the rank that failed and its message. (rank_agreement.agree_on compares
+two ranks' whole values: a step's 100k token ids would fill the message.)
 """
 
 from __future__ import annotations
 
 import array
+import base64
 import hashlib
 import pickle
 from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["Disagreement", "check", "digest", "module_digest", "process_group_gather", "step_entries"]
+__all__ = ["Disagreement", "check", "digest", "module_digest", "step_entries"]
 
 _MAX_VALUE_CHARS = 200  # a value in a message is cut past this (a 100k-token list would drown it)
 
@@ -87,31 +90,9 @@ def module_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def process_group_gather(group=None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An all-gather of int64 / uint8 tensors over a torch.distributed group: [W, *t.shape] of every rank's t (same
-    shape everywhere), through the group's device (CUDA for NCCL, else the CPU)."""
-    import torch.distributed as dist
-
-    W = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        src = t.contiguous().to(device)
-        outs = [torch.empty_like(src) for _ in range(W)]
-        dist.all_gather(outs, src, group=group)
-        return torch.stack(outs).cpu()
-
-    return gather
-
-
-def _gather_bytes(gather, data: bytes) -> list[bytes]:
-    n = gather(torch.tensor([len(data)], dtype=torch.int64))[:, 0].tolist()
-    buf = torch.zeros(max(n), dtype=torch.uint8)
-    if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    g = gather(buf)
-    return [bytes(g[r, :n[r]].numpy().tobytes()) for r in range(len(n))]
+def _gather_object(gather, obj) -> list:
+    text = base64.b64encode(pickle.dumps(obj)).decode("ascii")  # the ranks of one job: trusted peers
+    return [pickle.loads(base64.b64decode(t)) for t in gather(text)]
 
 
 def _show(v) -> str:
@@ -178,7 +159,8 @@ def step_entries(requests, transport, blocks) -> list:
 
 
 def check(gather, what: str, entries: Callable[[], list]) -> None:
-    """Compares this rank's entries() with every rank's (collective: every rank calls it once for the same `what`).
+    """Compares this rank's entries() with every rank's through gather (str -> [world] str, rank order:
+    rank_agreement.torch_gather; collective: every rank calls it once for the same `what`).
     Raises Disagreement (ValueError) on every rank when they differ, naming `what`, the first differing field and
     the ranks' values; when entries() raises on any rank, every rank raises naming that rank and its message (that
     rank re-raises its own exception, its message prefixed by nothing)."""
@@ -188,16 +170,14 @@ def check(gather, what: str, entries: Callable[[], list]) -> None:
         d = digest(mine)
     except Exception as e:  # noqa: BLE001 - shared with every rank below, then re-raised here
         error, mine, d = e, [], 0
-    summary = torch.tensor([int(error is not None), len(mine), d], dtype=torch.int64)
-    g = gather(summary)
-    if not bool((g != g[:1]).any()) and not bool(g[:, 0].any()):
+    summaries = list(gather(f"{int(error is not None)}:{len(mine)}:{d}"))
+    if len(set(summaries)) == 1 and error is None:
         return
     payload = (type(error).__name__, str(error)) if error is not None else None
     try:
-        data = pickle.dumps((payload, mine))
-    except Exception as e:  # noqa: BLE001 - a value that cannot be pickled: sent as its repr
-        data = pickle.dumps((payload, [(k, _show(v)) for k, v in mine]))
-    everyone = [pickle.loads(b) for b in _gather_bytes(gather, data)]
+        everyone = _gather_object(gather, (payload, mine))
+    except (pickle.PicklingError, TypeError, AttributeError):  # a value that cannot be pickled: sent as its repr
+        everyone = _gather_object(gather, (payload, [(k, _show(v)) for k, v in mine]))
     failed = [(r, p) for r, (p, _) in enumerate(everyone) if p is not None]
     if failed:
         if error is not None:
@@ -212,4 +192,4 @@ def check(gather, what: str, entries: Callable[[], list]) -> None:
         vals = [lst.get(k, _ABSENT) for lst in lists]
         if len({_canon(v) if v is not _ABSENT else b"\0absent" for v in vals}) > 1:
             raise Disagreement(f"{what}: the ranks disagree on {_label(k, lists)}: {_values(k, vals)}")
-    raise Disagreement(f"{what}: the ranks' digests differ ({g[:, 2].tolist()}) but no field does")
+    raise Disagreement(f"{what}: the ranks' digests differ ({summaries}) but no field does")

@@ -29,6 +29,7 @@ import torch
 
 from ..distributed import SymmetricCaches
 from ..ops import rope_table
+from ..rank_agreement import torch_gather
 from . import agreement
 from .replica_check import ReplicaCheck, compare_hashes, slot_hashes
 from .world import PcpWorld
@@ -81,7 +82,7 @@ class DistPcpWorld(PcpWorld):
         self.max_positions = max_positions
         self.fence_timeout_us = int(fence_timeout_s * 1e6)
         self._gloo = dist.get_backend(group) == "gloo"
-        self._agree_gather = agreement.process_group_gather(group)
+        self._agree_gather = torch_gather(group, "DistPcpModel.step agreement")
 
     # ---- what differs from W ranks in one process ------------------------------------------------------------
 
@@ -210,7 +211,7 @@ def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout
         raise RuntimeError("DistPcpModel: torch.distributed is not initialized (run under torchrun and call "
                            "torch.distributed.init_process_group)")
     W = dist.get_world_size(group)
-    gather = agreement.process_group_gather(group)
+    gather = torch_gather(group, "DistPcpModel setup agreement")
     shared = {"done": False}
 
     def agree(entries):
