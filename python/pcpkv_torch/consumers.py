@@ -16,9 +16,14 @@ import torch
 
 from .model import CacheFormat, check_cache_format, scale_problem
 
-__all__ = ["quantize_index_q", "indexer_topk", "sparse_mla", "lse_merge"]
+__all__ = ["quantize_index_q", "indexer_topk", "sparse_mla", "lse_merge", "INDEXER_MAX_TOPK", "INDEXER_MAX_HEADS"]
 
 Tensor = torch.Tensor
+
+#: The indexer kernels' bounds (pcpkv::validate_indexer_scalars, src/consumers/cpu/indexer_reference.cpp; the CUDA
+#: kernels share that validation): topk in [1, INDEXER_MAX_TOPK], index heads in [1, INDEXER_MAX_HEADS].
+INDEXER_MAX_TOPK = 8192
+INDEXER_MAX_HEADS = 128
 
 
 def quantize_index_q(q: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,8 +70,8 @@ def indexer_topk(q_fp8: Tensor, q_scale: Tensor, weights: Tensor, positions: Ten
     output (naming both; out = request_idx.view(T, 1) or block_tables gave wrong slots); on CPU also for a request
     index, position or block table entry out of range."""
     T = q_fp8.shape[0] if isinstance(q_fp8, torch.Tensor) and q_fp8.dim() >= 1 else 0
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 8192:  # True is no top-k width
-        raise ValueError(f"indexer_topk: topk = {topk!r} must be an int in [1, 8192]")
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= INDEXER_MAX_TOPK:  # True: no width
+        raise ValueError(f"indexer_topk: topk = {topk!r} must be an int in [1, {INDEXER_MAX_TOPK}]")
     if max_keys is not None and (isinstance(max_keys, bool) or not isinstance(max_keys, int) or
                                  not 1 <= max_keys < 2 ** 31):
         raise ValueError(f"indexer_topk: max_keys = {max_keys!r} must be an int in [1, 2^31) or None")

@@ -9,7 +9,7 @@ block manager keeps them, so a chunked prefill's new tokens and later decodes la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -57,6 +57,15 @@ class BlockTables:
         for _ in range(max(need, 0)):
             table.append(self._free.pop())
         self.lengths[request_id] = max(self.lengths.get(request_id, 0), num_tokens)
+
+    def snapshot(self):
+        """The free list, tables and cached lengths as they are now (restore() puts them back exactly: a step that
+        fails part-way leaves the blocks, their order and every request's cached tokens as before it)."""
+        return list(self._free), {r: list(t) for r, t in self.tables.items()}, dict(self.lengths)
+
+    def restore(self, snap):
+        free, tables, lengths = snap
+        self._free, self.tables, self.lengths = list(free), {r: list(t) for r, t in tables.items()}, dict(lengths)
 
     def release(self, request_id):
         """Returns a finished request's blocks to the free list (their cache bytes stay until overwritten)."""
@@ -110,10 +119,13 @@ class StepBatch:
     gathered_slot_mapping int64 [W * M] (rank-major, the all-gather / staging order); block_tables int32 [R, S];
     input_ids / global_positions int64 [N]; global_slots int64 [N].
     local_order / decode_ownership: the plan modes (pcpkv_torch.LOCAL_ORDERS, DECODE_OWNERSHIPS); ValueError for
-    another value."""
+    another value. max_positions (optional): positions must stay below it (the RoPE table / the model's
+    max_position_embeddings); a request past it is refused (ValueError naming max_positions_name) before a block is
+    reserved. Everything is validated before `blocks` changes: a refused step leaves it as it was."""
 
     def __init__(self, pcp_world: int, requests: Sequence[StepRequest], blocks: BlockTables, device=None, *,
-                 local_order: str = "request", decode_ownership: str = "replicated"):
+                 local_order: str = "request", decode_ownership: str = "replicated",
+                 max_positions: Optional[int] = None, max_positions_name: str = "max_positions"):
         check_plan_modes(local_order, decode_ownership)
         if not requests:
             raise ValueError("requests: a step needs at least one request")
@@ -139,6 +151,11 @@ class StepBatch:
         if need > blocks.num_free:
             raise ValueError(f"requests: the step needs {need} more cache blocks, {blocks.num_free} are free "
                              f"(num_blocks = {blocks.num_blocks})")
+        for i, q in enumerate(requests if max_positions is not None else ()):  # the RoPE table / the model end there
+            end = q.context_len + q.token_ids.numel()
+            if end > max_positions:
+                raise ValueError(f"requests[{i}] ({q.request_id!r}): positions [{q.context_len}, {end}) reach past "
+                                 f"{max_positions_name} = {max_positions} (positions must be < {max_positions})")
         # The plan first: a step it refuses (pcp_world = 0) reserved the blocks and marked the tokens cached, so the
         # same request's next step was refused ("context_len = 0, but 3 tokens of this request are cached").
         plan = make_plan(pcp_world, [Request(int(q.token_ids.numel()), q.context_len, q.decode) for q in requests],

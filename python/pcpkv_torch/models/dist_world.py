@@ -29,6 +29,8 @@ import torch
 
 from ..distributed import SymmetricCaches
 from ..ops import rope_table
+from ..rank_agreement import torch_gather
+from . import agreement
 from .replica_check import ReplicaCheck, compare_hashes, slot_hashes
 from .world import PcpWorld
 
@@ -80,6 +82,7 @@ class DistPcpWorld(PcpWorld):
         self.max_positions = max_positions
         self.fence_timeout_us = int(fence_timeout_s * 1e6)
         self._gloo = dist.get_backend(group) == "gloo"
+        self._agree_gather = torch_gather(group, "DistPcpModel.step agreement")
 
     # ---- what differs from W ranks in one process ------------------------------------------------------------
 
@@ -98,6 +101,20 @@ class DistPcpWorld(PcpWorld):
         outs = [torch.empty_like(src) for _ in range(self.W)]
         dist.all_gather(outs, src, group=self.group)
         return torch.stack(outs).to(t.device).view(t.dtype).view(self.W, *t.shape)
+
+    def agree_step(self, requests, transport, blocks):
+        """Compares this step's requests (ids, token ids, context_len, decode), the transport override, the cache
+        state (agreement.step_entries) and the fence epochs with every rank's by a digest before any work:
+        Disagreement (ValueError) on every rank naming the first differing request and field and the ranks'
+        values."""
+        def entries():
+            # the fence epochs too: a step that failed on one rank before a fence leaves the ranks' epochs apart,
+            # and a fence passed on a stale epoch would read rows a peer has not written yet
+            epochs = () if self.fence_state is None else tuple(self.fence_state.epochs.reshape(-1).tolist())
+            why = "apart after a step failed on some ranks only: build a new DistPcpModel"
+            return agreement.step_entries(requests, transport, blocks) + [(f"fence epochs ({why})", epochs)]
+
+        self._named("the step agreement", lambda: agreement.check(self._agree_gather, "DistPcpModel.step", entries))
 
     def _gather_rows(self, rows: Sequence[torch.Tensor]):
         for t in rows:
@@ -148,10 +165,44 @@ class DistPcpWorld(PcpWorld):
         self.caches.close()
 
 
+#: PcpModel arguments that only observe this rank's run (no collective, cache byte or logit depends on them): not
+#: compared across ranks.
+_LOCAL_ONLY = ("hf_model", "make_world", "timing", "record_topk", "poison")
+
+
+def _setup_entries(hf_model, bound: dict, world_args: dict) -> list:
+    """What the ranks of a DistPcpModel must share: PcpModel's arguments (seed, num_blocks, block_size, kv_format,
+    transport, ...; max_positions and check_replicas as resolved), the model's type, config, dtype and device
+    kind, and its weights (agreement.module_digest of the state dict)."""
+    import json
+
+    cfg = hf_model.config
+    out = [(k, v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
+           for k, v in sorted(bound.items()) if k not in _LOCAL_ONLY]
+    out += [("max_positions (resolved)", world_args["max_positions"]),
+            ("check_replicas (resolved)", ReplicaCheck(world_args["check_replicas"]).enabled),
+            ("hf_model.config", agreement.digest([("json", json.dumps(cfg.to_dict(), sort_keys=True, default=str))])),
+            ("hf_model dtype", str(next(hf_model.parameters()).dtype)),
+            ("hf_model device type", next(hf_model.parameters()).device.type),
+            ("hf_model weights (state dict digest)", agreement.module_digest(hf_model))]
+    return out
+
+
 def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout_s: float = 30.0, **kw):
     """A PcpModel (same arguments but pcp_world, which is the group's size) with one PCP rank per process of the
     torch.distributed group (DistPcpWorld). Collective: every rank builds it with the same arguments and model
-    weights, and calls step() with the same requests. Release its memory with model.world.close()."""
+    weights, and calls step() with the same requests.
+
+    Every rank agrees or every rank refuses: before the symmetric caches are set up, the ranks compare by a digest
+    their arguments (seed, num_blocks, block_size, kv_format, transport, row_chunk, the plan modes, max_positions,
+    check_replicas; not timing / record_topk / poison), the model's config, dtype and device kind and a digest of
+    its state dict (the weights, hashed where they live); each step() compares its requests (ids, token ids,
+    context_len, decode), transport, the cache state and the fence epochs first (agreement.py). A mismatch raises
+    ValueError (agreement.Disagreement) on every rank naming the first differing field (and request) and each
+    rank's value; an argument one rank refuses raises there as it would alone and on every other rank naming that
+    rank and the message. Release its memory with model.world.close()."""
+    import inspect
+
     import torch.distributed as dist
 
     from .runner import PcpModel
@@ -159,8 +210,30 @@ def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("DistPcpModel: torch.distributed is not initialized (run under torchrun and call "
                            "torch.distributed.init_process_group)")
+    W = dist.get_world_size(group)
+    gather = torch_gather(group, "DistPcpModel setup agreement")
+    shared = {"done": False}
+
+    def agree(entries):
+        shared["done"] = True  # every rank makes exactly one setup exchange, with its entries or its failure
+        agreement.check(gather, "DistPcpModel setup", entries)
 
     def make_world(*args, **kwargs):
+        def entries():
+            bound = inspect.signature(PcpModel).bind(hf_model, W, **kw)
+            bound.apply_defaults()
+            return _setup_entries(hf_model, dict(bound.arguments), kwargs)
+
+        agree(entries)
         return DistPcpWorld(*args, group=group, timeout_s=timeout_s, fence_timeout_s=fence_timeout_s, **kwargs)
 
-    return PcpModel(hf_model, dist.get_world_size(group), make_world=make_world, **kw)
+    try:
+        return PcpModel(hf_model, W, make_world=make_world, **kw)
+    except Exception as e:
+        if not shared["done"]:  # refused here before the exchange: the peers wait in it, so tell them
+
+            def failed():
+                raise e
+
+            agree(failed)
+        raise

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..consumers import INDEXER_MAX_HEADS, INDEXER_MAX_TOPK
 from ..model import ModelSpec
 from ..plan import check_plan_modes
 from .attention import PcpAttention, PcpRuntime
@@ -28,6 +29,16 @@ class _NoMask(defaultdict):
 
     def __init__(self):
         super().__init__(lambda: None)
+
+
+def _check_kernel_limits(cfg):
+    """Refuses (ValueError naming the config field and value) what pcpkv's indexer kernels cannot run: it failed
+    in the first layer's indexer, part-way through a step."""
+    for field, hi in (("index_topk", INDEXER_MAX_TOPK), ("index_n_heads", INDEXER_MAX_HEADS)):
+        v = getattr(cfg, field, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
+            raise ValueError(f"hf_model.config.{field} = {v!r} must be an int in [1, {hi}] (pcpkv's indexer "
+                             "kernels)")
 
 
 class PcpModel:
@@ -47,8 +58,11 @@ class PcpModel:
     make_world: the world's class (default PcpWorld: pcp_world logical ranks here; DistPcpModel passes
     DistPcpWorld, one rank per process). local_order / decode_ownership: the plan modes of every step (SPEC
     section 4.1; pcpkv_torch.LOCAL_ORDERS, DECODE_OWNERSHIPS); logits and cache bytes do not depend on them.
-    Raises ValueError for a config pcpkv cannot serve (kv_lora_rank != 512, ...), a bad transport, or a step
-    that needs more blocks than are free."""
+    Raises ValueError for a config pcpkv cannot serve (kv_lora_rank != 512, ...; index_topk or index_n_heads
+    past the indexer kernels' bounds, naming the field and value), a bad transport, or a step that needs more
+    blocks than are free or reaches past max_position_embeddings / max_positions (refused before any block is
+    reserved). A step is all or nothing: one that fails part-way (any exception) leaves the blocks (and their
+    order), every request's cached tokens and the last step's top-k as they were, so it can be retried."""
 
     def __init__(self, hf_model, pcp_world: int, *, num_blocks: int, block_size: int = 64,
                  kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", transport: str = "direct",
@@ -75,9 +89,15 @@ class PcpModel:
         cfg = hf_model.config
         self.blocks = BlockTables(num_blocks, block_size, seed=seed)
         self.spec = ModelSpec.from_hf_config(cfg.to_dict() | {"model_type": cfg.model_type})
+        _check_kernel_limits(cfg)
         device = next(hf_model.parameters()).device
         if max_positions is None:
             max_positions = min(int(cfg.max_position_embeddings), num_blocks * block_size)
+        # A step reaching past either bound is refused before a block is reserved (it failed in the first layer's
+        # publication with its blocks kept and its tokens marked cached).
+        mpe = getattr(cfg, "max_position_embeddings", None)
+        self._max_positions = ((int(mpe), "max_position_embeddings") if mpe is not None and int(mpe) <= max_positions
+                               else (max_positions, "max_positions"))
         self.world = (make_world or PcpWorld)(self.spec, pcp_world, len(layers), num_blocks, block_size,
                                               kv_format=kv_format, ds_mla_scale=ds_mla_scale,
                                               max_positions=max_positions, device=device, check_replicas=check_replicas)
@@ -129,9 +149,15 @@ class PcpModel:
              output_hidden_states: bool = False):
         """One forward step. Returns (logits [N, vocab] in global token order, hidden_states or None: the
         embedding output and every decoder layer's output [N, hidden] as HF's output_hidden_states gives them,
-        the last one after the final norm), N = all new tokens of the step, requests in order."""
+        the last one after the final norm), N = all new tokens of the step, requests in order.
+        Bad requests raise ValueError before anything changes; an exception part-way rolls the step back (blocks,
+        cached token counts, top-k) and propagates. DistPcpModel: the ranks' requests, transport and cache state
+        are compared first (agreement.step_entries); a mismatch raises ValueError on every rank."""
         if self._restored:
             raise RuntimeError("PcpModel.step: restore() already put HF's attention back; build a new PcpModel")
+        # Every rank of a DistPcpModel must run this very step on the same cache state: compared by a digest
+        # before any work (a no-op with every rank in this process).
+        self.world.agree_step(requests, transport, self.blocks)
         if transport is not None:
             transport, _ = self.world.resolve_transport(transport)
         vocab = int(self.hf.config.vocab_size)
@@ -141,12 +167,23 @@ class PcpModel:
                 raise ValueError(f"requests[{i}] ({q.request_id!r}).token_ids: ids must be in [0, {vocab}), got "
                                  f"[{int(t.min())}, {int(t.max())}]")
         device = self.world.device
-        batch = StepBatch(self.world.W, requests, self.blocks, device, local_order=self.local_order,
-                          decode_ownership=self.decode_ownership)
-        self.runtime.step = batch
-        self.runtime.transport = transport or self.transport
-        out = self.hf(input_ids=batch.input_ids.to(device)[None],
-                      position_ids=torch.as_tensor(batch.global_positions, device=device)[None],
-                      attention_mask=_NoMask(), use_cache=False, output_hidden_states=output_hidden_states)
-        hidden = [h[0] for h in out.hidden_states] if output_hidden_states else None
-        return out.logits[0], hidden
+        rt = self.runtime
+        # A step that fails part-way (an exception in the forward, a peer gone) leaves nothing behind: its blocks go
+        # back, no token is marked cached, the last step's batch and top-k stay what topk_positions() reads. Cache
+        # bytes it wrote lie in slots no request holds as cached, overwritten when the step is retried.
+        saved = (self.blocks.snapshot(), rt.step, rt.transport, dict(rt.topk), dict(rt.times))
+        try:
+            limit, name = self._max_positions
+            batch = StepBatch(self.world.W, requests, self.blocks, device, local_order=self.local_order,
+                              decode_ownership=self.decode_ownership, max_positions=limit, max_positions_name=name)
+            rt.step = batch
+            rt.transport = transport or self.transport
+            out = self.hf(input_ids=batch.input_ids.to(device)[None],
+                          position_ids=torch.as_tensor(batch.global_positions, device=device)[None],
+                          attention_mask=_NoMask(), use_cache=False, output_hidden_states=output_hidden_states)
+            hidden = [h[0] for h in out.hidden_states] if output_hidden_states else None
+            return out.logits[0], hidden
+        except BaseException:
+            snap, rt.step, rt.transport, rt.topk, rt.times = saved
+            self.blocks.restore(snap)
+            raise

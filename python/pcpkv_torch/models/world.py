@@ -142,6 +142,9 @@ class PcpWorld:
                 insert(kv_c, k_pe, idx_k, step.gathered_slot_mapping, mla[r], index[r] if fmt.has_indexer else None,
                        fmt=fmt)
 
+    def agree_step(self, requests, transport, blocks):
+        """Every rank runs the same step (DistPcpWorld compares them across processes); here the ranks share it."""
+
     def _gather_rows(self, rows: Sequence[torch.Tensor]):
         """collect's all-gather of rows [W, M, ...] (rank r's rows at [r]): here every rank wrote its own already."""
 
