@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from .model import CacheFormat, check_cache_format
-from .rank_agreement import arrival_check
+from .rank_agreement import torch_gather
 from .tables import CacheTargets, FenceState, RowDests, _describe, _index_geometry, _mla_geometry, first_overlap
 
 __all__ = ["EngineCaches"]
@@ -140,16 +140,12 @@ class EngineCaches:
 
     def _gather(self, obj, what: str) -> list:
         """Every rank's obj. On a gloo group every rank first checks that every peer arrived within timeout_s and
-        names those that did not (arrival_check; other backends rely on the group's own timeout)."""
-        import torch.distributed as dist
-
+        names those that did not (arrival_check; other backends rely on the group's own timeout); a failed
+        all-gather (a peer gone after arriving) is refused naming this rank."""
         try:
-            arrival_check(self._group, self._timeout_s, f"{_WHERE}: {what}")
+            return torch_gather(self._group, f"{_WHERE}: {what}", self._timeout_s)(obj)
         except RuntimeError as e:
             raise _Refused(str(e), False) from None
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
 
     def _agree(self, failures: list, what: str):
         """failures: this rank's [(is_argument, message)]. Returns when no rank failed; else raises _Refused on

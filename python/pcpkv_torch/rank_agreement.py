@@ -20,8 +20,8 @@ Gather = Callable[[str], Sequence[str]]
 
 
 def torch_gather(group, what: str, timeout_s: Optional[float] = None) -> Gather:
-    """The exchange over a torch.distributed group (all_gather_object; before pcpkv's bootstrap exists, or where
-    there is none). Its failure (a peer gone) is RuntimeError naming `what` and this rank. With timeout_s, each
+    """The exchange over a torch.distributed group (all_gather_object, so any picklable value; before pcpkv's
+    bootstrap exists, or where there is none). Its failure (a peer gone) is RuntimeError naming `what` and this rank. With timeout_s, each
     exchange first runs arrival_check: a peer that does not arrive within timeout_s is named, not waited for."""
     import torch.distributed as dist
 

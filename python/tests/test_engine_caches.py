@@ -261,19 +261,31 @@ def test_every_refusal_is_raised_on_every_rank_naming_rank_tensor_and_reason():
             assert name == "RuntimeError" and f"{what} used after close()" in msg, (r, what, got[f"closed {what}"])
 
 
-def _timed_refusal(world, timeout_s, die=False):
-    """(message, seconds) of this rank's EngineCaches RuntimeError, or None; die: exit (code 3) at the export,
-    after the first exchange."""
+def _timed_refusal(world, timeout_s, die=None):
+    """(message, seconds) of this rank's EngineCaches RuntimeError, or None; die: exit (code 3) after the first
+    exchange, "export": instead of exporting, "all-gather": inside the second all-gather, after arriving."""
     import os
     import time
+
+    import torch.distributed as dist
 
     from pcpkv_torch import engine_caches
 
     plan = _plan(world)
     fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
     mla, idx, staging = _engine_caches(plan, fmts, "cpu")
-    if die:
+    if die == "export":
         engine_caches.EngineCaches._export = lambda self, fails: os._exit(3)
+    elif die == "all-gather":
+        calls, real = [], dist.all_gather_object
+
+        def gather_then_die(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(3)
+            return real(*a, **kw)
+
+        dist.all_gather_object = gather_then_die
     t0 = time.monotonic()
     try:
         pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=timeout_s)
@@ -340,17 +352,21 @@ def test_a_late_rank_of_a_subgroup_is_named_by_its_rank_in_the_group():
     assert "rank 0 left the group" in out[2][1] and "(seen from rank 1 of 2)" in out[2][1], out[2]
 
 
-def _rank_1_killed_after_the_first_exchange(rank, world):
-    return _timed_refusal(world, 20.0, die=rank == 1)
+def _rank_1_killed_after_the_first_exchange(rank, world, where):
+    return _timed_refusal(world, 20.0, die=where if rank == 1 else None)
 
 
-def test_a_rank_killed_during_setup_is_named_promptly():
-    out = run_ranks(_rank_1_killed_after_the_first_exchange, W, timeout=120)
+@pytest.mark.parametrize("where, named", [
+    ("export", "exporting the caches: rank 1 left the group (it exited, was killed"),
+    # was: gloo's own error, raised as it came (no pcpkv_torch.EngineCaches, no step)
+    ("all-gather", "exporting the caches: the torch.distributed group's all-gather failed on rank 0")])
+def test_a_rank_killed_during_setup_is_named_promptly(where, named):
+    out = run_ranks(_rank_1_killed_after_the_first_exchange, W, where, timeout=120)
     assert out[1] == ("exit", 3), out[1]
     kind, val = out[0]
     assert kind == "ok" and val is not None, out
     msg, seconds = val
-    assert "exporting the caches" in msg and "rank 1 left the group (it exited, was killed" in msg, msg
+    assert msg.startswith("pcpkv_torch.EngineCaches: ") and named in msg, msg
     assert seconds < 10, (seconds, msg)
 
 
