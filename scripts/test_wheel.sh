@@ -53,8 +53,9 @@ say "built $(basename "$wheel")"
 # 2. A new environment holding the wheel; its python is run through a copy of the CI venv's wrapper (the CUDA
 # toolkit's libraries on the loader path, which `import torch` needs).
 "$ci_venv/bin/python" -m venv --without-pip "$work/venv"
-site_of() { "$1" -c 'import sysconfig; print(sysconfig.get_path("purelib")); print(sysconfig.get_path("platlib"))'; }
-site_of "$ci_venv/bin/python" | sort -u > "$(site_of "$work/venv/bin/python" | head -1)/pcpkv-ci-venv.pth"
+site_of() { "$1" -c "import sysconfig; print(sysconfig.get_path('$2'))"; }
+site="$(site_of "$work/venv/bin/python" platlib)"
+{ site_of "$ci_venv/bin/python" purelib; site_of "$ci_venv/bin/python" platlib; } | sort -u > "$site/pcpkv-ci-venv.pth"
 sed "s|exec \"$ci_venv/bin/python\"|exec \"$work/venv/bin/python\"|" "$ci_venv/bin/pcpkv-python" \
   > "$work/venv/bin/pcpkv-python"
 chmod +x "$work/venv/bin/pcpkv-python"
@@ -122,16 +123,16 @@ tail -1 "$work/prefill_dist.log"
 # tree off sys.path when no in-place build sits next to them).
 cp -r "$root/python/tests" "$work/run/tests"
 say "pytest (installed package): test_errors.py test_tables.py test_plan_modes.py"
-if ! "$py" -m pytest tests/test_errors.py tests/test_tables.py tests/test_plan_modes.py -q -rs -p no:cacheprovider \
+if ! "$py" -m pytest tests/test_errors.py tests/test_tables.py tests/test_plan_modes.py -p no:cacheprovider \
        >"$work/pytest.log" 2>&1; then
   cat "$work/pytest.log"
   exit 1
 fi
-installed_at="$(site_of "$work/venv/bin/python" | tail -1)/pcpkv_torch"
-if ! grep -qF "pcpkv_torch: installed package at $installed_at" "$work/pytest.log"; then
+if ! grep -qF "pcpkv_torch: installed package at $site/pcpkv_torch" "$work/pytest.log"; then
   head -20 "$work/pytest.log"
   echo "test_wheel: pytest did not import the installed package (header above)" >&2
   exit 1
 fi
+grep -F "pcpkv_torch: installed package" "$work/pytest.log"
 tail -1 "$work/pytest.log"
 say "PASS: the wheel installs and runs outside the source tree"
