@@ -2,13 +2,37 @@
 // resource_counts). Docs: pcpkv_torch/distributed.py.
 #include "bootstrap.h"
 
+#include <Python.h>
+#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include <vector>
 
+#include "pcpkv/core/interrupt.h"
 #include "pcpkv/ranks/symmetric.h"
 
 namespace pcpkv_torch {
+namespace {
+
+// The long waits (the rendezvous, the collectives, the CPU fence) run with the GIL released and retry on EINTR,
+// so Python's SIGINT handler only recorded Ctrl-C and KeyboardInterrupt came at the wait's timeout. They call this
+// at least every pcpkv::kInterruptPollMs: it takes the GIL briefly and runs the pending signal handlers (main thread
+// only, as Python does); an exception they raise is passed on as itself (KeyboardInterrupt).
+void run_python_signal_handlers() {
+  if (!Py_IsInitialized()) return;
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  if (PyErr_CheckSignals() == 0) {
+    PyGILState_Release(gil);
+    return;
+  }
+  pybind11::error_already_set raised;  // takes the exception while the GIL is held; pybind11 restores it
+  PyGILState_Release(gil);
+  throw raised;
+}
+
+[[maybe_unused]] const bool g_interrupt_check_set = (pcpkv::set_interrupt_check(&run_python_signal_handlers), true);
+
+}  // namespace
 
 BootstrapHolder::BootstrapHolder(int64_t rank, int64_t world_size, std::string address, std::string token,
                                  std::string job, double timeout_s) {
@@ -56,6 +80,16 @@ TORCH_LIBRARY_FRAGMENT(pcpkv, m) {
       .def("agree",
            [](const c10::intrusive_ptr<BootstrapHolder>& self, bool ok, std::string why, std::string what) {
              runtime_errors([&] { self->get("agree").agree(ok, why, what); });
+           })
+      // every rank's blob in rank order (setup-time descriptions and digests: the ranks compare what they share)
+      .def("all_gather",
+           [](const c10::intrusive_ptr<BootstrapHolder>& self, std::string blob) -> std::vector<std::string> {
+             return runtime_errors([&] {
+               std::vector<std::string> out;
+               for (const auto& b : self->get("all_gather").all_gather_v(blob.data(), blob.size()))
+                 out.emplace_back(b.begin(), b.end());
+               return out;
+             });
            })
       .def("abort",
            [](const c10::intrusive_ptr<BootstrapHolder>& self, std::string why) {

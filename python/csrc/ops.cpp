@@ -24,6 +24,7 @@
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/device/fence_kernel.h"
 #include "pcpkv/device/replica_hash.h"
+#include "pcpkv/core/interrupt.h"
 #include "pcpkv/core/plan.h"
 #include "pcpkv/core/rope.h"
 #include "pcpkv/publish/transport_choice.h"
@@ -301,6 +302,7 @@ void fence_cpu(const at::Tensor& pad_table, const at::Tensor& epochs, const at::
     for (int64_t peer = 0; peer < world; ++peer) slot(peer, e[b] & 1, first_rank + b).store(e[b], std::memory_order_release);
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  auto next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(pcpkv::kInterruptPollMs);
   for (int64_t b = 0; b < n; ++b) {
     const int64_t me = first_rank + b;
     for (int64_t peer = 0; peer < world; ++peer) {
@@ -308,6 +310,10 @@ void fence_cpu(const at::Tensor& pad_table, const at::Tensor& epochs, const at::
       uint64_t v;
       while (static_cast<int64_t>((v = slot(me, e[b] & 1, peer).load(std::memory_order_acquire)) - e[b]) < 0) {
         if (++spins > 64) std::this_thread::yield();
+        if ((spins & 1023u) == 0 && std::chrono::steady_clock::now() >= next_check) {
+          pcpkv::check_interrupt();  // Ctrl-C: KeyboardInterrupt now, not at the timeout (bootstrap.cpp sets it)
+          next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(pcpkv::kInterruptPollMs);
+        }
         if ((spins & 1023u) == 0 && std::chrono::steady_clock::now() > deadline) {
           pcpkv::FenceError err;
           err.flag = pcpkv::kFenceErrorFlag;

@@ -15,9 +15,12 @@ directory, same-user check by SO_PEERCRED both ways, the job token) and shares m
   CUDA  cuMemCreate buffers exported as POSIX file descriptors, imported and cuMemMap'd by every rank
         (several ranks may share one GPU; peers on other GPUs need peer access)
 Every rank's buffers are mapped in every process, so the peer tables (CacheTargets, RowDests, FenceState) hold
-real addresses. The group must live on one host. Setup is all or nothing (every rank raises RuntimeError naming
-each failing rank and why); close() (or leaving the with block) releases every mapping and descriptor once no
-tensor handed out is alive (views keep their mapping, never dangle).
+real addresses. The group must live on one host. Setup is all or nothing, and every rank raises the same error:
+ValueError for a bad argument on any rank (naming the rank, the argument and its value) or ranks that disagree on
+the layout (naming the first field, the layer and both ranks' values), checked before any shared memory is
+written; RuntimeError for a failed allocation or mapping, or a peer that exits or is killed (naming the rank and
+why). close() (or leaving the with block) releases every mapping and descriptor once no tensor handed out is
+alive (views keep their mapping, never dangle); any later use raises RuntimeError "... used after close()".
 
 PyTorch's own symmetric memory (torch.distributed._symmetric_memory.rendezvous) keeps working: its handles go
 to tables.peer_pointers() as before.
@@ -32,7 +35,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .model import MLA_ROW_BYTES, CacheFormat
+from .model import MLA_ROW_BYTES, CacheFormat, check_cache_format
+from .rank_agreement import agree_on, share_verdicts, torch_gather
 from .tables import CacheTargets, FenceState, RowDests
 
 __all__ = ["Bootstrap", "SymmetricBuffer", "SymmetricCaches", "resource_counts", "dead_ranks"]
@@ -68,24 +72,55 @@ def dead_ranks(pids: Sequence[int]) -> list[int]:
     return [r for r, p in enumerate(pids) if not _pid_alive(int(p))]
 
 
+def _require_dist(what: str):
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what}: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first, e.g. under torchrun)")
+    return dist
+
+
+def _member_rank(group, what: str) -> int:
+    """This process's rank in group, or ValueError (raised here only: a non-member has no peers to tell)."""
+    dist = _require_dist(what)
+    try:
+        rank = dist.get_rank(group)
+    except Exception as e:  # noqa: BLE001 - anything that is not a process group
+        raise ValueError(f"{what}: group = {group!r} is not a torch.distributed process group ({e})") from None
+    if rank < 0:
+        raise ValueError(f"{what}: group: this process (rank {dist.get_rank()} of the default group) is not a "
+                         "member of the group it passed (torch.distributed.new_group left it out); only the "
+                         "group's members may call")
+    return rank
+
+
+def _timeout_problem(timeout_s) -> str:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        return f"timeout_s = {timeout_s!r} must be a positive number of seconds"
+    return ""
+
+
 class Bootstrap:
     """pcpkv's rendezvous for the ranks of a torch.distributed group (collective over the group). group: None
     for the default group. timeout_s bounds every blocking step (rendezvous, each collective); a peer that exits
-    or is killed is named in the error. Raises ValueError for a bad timeout, RuntimeError when torch.distributed
-    is not initialized, the group spans hosts, or the rendezvous fails (naming the rank and why)."""
+    or is killed is named in the error. Raises ValueError on every rank when timeout_s is bad on any (naming
+    the rank and the value; the rank still takes part in the torch group's exchange, so no peer waits for it),
+    ValueError on this rank alone when it is not a member of group; RuntimeError when torch.distributed is not
+    initialized, the group spans hosts, or the rendezvous fails (naming the rank and why). Methods after
+    close(): RuntimeError "Bootstrap.<method> used after close()"."""
 
     def __init__(self, group=None, *, timeout_s: float = 60.0):
         import torch.distributed as dist
 
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"Bootstrap: timeout_s = {timeout_s!r} must be a positive number of seconds")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("pcpkv_torch.distributed: torch.distributed is not initialized "
-                               "(call torch.distributed.init_process_group first, e.g. under torchrun)")
+        self.rank = _member_rank(group, "Bootstrap")
         self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        hosts = [None] * self.world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        self.world = dist.get_world_size(group)
+        # the first exchange carries each rank's verdict on its own arguments along with its host
+        mine = f"{socket.gethostname()}\n{_timeout_problem(timeout_s)}"
+        got = [s.split("\n", 1) for s in torch_gather(group, "Bootstrap")(mine)]
+        share_verdicts(lambda _: [w for _, w in got], "Bootstrap", "")
+        hosts = [h for h, _ in got]
         if len(set(hosts)) != 1:
             other = next(r for r, h in enumerate(hosts) if h != hosts[0])
             raise RuntimeError(f"pcpkv_torch.distributed: the group spans hosts (rank 0 on {hosts[0]!r}, rank {other} "
@@ -99,13 +134,22 @@ class Bootstrap:
         self.timeout_s = float(timeout_s)
         self.pids = list(self._h.pids())
 
+    def _open(self, what: str):
+        if self._h.closed():
+            raise RuntimeError(f"Bootstrap.{what} used after close()")
+        return self._h
+
     def barrier(self):
-        self._h.barrier()
+        self._open("barrier").barrier()
 
     def agree(self, ok: bool, why: str, what: str):
         """All-or-nothing: returns when every rank passed ok=True, else raises RuntimeError on every rank naming
         each failed rank and its `why`."""
-        self._h.agree(bool(ok), str(why), str(what))
+        self._open("agree").agree(bool(ok), str(why), str(what))
+
+    def all_gather(self, s: str) -> list[str]:
+        """Every rank's string, in rank order (setup-time descriptions: small)."""
+        return list(self._open("all_gather").all_gather(str(s)))
 
     def abort(self, why: str):
         """Tells the peers this rank gives up (their next collective raises naming it); never raises."""
@@ -123,7 +167,10 @@ class Bootstrap:
 
 
 def _device_of(device) -> torch.device:
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+    except (RuntimeError, TypeError, ValueError) as e:  # torch.device("bogus") raises RuntimeError
+        raise ValueError(f"device = {device!r} is not a device; expected cpu or cuda") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device = {device}; expected cpu or cuda")
     if device.type == "cuda":
@@ -147,14 +194,41 @@ class SymmetricBuffer:
         self._h = torch.classes.pcpkv.SymmetricBuffer(boot._h, int(nbytes), name, int(fill), device.type,
                                                       device.index if device.index is not None else -1)
         self.rank, self.world = boot.rank, boot.world
-        self.ptrs = list(self._h.ptrs())
-        self.peers = [self._h.buffer(r) for r in range(self.world)]
-        self.local = self.peers[self.rank]
+        self._closed = False
+        self._ptrs = list(self._h.ptrs())
+        self._peers = [self._h.buffer(r) for r in range(self.world)]
+
+    def _open(self, what: str):
+        if self._closed:
+            raise RuntimeError(f"SymmetricBuffer {self.name!r}: {what} used after close()")
+
+    @property
+    def ptrs(self) -> list[int]:
+        self._open("ptrs")
+        return self._ptrs
+
+    @property
+    def peers(self) -> list:
+        self._open("peers")
+        return self._peers
+
+    @property
+    def local(self) -> torch.Tensor:
+        self._open("local")
+        return self._peers[self.rank]
 
     def close(self):
         """Drops this object's views and its reference to the mappings (freed when no view is left)."""
-        self.peers, self.local = [], None
+        self._closed, self._peers, self._ptrs = True, [], []
         self._h.close()
+
+
+def _open_only(name: str) -> property:
+    """SymmetricCaches.<name> (stored as _<name>); RuntimeError after close()."""
+    def get(self):
+        self._open(name)
+        return getattr(self, "_" + name)
+    return property(get)
 
 
 class SymmetricCaches:
@@ -169,34 +243,54 @@ class SymmetricCaches:
     Caches are filled with `fill` (a guard byte), pads and staging with zeros, before any peer maps them; setup
     ends with a barrier, so no peer writes into a replica before it is initialized.
     has_indexer: bool or one bool per layer. device: cpu or cuda (several ranks may share one GPU).
-    Raises ValueError (on every rank, naming the failing rank) for bad arguments, RuntimeError for a failed
-    allocation or mapping on any rank (naming it and why); nothing stays allocated after a failure."""
+    Every rank must pass the same layout: per layer the format (kv_format, ds_mla_scale), has_indexer,
+    block_size, num_blocks and the views' offsets, shapes and strides, the fence pads (num_barriers) and the
+    device kind; a sha256 digest of it is compared at setup, before any shared memory is written.
+    Raises, on every rank with the same message: ValueError for a bad argument on any rank (each argument is
+    checked locally first, then the verdicts are shared, so no rank waits out timeout_s; naming the rank, the
+    argument and its value) and for ranks that disagree on the layout ("SymmetricCaches: ranks disagree on
+    layer 0 has_indexer: rank 0 True, rank 1 False"); RuntimeError for a failed allocation or mapping, or a peer
+    that exits or is killed during setup (naming it and why). A process outside `group` gets ValueError at once
+    (it has no peers to tell). Nothing stays allocated after a failure. After close(), mla / index / targets /
+    pads / fence_state / staging_for raise RuntimeError "SymmetricCaches.<name> used after close()"."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_format: str = "fp8_ds_mla",
                  ds_mla_scale: str = "pow2", has_indexer=True, device=None, group=None,
                  bootstrap: Optional[Bootstrap] = None, timeout_s: float = 60.0, fill: int = 0xA5,
                  num_barriers: int = 1):
+        what = "SymmetricCaches"
         self._buffers: list = []
-        self._own_boot = bootstrap is None
-        self.bootstrap = bootstrap if bootstrap is not None else Bootstrap(group, timeout_s=timeout_s)
-        self.rank, self.world = self.bootstrap.rank, self.bootstrap.world
-        self.mla, self.index, self.targets, self.pads = [], [], [], []
-        self.fence_state = None
+        self._closed = False
+        self._mla, self._index, self._targets, self._pads, self._fence_state = [], [], [], [], None
         self._staging: dict = {}
-        why = ""
-        try:
+        self._own_boot = bootstrap is None
+        self.bootstrap = None
+        if bootstrap is not None and not isinstance(bootstrap, Bootstrap):
+            raise ValueError(f"{what}: bootstrap = {bootstrap!r} must be a pcpkv_torch.distributed.Bootstrap or None")
+        if bootstrap is not None and bootstrap.closed:
+            raise RuntimeError(f"{what}: the bootstrap passed was used after close()")
+        if bootstrap is None:
+            _member_rank(group, what)
+        try:  # every argument checked here, then the verdicts shared: no rank raises alone and leaves peers waiting
             self.fmts = self._check(num_layers, num_blocks, block_size, kv_format, ds_mla_scale, has_indexer,
                                     num_barriers, fill)
             self.device = _device_of(device)
+            why = _timeout_problem(timeout_s) if self._own_boot else ""
         except ValueError as e:
             why = str(e)
+        if bootstrap is None:
+            share_verdicts(torch_gather(group, what), what, why)
+            bootstrap = Bootstrap(group, timeout_s=timeout_s)
+            self.bootstrap = bootstrap
+        else:
+            self.bootstrap = bootstrap
+            share_verdicts(bootstrap.all_gather, what, why)
+        self.rank, self.world = bootstrap.rank, bootstrap.world
         try:
-            self.bootstrap.agree(not why, why, "pcpkv_torch.distributed.SymmetricCaches: arguments")
-        except RuntimeError as e:
-            self.close()
-            raise ValueError(str(e)) from None
-        try:
-            self._setup(num_blocks, block_size, int(fill), num_barriers)
+            layout, total = self._layout(num_blocks, block_size)
+            agree_on(bootstrap.all_gather, what, self._description(layout, total, num_blocks, block_size,
+                                                                   num_barriers))
+            self._setup(layout, total, num_blocks, block_size, int(fill), num_barriers)
         except BaseException:
             self.close()
             raise
@@ -206,62 +300,101 @@ class SymmetricCaches:
         for name, v, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 1),
                             ("block_size", block_size, 1), ("num_barriers", num_barriers, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"SymmetricCaches: {name} = {v!r} must be an integer >= {lo}")
+                raise ValueError(f"{name} = {v!r} must be an integer >= {lo}")
         if block_size & (block_size - 1):
-            raise ValueError(f"SymmetricCaches: block_size = {block_size} must be a power of two")
-        if kv_format not in MLA_ROW_BYTES:
-            raise ValueError(f"SymmetricCaches: kv_format = {kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
+            raise ValueError(f"block_size = {block_size} must be a power of two")
+        if not isinstance(kv_format, str) or kv_format not in MLA_ROW_BYTES:
+            raise ValueError(f"kv_format = {kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
         if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
-            raise ValueError(f"SymmetricCaches: fill = {fill!r} must be a byte value")
-        flags = [has_indexer] * num_layers if isinstance(has_indexer, bool) else list(has_indexer)
-        if len(flags) != num_layers or not all(isinstance(f, bool) for f in flags):
-            raise ValueError(f"SymmetricCaches: has_indexer = {has_indexer!r} must be a bool or {num_layers} bools")
+            raise ValueError(f"fill = {fill!r} must be a byte value")
+        try:
+            flags = [has_indexer] * num_layers if isinstance(has_indexer, bool) else list(has_indexer)
+        except TypeError:  # None, a number: not one bool per layer
+            flags = None
+        if flags is None or len(flags) != num_layers or not all(isinstance(f, bool) for f in flags):
+            raise ValueError(f"has_indexer = {has_indexer!r} must be a bool or {num_layers} bools")
         return [CacheFormat(kv_format, ds_mla_scale, has_indexer=f) for f in flags]
 
-    def _alloc(self, nbytes: int, name: str, fill: int) -> SymmetricBuffer:
-        buf = SymmetricBuffer(self.bootstrap, nbytes, name, self.device, fill=fill)
-        self._buffers.append(buf)
-        return buf
-
-    def _setup(self, num_blocks, block_size, fill, num_barriers):
-        W, slots = self.world, num_blocks * block_size
-        layout, off = [], 0
+    def _layout(self, num_blocks, block_size):
+        """([(mla offset, indexer offset or None)] per layer, bytes): every view starts 256-byte aligned."""
+        slots, layout, off = num_blocks * block_size, [], 0
         for fmt in self.fmts:
             mla_off = off
             off = _align(off + slots * fmt.mla_row_bytes)
             idx_off = off if fmt.has_indexer else None
             off = _align(off + slots * 132) if fmt.has_indexer else off
             layout.append((mla_off, idx_off))
-        caches = self._alloc(off, "caches", fill)
+        return layout, off
+
+    def _description(self, layout, total, num_blocks, block_size, num_barriers) -> list:
+        """What every rank must hold the same, field by field, in the order a mismatch is reported."""
+        d = [("device kind", self.device.type), ("num_layers", len(self.fmts))]
+        for i, (fmt, (mo, io)) in enumerate(zip(self.fmts, layout)):
+            row, at = fmt.mla_row_bytes, f"layer {i} "
+            d += [(at + "kv_format", fmt.kv_format), (at + "ds_mla_scale", fmt.ds_mla_scale),
+                  (at + "has_indexer", fmt.has_indexer), (at + "block_size", block_size),
+                  (at + "num_blocks", num_blocks),
+                  (at + "MLA cache offset, shape, strides",
+                   [mo, [num_blocks, block_size, row], [block_size * row, row, 1]]),
+                  (at + "indexer cache offset, shape, strides",
+                   None if io is None else [io, [num_blocks, block_size, 132], [block_size * 132, 132, 1]])]
+        return d + [("caches bytes", total), ("fence pads [num_barriers, 2, W]", [num_barriers, 2, self.world])]
+
+    def _alloc(self, nbytes: int, name: str, fill: int) -> SymmetricBuffer:
+        buf = SymmetricBuffer(self.bootstrap, nbytes, name, self.device, fill=fill)
+        self._buffers.append(buf)
+        return buf
+
+    def _setup(self, layout, total, num_blocks, block_size, fill, num_barriers):
+        W, slots = self.world, num_blocks * block_size
+        caches = self._alloc(total, "caches", fill)
         for fmt, (mo, io) in zip(self.fmts, layout):
             row = fmt.mla_row_bytes
             mla = [b[mo:mo + slots * row].view(num_blocks, block_size, row) for b in caches.peers]
             idx = [b[io:io + slots * 132].view(num_blocks, block_size, 132) for b in caches.peers] \
                 if fmt.has_indexer else None
-            self.mla.append(mla)
-            self.index.append(idx)
-            self.targets.append(CacheTargets.from_caches(mla, idx, fmt))
+            self._mla.append(mla)
+            self._index.append(idx)
+            self._targets.append(CacheTargets.from_caches(mla, idx, fmt))
         pad_elems = num_barriers * 2 * W
         pads = self._alloc(pad_elems * 8, "fence pads", 0)
-        self.pads = [b.view(torch.int64).view(num_barriers, 2, W) for b in pads.peers]
-        self.fence_state = FenceState(pads.ptrs, world=W, num_barriers=num_barriers, first_rank=self.rank,
-                                      num_local_ranks=1, device=self.device, pads=[self.pads[self.rank]])
+        self._pads = [b.view(torch.int64).view(num_barriers, 2, W) for b in pads.peers]
+        self._fence_state = FenceState(pads.ptrs, world=W, num_barriers=num_barriers, first_rank=self.rank,
+                                       num_local_ranks=1, device=self.device, pads=[self._pads[self.rank]])
         self.bootstrap.barrier()
+
+    def _open(self, name: str):
+        if self._closed:
+            raise RuntimeError(f"SymmetricCaches.{name} used after close()")
+
+    mla = _open_only("mla")
+    index = _open_only("index")
+    targets = _open_only("targets")
+    pads = _open_only("pads")
+    fence_state = _open_only("fence_state")
 
     def staging_for(self, fmt: CacheFormat, rows: int):
         """(workspaces [W] uint8 [2, 1, W, M, fmt.row_bytes], dests [2] RowDests of this rank per buffer) with
         M >= rows, allocated on first use for fmt.row_bytes (collective: every rank must ask for the same
-        row_bytes and rows in the same order; a run of the same plan on every rank does)."""
+        row_bytes and rows in the same order; a run of the same plan on every rank does). An allocation first
+        compares the staging shape across ranks: ValueError on every rank naming both ranks' shapes, nothing
+        allocated."""
+        self._open("staging_for")
+        check_cache_format(fmt, "staging_for")
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"staging_for: rows = {rows!r} must be an integer >= 1")
         have = self._staging.get(fmt.row_bytes)
         if have is None or have[0] < rows:
+            W = self.world
+            shape = [2, 1, W, rows, fmt.row_bytes]
+            agree_on(self.bootstrap.all_gather, "SymmetricCaches.staging_for",
+                     [("staging shape [2, 1, W, rows, row_bytes]", shape)])
             if have is not None:
                 have[3].close()
                 self._buffers.remove(have[3])
-            W = self.world
+                del self._staging[fmt.row_bytes]
             buf = self._alloc(2 * W * rows * fmt.row_bytes, f"staging {fmt.row_bytes} B x {rows}", 0)
-            ws = [b.view(2, 1, W, rows, fmt.row_bytes) for b in buf.peers]
+            ws = [b.view(*shape) for b in buf.peers]
             dests = [RowDests.from_staging(ws, self.rank, buffer=k) for k in range(2)]
             self.bootstrap.barrier()  # every peer has its new workspace before anyone stores into it
             have = (rows, ws, dests, buf)
@@ -270,8 +403,9 @@ class SymmetricCaches:
 
     def close(self):
         """Releases every buffer (and the bootstrap when it was made here). Local: needs no peer. The memory is
-        unmapped once no tensor taken from this object is alive."""
-        self.mla, self.index, self.targets, self.pads, self.fence_state = [], [], [], [], None
+        unmapped once no tensor taken from this object is alive. Idempotent."""
+        self._closed = True
+        self._mla, self._index, self._targets, self._pads, self._fence_state = [], [], [], [], None
         self._staging = {}
         for b in self._buffers:
             b.close()

@@ -146,7 +146,7 @@ def _select(x: torch.Tensor, slots) -> torch.Tensor:
 
 def dequantize_mla(cache: torch.Tensor, kv_format: str, k_scale: float = 1.0, slots=None):
     """Decoded (kv_c fp32 [N, 512], k_pe fp32 [N, 64]) of an MLA cache, N = len(slots) (or every slot,
-    num_blocks * block_size, when slots is None). The values are exactly pcpkv's decode (verify.h
+    num_blocks * block_size, when slots is None). The values are exactly pcpkv's decode (pcpkv/publish/checks.h
     decode_slot): bf16 -> fp32; fp8: e4m3 * k_scale; fp8_ds_mla: e4m3 * tile scale, k_pe bf16. Raises ValueError
     for an fp8 k_scale that pcpkv's writers refuse (nan, 0, ...: every value came back nan or 0)."""
     if kv_format == "fp8" and (why := scale_problem(k_scale)):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -64,6 +65,31 @@ class PcpPlan:
         return self.num_blocks * self.block_size
 
 
+def _check_types(pcp_world, requests, block_size, extra_blocks, seed, reserve_null_block, shuffle_blocks) -> list:
+    """ValueError naming the argument for a value of the wrong type (pcp_world=True made a 1-rank plan, 2.0 or a
+    request's 4.5 tokens raised the op's RuntimeError); the ranges are the C++ plan's to check."""
+    for name, v in (("pcp_world", pcp_world), ("block_size", block_size), ("extra_blocks", extra_blocks),
+                    ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"make_plan: {name} = {v!r} must be an integer")
+    for name, v in (("reserve_null_block", reserve_null_block), ("shuffle_blocks", shuffle_blocks)):
+        if not isinstance(v, bool):
+            raise ValueError(f"make_plan: {name} = {v!r} must be True or False")
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise ValueError(f"make_plan: requests = {requests!r} must be a sequence of Request")
+    requests = list(requests)
+    for i, q in enumerate(requests):
+        if not isinstance(q, Request):
+            raise ValueError(f"make_plan: requests[{i}] = {q!r} must be a Request")
+        for name in ("num_new_tokens", "context_len"):
+            v = getattr(q, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"make_plan: requests[{i}].{name} = {v!r} must be an integer")
+        if not isinstance(q.decode, bool):
+            raise ValueError(f"make_plan: requests[{i}].decode = {q.decode!r} must be True or False")
+    return requests
+
+
 def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 64, extra_blocks: int = 0,
               reserve_null_block: bool = True, shuffle_blocks: bool = True, seed: int = 0,
               max_position_embeddings: int | None = None, local_order: str = "request",
@@ -72,19 +98,20 @@ def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 
     round-robin, rows in request or vLLM's local order (LOCAL_ORDERS, DECODE_OWNERSHIPS; SPEC section 4.1), seeded
     block tables (pcpkv::make_plan). Tensors are on the CPU. Raises ValueError naming the field (pcp_world < 1,
     block_size not a power of two, an empty request, a decode with num_new_tokens != 1, an unknown local_order or
-    decode_ownership, ...).
+    decode_ownership, a value of the wrong type such as pcp_world=True or a request's 4.5 tokens, ...).
 
     max_position_embeddings: the model's (ModelSpec.max_position_embeddings, HF config); when given, a request
     whose positions reach it raises ValueError naming the request and the position (as pcpkv's publication
     refuses it: the model and its RoPE table cover positions [0, max_position_embeddings) only)."""
+    requests = _check_types(pcp_world, requests, block_size, extra_blocks, seed, reserve_null_block, shuffle_blocks)
     if max_position_embeddings is not None and (
             isinstance(max_position_embeddings, bool) or not isinstance(max_position_embeddings, int)
             or max_position_embeddings < 1):
         raise ValueError(f"max_position_embeddings = {max_position_embeddings!r} must be an int >= 1")
     check_plan_modes(local_order, decode_ownership)
-    r = torch.ops.pcpkv.make_plan(pcp_world, block_size, [int(q.decode) for q in requests],
-                                  [q.num_new_tokens for q in requests], [q.context_len for q in requests],
-                                  extra_blocks, reserve_null_block, shuffle_blocks, seed, local_order,
+    r = torch.ops.pcpkv.make_plan(int(pcp_world), int(block_size), [int(q.decode) for q in requests],
+                                  [int(q.num_new_tokens) for q in requests], [int(q.context_len) for q in requests],
+                                  int(extra_blocks), reserve_null_block, shuffle_blocks, int(seed), local_order,
                                   decode_ownership)
     positions, slots, gidx, counts, gathered, gpos, gslots, greq, tables, num_blocks, owner = r
     if max_position_embeddings is not None:

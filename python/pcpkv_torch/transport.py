@@ -36,7 +36,9 @@ def choose_transport(hosts: Sequence[str], peer_access, nccl_available: bool = F
 
 def one_process_topology(pcp_world: int) -> dict:
     """The topology of pcp_world logical ranks in one process on one device (PcpWorld): one host, and every
-    replica plain memory of that device to every rank."""
+    replica plain memory of that device to every rank. ValueError naming pcp_world unless an integer >= 1."""
+    if isinstance(pcp_world, bool) or not isinstance(pcp_world, int) or pcp_world < 1:
+        raise ValueError(f"pcp_world = {pcp_world!r} must be an integer >= 1")
     return {"hosts": [socket.gethostname() or "localhost"] * pcp_world,
             "peer_access": torch.ones((pcp_world, pcp_world), dtype=torch.bool), "nccl_available": False}
 

@@ -77,10 +77,11 @@ std::string clip_middle(const std::string& s, size_t max_chars) {
                      s.substr(s.size() - tail));
 }
 
-int64_t check_input_file(const std::string& flag, const std::string& path, int64_t max_bytes) {
-  PCPKV_CHECK(!path.empty(), "{}: the path is empty", flag);
+int64_t check_input_file(const std::string& flag, const std::string& file, int64_t max_bytes) {
+  PCPKV_CHECK(!file.empty(), "{}: the path is empty", flag);
+  const std::string path = clip(file);  // as messages quote it (kMaxQuotedChars)
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
+  if (::stat(file.c_str(), &st) != 0) {
     const int err = errno;
     PCPKV_CHECK(err != ENOENT, "{}: no such file '{}'", flag, path);
     PCPKV_FAIL("{}: cannot read '{}': {}", flag, path, std::strerror(err));
@@ -88,9 +89,10 @@ int64_t check_input_file(const std::string& flag, const std::string& path, int64
   return check_stat(st, flag, path, max_bytes);
 }
 
-std::string read_input_file(const std::string& flag, const std::string& path, int64_t max_bytes) {
-  check_input_file(flag, path, max_bytes);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+std::string read_input_file(const std::string& flag, const std::string& file, int64_t max_bytes) {
+  check_input_file(flag, file, max_bytes);
+  const std::string path = clip(file);  // as messages quote it
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   PCPKV_CHECK(fd >= 0, "{}: cannot open '{}': {}", flag, path, std::strerror(errno));
   struct Closer {
     int fd;

@@ -80,8 +80,9 @@ const std::vector<std::string>& inputs_tensor_names() {
   return names;
 }
 
-GlobalInputs load_inputs(const std::string& path, const ModelConfig& model, const PcpPlan& plan, bool has_indexer) {
-  const SafetensorsReader r(path);
+GlobalInputs load_inputs(const std::string& file, const ModelConfig& model, const PcpPlan& plan, bool has_indexer) {
+  const std::string path = clip(file);  // as messages quote it (kMaxQuotedChars)
+  const SafetensorsReader r(file);
   const int64_t n = plan.num_global_tokens();
   const int64_t q = model.q_lora_rank;
   GlobalInputs in;
@@ -113,8 +114,9 @@ GlobalInputs load_inputs(const std::string& path, const ModelConfig& model, cons
   return in;
 }
 
-InputsBatch read_inputs_batch(const std::string& path) {
-  const SafetensorsReader r(path);
+InputsBatch read_inputs_batch(const std::string& file) {
+  const std::string path = clip(file);  // as messages quote it (kMaxQuotedChars)
+  const SafetensorsReader r(file);
   InputsBatch b;
   const StTensorInfo& kv = r.get("kv");
   PCPKV_CHECK(kv.shape.size() == 2, "{}: tensor 'kv': expected 2 dimensions [N, 512], got {} {}", path,

@@ -596,7 +596,7 @@ ModelConfig preset(const std::string& name) {
 ModelConfig load_hf_config(const std::string& path, const std::string& base_preset, ConfigNotes* notes,
                            bool strict) {
   ModelConfig m =
-      parse_hf_config(read_input_file("--config", path, kMaxConfigFileBytes), base_preset, notes, strict, path);
+      parse_hf_config(read_input_file("--config", path, kMaxConfigFileBytes), base_preset, notes, strict, clip(path));
   m.name = path;
   return m;
 }

@@ -70,10 +70,12 @@ std::string file_offset(int64_t data_start, int64_t rel) {
   return std::to_string(data_start + rel);
 }
 
-// While the writer's temporary file exists, a signal that ends the process (Ctrl-C, kill, a lost terminal,
-// ulimit -f) removes it first, then takes its previous course: a killed save leaves no FILE.tmp.<pid>.
-// (SIGKILL cannot be caught; a power cut leaves the file too.) One write at a time per process.
-constexpr int kCleanupSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGXFSZ};
+// While the writer's temporary file exists, a signal whose default action ends the process (Ctrl-C, kill, a lost
+// terminal, ulimit -f or -t, SIGUSR1/2, an alarm, a profiling timer) removes it first, then takes its previous course:
+// a killed save leaves no FILE.tmp.<pid>. (SIGKILL cannot be caught; a power cut leaves the file too.) One write at a
+// time per process.
+constexpr int kCleanupSignals[] = {SIGINT, SIGTERM, SIGHUP,    SIGQUIT, SIGXFSZ, SIGXCPU,
+                                   SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM, SIGPROF, SIGPIPE};
 constexpr size_t kNumCleanupSignals = sizeof(kCleanupSignals) / sizeof(kCleanupSignals[0]);
 char g_temp_path[PATH_MAX + 1];
 volatile sig_atomic_t g_temp_armed = 0;
@@ -98,8 +100,10 @@ class TempFileGuard {
     for (int sig : kCleanupSignals) sigaddset(&sa.sa_mask, sig);  // one handler run at a time
     for (size_t i = 0; i < kNumCleanupSignals; ++i) {
       ::sigaction(kCleanupSignals[i], nullptr, &g_old_actions[i]);
-      // An ignored signal stays ignored (cmd_run ignores SIGXFSZ so that the write fails with EFBIG).
-      if (g_old_actions[i].sa_handler == SIG_IGN) continue;
+      // Only a signal left at its default action would end the process. An ignored one stays ignored (cmd_run
+      // ignores SIGXFSZ so that the write fails with EFBIG); one with a handler (Python's SIGINT, a program's
+      // SIGALRM timer) does not end it here, and removing the file under a handler that returns would fail the save.
+      if (g_old_actions[i].sa_handler != SIG_DFL || (g_old_actions[i].sa_flags & SA_SIGINFO)) continue;
       ::sigaction(kCleanupSignals[i], &sa, nullptr);
     }
     g_temp_armed = 1;
@@ -204,12 +208,13 @@ int64_t StTensorInfo::num_elements() const {
 
 // ---- reader ---------------------------------------------------------------------------------------
 
-SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
+SafetensorsReader::SafetensorsReader(const std::string& file) : path_(file) {
+  const std::string path = clip(file);  // as messages quote it (kMaxQuotedChars)
   // A regular file only (input_limits.h): a FIFO would hang, a device stream forever. Its size is not
   // bounded here: the header is (kMaxHeaderBytes), and callers size what they read from it.
-  file_bytes_ = check_input_file("safetensors", path, 0);
+  file_bytes_ = check_input_file("safetensors", file, 0);
 
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(file, std::ios::binary);
   PCPKV_CHECK(in.good(), "{}: cannot open: {}", path, std::strerror(errno));
   PCPKV_CHECK(file_bytes_ >= kLengthBytes,
               "{}: the file is truncated: it has {} bytes, but the header length at offset 0 needs 8", path,
@@ -330,7 +335,7 @@ const StTensorInfo* SafetensorsReader::find(const std::string& name) const {
 
 const StTensorInfo& SafetensorsReader::get(const std::string& name) const {
   const StTensorInfo* t = find(name);
-  PCPKV_CHECK(t != nullptr, "{}: tensor '{}' is missing; present: {}", path_, clip(name), quoted_names(tensors_));
+  PCPKV_CHECK(t != nullptr, "{}: tensor '{}' is missing; present: {}", clip(path_), clip(name), quoted_names(tensors_));
   return *t;
 }
 
@@ -345,7 +350,7 @@ const StTensorInfo& SafetensorsReader::expect(const std::string& name, StDtype d
       want += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
     }
     want += "]";
-    PCPKV_FAIL("{}: tensor '{}' (file offset {}): expected {} {}, got {} {}", path_, name, data_start_ + t.begin,
+    PCPKV_FAIL("{}: tensor '{}' (file offset {}): expected {} {}, got {} {}", clip(path_), name, data_start_ + t.begin,
                to_string(dtype), want, to_string(t.dtype), shape_string(t.shape));
   }
   PCPKV_CHECK(element_bytes == 0 || static_cast<int64_t>(element_bytes) == dtype_bytes(dtype),
@@ -364,12 +369,12 @@ std::vector<uint8_t> SafetensorsReader::read_bytes(const std::string& name) cons
 void SafetensorsReader::read_into(const StTensorInfo& info, void* dst, int64_t bytes) const {
   if (bytes == 0) return;
   std::ifstream in(path_, std::ios::binary);
-  PCPKV_CHECK(in.good(), "{}: cannot open: {}", path_, std::strerror(errno));
+  PCPKV_CHECK(in.good(), "{}: cannot open: {}", clip(path_), std::strerror(errno));
   in.seekg(data_start_ + info.begin);
   in.read(static_cast<char*>(dst), bytes);
   // The header was checked against the file size; a short read means the file changed since.
   PCPKV_CHECK(in.gcount() == bytes, "{}: tensor '{}': read {} of {} bytes at file offset {}: the file is truncated",
-              path_, info.name, static_cast<int64_t>(in.gcount()), bytes, data_start_ + info.begin);
+              clip(path_), info.name, static_cast<int64_t>(in.gcount()), bytes, data_start_ + info.begin);
 }
 
 // ---- writer ---------------------------------------------------------------------------------------
@@ -419,41 +424,43 @@ int64_t SafetensorsWriter::file_bytes() const {
   return kLengthBytes + static_cast<int64_t>(header().size()) + data_bytes_;
 }
 
-std::string write_target(const std::string& path) {
+std::string write_target(const std::string& file) {
+  const std::string path = clip(file);  // as messages quote it
   namespace fs = std::filesystem;
-  fs::path p(path);
+  fs::path p(file);
   std::error_code ec;
   for (int hops = 0; fs::is_symlink(p, ec); ++hops) {
     PCPKV_CHECK(hops < 40, "{}: too many levels of symbolic links", path);
     const fs::path link = fs::read_symlink(p, ec);
-    PCPKV_CHECK(!ec, "{}: cannot read the symbolic link '{}': {}", path, p.string(), ec.message());
+    PCPKV_CHECK(!ec, "{}: cannot read the symbolic link '{}': {}", path, clip(p.string()), ec.message());
     p = link.is_absolute() ? link : p.parent_path() / link;
   }
   return p.string();
 }
 
-void SafetensorsWriter::write(const std::string& path) const {
+void SafetensorsWriter::write(const std::string& file) const {
+  const std::string path = clip(file);  // as messages quote it (kMaxQuotedChars)
   namespace fs = std::filesystem;
   std::error_code ec;
   // rename() replaces whatever is at `path`: as root, a device such as /dev/null would become this file.
-  const fs::file_status st = fs::status(path, ec);
+  const fs::file_status st = fs::status(file, ec);
   PCPKV_CHECK(!fs::exists(st) || fs::is_regular_file(st),
               "{}: exists and is not a regular file (a directory, device, FIFO or socket); refusing to replace it",
               path);
-  const std::string target = write_target(path);
+  const std::string target = write_target(file);
   const std::string text = header();
   const std::string tmp = fmt::format("{}.tmp.{}", target, static_cast<long>(::getpid()));
   // Armed before the file exists and disarmed after it is renamed or removed (declared first: destroyed last).
   const TempFileGuard guard(tmp);
   // O_NOFOLLOW: never write through a link planted at the temporary name.
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-  PCPKV_CHECK(fd >= 0, "{}: cannot create '{}': {}", path, tmp, std::strerror(errno));
+  PCPKV_CHECK(fd >= 0, "{}: cannot create '{}': {}", path, clip(tmp), std::strerror(errno));
   std::FILE* f = ::fdopen(fd, "wb");
   if (f == nullptr) {
     const int err = errno;
     ::close(fd);
     std::remove(tmp.c_str());
-    PCPKV_FAIL("{}: cannot write '{}': {}", path, tmp, std::strerror(err));
+    PCPKV_FAIL("{}: cannot write '{}': {}", path, clip(tmp), std::strerror(err));
   }
   bool ok = true;
   uint8_t len_bytes[8];
@@ -471,12 +478,12 @@ void SafetensorsWriter::write(const std::string& path) const {
   ok = (std::fclose(f) == 0) && ok;
   if (!ok) {
     std::remove(tmp.c_str());
-    PCPKV_FAIL("{}: writing '{}' failed: {}", path, tmp, std::strerror(saved_errno ? saved_errno : errno));
+    PCPKV_FAIL("{}: writing '{}' failed: {}", path, clip(tmp), std::strerror(saved_errno ? saved_errno : errno));
   }
   fs::rename(tmp, target, ec);
   if (ec) {
     std::remove(tmp.c_str());
-    PCPKV_FAIL("{}: cannot move '{}' into place: {}", path, tmp, ec.message());
+    PCPKV_FAIL("{}: cannot move '{}' into place: {}", path, clip(tmp), ec.message());
   }
 }
 

@@ -2,13 +2,14 @@
 #include "pcpkv/publish/save_run.h"
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/safetensors.h"
 
 namespace pcpkv {
 
 void save_run(const std::string& path, const ModelConfig& model, const PcpPlan& plan, const CacheFormat& fmt,
               const GlobalInputs& in, const PublishResult& result, const SaveInfo& info) {
-  PCPKV_CHECK(!result.mla_alloc.empty(), "--save {}: the result holds no replica", path);
+  PCPKV_CHECK(!result.mla_alloc.empty(), "--save {}: the result holds no replica", clip(path));
   const int64_t n = in.num_tokens;
   const int64_t q = in.q_lora_rank;
   SafetensorsWriter w;
@@ -44,7 +45,7 @@ void save_run(const std::string& path, const ModelConfig& model, const PcpPlan& 
   const auto& mla_alloc = result.mla_alloc[0];
   PCPKV_CHECK(
       result.mla_cache_offset >= 0 && result.mla_cache_offset + mg.bytes() <= static_cast<int64_t>(mla_alloc.size()),
-      "--save {}: MLA cache [{}, +{}) lies outside its allocation of {} bytes", path, result.mla_cache_offset,
+      "--save {}: MLA cache [{}, +{}) lies outside its allocation of {} bytes", clip(path), result.mla_cache_offset,
       mg.bytes(), mla_alloc.size());
   const bool dense_rows = mg.block_stride == int64_t{mg.block_size} * mg.row_stride;
   std::vector<int64_t> mla_shape = dense_rows ? std::vector<int64_t>{mg.num_blocks, mg.block_size, mg.row_stride}
@@ -55,7 +56,7 @@ void save_run(const std::string& path, const ModelConfig& model, const PcpPlan& 
     const auto& index_alloc = result.index_alloc.at(0);
     PCPKV_CHECK(result.index_cache_offset >= 0 &&
                     result.index_cache_offset + ig.bytes() <= static_cast<int64_t>(index_alloc.size()),
-                "--save {}: indexer cache [{}, +{}) lies outside its allocation of {} bytes", path,
+                "--save {}: indexer cache [{}, +{}) lies outside its allocation of {} bytes", clip(path),
                 result.index_cache_offset, ig.bytes(), index_alloc.size());
     w.add("index_cache", StDtype::kU8, {ig.num_blocks, ig.block_stride}, index_alloc.data() + result.index_cache_offset,
           ig.bytes());

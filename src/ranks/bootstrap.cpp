@@ -2,6 +2,7 @@
 #include "pcpkv/ranks/bootstrap.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <string_view>
 #include <thread>
 
 #include <fmt/format.h>
@@ -29,7 +31,9 @@
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
+#include "pcpkv/core/interrupt.h"
 #include "ranks/bootstrap_wire.h"
+#include "ranks/fd_limit.h"
 #include "ranks/tombstone.h"
 
 namespace pcpkv {
@@ -70,10 +74,23 @@ std::string job_name(const std::string& job) { return job.empty() ? "an unnamed 
 // One rank 0 per address, for as long as its Bootstrap lives: a second job given the same MASTER_PORT (or
 // PCPKV_BOOTSTRAP) is refused at once, as torchrun's store refuses a port in use, instead of taking over
 // the socket and meeting the first job's ranks. flock() goes with the process: a killed job leaves no lock.
+// The lock file goes with its Bootstrap (~Impl) and a crashed holder's is reclaimed by the next rank 0 in the
+// directory (sweep_stale_locks): both unlink it while holding the lock, so a rank 0 that opened the file just before
+// locks an unlinked inode; it sees that (the path names another inode or none) and starts over.
+bool still_named(int fd, const std::string& path) {
+  struct stat held {}, named {};
+  return ::fstat(fd, &held) == 0 && ::lstat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+         held.st_ino == named.st_ino;
+}
+
 UniqueFd lock_address(const std::string& address, const std::string& job) {
   const std::string path = address + ".lock";
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
-  PCPKV_CHECK(fd, "bootstrap: rank 0 cannot open the lock file '{}': {}", path, std::strerror(errno));
+  UniqueFd fd;
+  for (int attempt = 0;; ++attempt) {
+    fd.reset(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+    PCPKV_CHECK(fd, "bootstrap: rank 0 cannot open the lock file '{}': {}", path, std::strerror(errno));
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 || still_named(fd.get(), path) || attempt >= 100) break;
+  }
   if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     PCPKV_CHECK(err == EWOULDBLOCK, "bootstrap: rank 0 cannot lock '{}': {}", path, std::strerror(err));
@@ -90,6 +107,56 @@ UniqueFd lock_address(const std::string& address, const std::string& job) {
 }
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+// Lock files in `dir` whose holder is gone (a rank 0 killed before its Bootstrap closed; a closed one removes its
+// own), with the socket such a rank 0 left: nobody holds the lock, so no live job uses the address.
+void sweep_stale_locks(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return;
+  constexpr std::string_view kSuffix = ".lock";
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.size() <= kSuffix.size() || name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0)
+      continue;
+    const std::string path = dir + "/" + name;
+    UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+    struct stat st {};
+    if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 || !still_named(fd.get(), path)) continue;
+    const std::string socket = path.substr(0, path.size() - kSuffix.size());
+    if (::lstat(socket.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(socket.c_str());
+    ::unlink(path.c_str());
+  }
+  ::closedir(d);
+}
+
+// Sends a frame and ignores the outcome, whatever happens (an interrupt check that throws included): for messages
+// sent on the way out.
+void send_frame_quiet(int fd, FrameType type, const std::string& text, Deadline dl) noexcept {
+  try {
+    send_frame(fd, type, text.data(), text.size(), dl);
+  } catch (...) {
+  }
+}
+
+// A rank's bootstrap holds at most a connection per peer (rank 0) and, while all_gather_fds shares buffers, a
+// descriptor per rank, besides what the process has open: "" when the job fits (after raising the soft limit,
+// fd_limit::fit), else why not.
+std::string fit_descriptor_limit(int world, bool root) {
+  const int64_t open = fd_limit::open_now();
+  const int64_t need = open + (root ? 2 : 1) * int64_t{world} + 32;  // 32: listener, lock, tombstone, sockets, slack
+  const std::string limit = fd_limit::fit(need);
+  if (limit.empty()) return "";
+  return fmt::format("a job of {} ranks needs about {} open files at rank {} ({} open now, a connection per rank and "
+                     "a descriptor per rank while buffers are shared), but {}: raise the hard limit (ulimit -Hn, "
+                     "/etc/security/limits.conf, the container's nofile) or run fewer ranks",
+                     world, need, root ? 0 : 1, open, limit);
+}
+
+std::string dir_of(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
 
 bool peer_uid(int fd, uid_t* uid, pid_t* pid) {
   ucred cred{};
@@ -114,8 +181,7 @@ sockaddr_un make_addr(const std::string& path) {
 // The socket's directory must exist (created 0700 when missing) and be private to this user: a socket
 // in a world-writable directory could be replaced by another user's listener.
 void ensure_private_dir(const std::string& socket_path) {
-  const auto slash = socket_path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : socket_path.substr(0, slash));
+  const std::string dir = dir_of(socket_path);
   struct stat st {};
   if (::lstat(dir.c_str(), &st) != 0) {
     PCPKV_CHECK(errno == ENOENT, "bootstrap: cannot stat socket directory '{}': {}", dir, errno_text(errno));
@@ -145,6 +211,11 @@ struct Bootstrap::Impl {
   UniqueFd address_lock;        // rank 0: held while this Bootstrap lives (lock_address)
   bool in_rendezvous = false;   // rank 0: a failure now also leaves a tombstone for ranks not yet connected
 
+  // Rank 0: the lock file goes with the Bootstrap (unlinked while still held: see lock_address).
+  ~Impl() {
+    if (address_lock) ::unlink((cfg.address + ".lock").c_str());
+  }
+
   bool is_root() const { return cfg.rank == 0; }
   std::string who(int r) const {
     if (r >= 0 && r < static_cast<int>(pids.size()) && pids[r] > 0) return fmt::format("rank {} (pid {})", r, pids[r]);
@@ -159,14 +230,39 @@ struct Bootstrap::Impl {
   // arrives before their own (less informative) timeout.
   Deadline follower_deadline() const { return deadline() + std::chrono::seconds(2); }
 
+  // A rank of this attempt started before rank 0 gave up and waits at most its timeout (and the 2 s of
+  // follower_deadline) from its start: the tombstone is kept that long, and 10 s more.
+  double tombstone_keep_s() const { return std::min(cfg.timeout_s, kMaxTimeoutS) + 12.0; }
+
   // Rank 0: a peer failed; tell every other peer and throw.
   [[noreturn]] void fail_job(const std::string& message, int skip_rank = -1) {
-    if (in_rendezvous) bootstrap_tombstone::write(cfg.address, cfg.token, message);
+    if (in_rendezvous) bootstrap_tombstone::write(cfg.address, cfg.token, message, tombstone_keep_s());
     for (int r = 1; r < cfg.world_size; ++r) {
       if (r == skip_rank || !conns[r]) continue;
       send_frame(conns[r].get(), FrameType::kAbort, message.data(), message.size(), Clock::now() + std::chrono::milliseconds(200));
     }
     throw Error(fmt::format("bootstrap: {}", message));
+  }
+
+  // Runs the interrupt check (pcpkv/core/interrupt.h); when it throws, the other ranks are told first (rank 0
+  // tells every connected rank, and leaves a tombstone during the rendezvous; a follower tells rank 0), so that
+  // they fail now naming this rank, not at their timeout.
+  void interruptible() {
+    try {
+      check_interrupt();
+    } catch (...) {
+      const std::string why = fmt::format("{} was interrupted (a signal such as Ctrl-C)", who(cfg.rank));
+      const Deadline dl = Clock::now() + std::chrono::milliseconds(200);
+      if (is_root()) {
+        if (in_rendezvous)
+          bootstrap_tombstone::write(cfg.address, cfg.token, why, tombstone_keep_s());
+        for (int r = 1; r < static_cast<int>(conns.size()); ++r)
+          if (conns[r]) send_frame_quiet(conns[r].get(), FrameType::kAbort, why, dl);
+      } else if (!conns.empty() && conns[0]) {
+        send_frame_quiet(conns[0].get(), FrameType::kAbort, why, dl);
+      }
+      throw;
+    }
   }
 
   // Rank 0: receive one frame of type `expected` from every peer. Frames come back in rank order.
@@ -184,8 +280,12 @@ struct Bootstrap::Impl {
           pfds.push_back({conns[r].get(), POLLIN, 0});
           ranks.push_back(r);
         }
-      const int n = ::poll(pfds.data(), pfds.size(), ms_left(dl));
-      if (n < 0 && errno == EINTR) continue;
+      const int left = ms_left(dl);
+      const int n = ::poll(pfds.data(), pfds.size(), std::min(left, kInterruptPollMs));
+      if ((n < 0 && errno == EINTR) || (n == 0 && left > kInterruptPollMs)) {
+        interruptible();
+        continue;
+      }
       if (n < 0) fail_job(fmt::format("rank 0: poll failed during {}: {}", op, errno_text(errno)));
       if (n == 0) {
         std::vector<std::string> missing;
@@ -280,7 +380,14 @@ void Bootstrap::Impl::rendezvous_root() {
   // Before anything at the address is touched: the socket and tombstone may be another live job's.
   address_lock = lock_address(cfg.address, cfg.job);
   bootstrap_tombstone::remove(cfg.address);  // an earlier attempt's
+  // What crashed or failed jobs at other addresses of this private directory left (a Python group picks a fresh
+  // address per setup, so nothing else would ever remove them).
+  sweep_stale_locks(dir_of(cfg.address));
+  bootstrap_tombstone::sweep(dir_of(cfg.address));
   in_rendezvous = true;
+  // Before any rank is accepted: a job that cannot fit says so now, on every rank (the tombstone), instead of
+  // failing part-way with EMFILE.
+  if (const std::string why = fit_descriptor_limit(world, true); !why.empty()) fail_job(why);
   struct stat st {};
   if (::lstat(cfg.address.c_str(), &st) == 0) {
     // A socket left by an earlier job with this address; anything else is not ours to delete.
@@ -315,10 +422,15 @@ void Bootstrap::Impl::rendezvous_root() {
   while (accepted < world - 1) {
     std::vector<pollfd> pfds{{listener.get(), POLLIN, 0}};
     for (auto& p : pending) pfds.push_back({p.fd.get(), POLLIN, 0});
-    const int n = ::poll(pfds.data(), pfds.size(), ms_left(dl));
-    if (n < 0 && errno == EINTR) continue;
+    const int left = ms_left(dl);
+    const int n = ::poll(pfds.data(), pfds.size(), std::min(left, kInterruptPollMs));
+    if ((n < 0 && errno == EINTR) || (n == 0 && left > kInterruptPollMs)) {
+      interruptible();
+      continue;
+    }
     PCPKV_CHECK(n >= 0, "bootstrap: poll failed: {}", errno_text(errno));
-    if (n == 0) {
+    // The deadline holds even while poll keeps reporting events (a listener that stays readable).
+    if (n == 0 || Clock::now() >= dl) {
       std::vector<int> missing;
       for (int r = 1; r < world; ++r)
         if (!conns[r]) missing.push_back(r);
@@ -387,7 +499,21 @@ void Bootstrap::Impl::rendezvous_root() {
     }
     if (pfds[0].revents != 0) {
       UniqueFd c(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!c) continue;
+      if (!c) {
+        const int err = errno;
+        // A connection that went away before it was accepted, or a signal: wait on.
+        if (err == EINTR || err == EAGAIN || err == EWOULDBLOCK || err == ECONNABORTED || err == EPROTO) continue;
+        // Anything else (EMFILE, ENFILE, ENOBUFS, ENOMEM) would fail again at once: the connection stays queued and
+        // the listener readable, and rank 0 spun past its timeout. The listener goes first: its descriptor is the
+        // one the tombstone needs, and the ranks queued behind it see their connection closed and read it.
+        listener.reset();
+        pending.clear();
+        const std::string limit =
+            err == EMFILE ? fmt::format(" (the open-file limit, RLIMIT_NOFILE, is {})", fd_limit::describe()) : "";
+        fail_job(fmt::format("rendezvous failed at rank 0 ('{}'): accepting rank connections failed: {}{}; {} of the "
+                             "{} other rank(s) had connected",
+                             cfg.address, errno_text(err), limit, accepted, world - 1));
+      }
       uid_t uid = 0;
       pid_t pid = 0;
       if (!peer_uid(c.get(), &uid, &pid)) {
@@ -412,6 +538,7 @@ void Bootstrap::Impl::rendezvous_root() {
 
 void Bootstrap::Impl::rendezvous_follower() {
   const sockaddr_un addr = make_addr(cfg.address);
+  (void)fit_descriptor_limit(cfg.world_size, false);  // raises the soft limit when it must; rank 0 judges the job
   const Deadline dl = deadline();
   conns.resize(1);
   pids.assign(cfg.world_size, 0);
@@ -422,7 +549,10 @@ void Bootstrap::Impl::rendezvous_follower() {
   // earlier attempt's: "rank 0 closed the connection during rendezvous", the reason lost).
   auto rank0_gave_up = [&](bool connected = false) {
     const bootstrap_tombstone::Found t = bootstrap_tombstone::read(cfg.address, cfg.token);
-    if (!(t.this_attempt || (connected && !t.reason.empty() && !t.earlier_boot))) return std::string();
+    // token_per_attempt: no retry shares the token, so a rank that started after rank 0 gave up (24 ranks forked on
+    // 2 cores) is still of this attempt.
+    const bool ours = (connected || cfg.token_per_attempt) && !t.reason.empty() && !t.earlier_boot;
+    if (!(t.this_attempt || ours)) return std::string();
     bootstrap_tombstone::mark_reported(t);
     return t.reason;
   };
@@ -452,6 +582,7 @@ void Bootstrap::Impl::rendezvous_follower() {
                  "is rank 0 running with the same PCPKV_BOOTSTRAP / MASTER_PORT?{}",
                  cfg.timeout_s, cfg.rank, cfg.address, errno_text(last_err), earlier);
     }
+    interruptible();
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   uid_t uid = 0;
@@ -798,6 +929,7 @@ std::optional<BootstrapConfig> bootstrap_config_from_env() {
     c.token = token;
     c.job = fmt::format("pcpkv launch (pid {})", ::getppid());
     c.source = "pcpkv launch";
+    c.token_per_attempt = true;  // a fresh token per launch (a retry is another launch)
     PCPKV_CHECK(c.rank < c.world_size, "bootstrap: {}={} must be < {}={}", kEnvRank, c.rank, kEnvWorldSize,
                 c.world_size);
     check_local(c, kEnvRank, kEnvWorldSize, kEnvLocalRank, kEnvLocalWorldSize);

@@ -10,6 +10,8 @@
 #include <climits>
 #include <cstring>
 
+#include "pcpkv/core/interrupt.h"
+
 namespace pcpkv::bootstrap_wire {
 namespace {
 
@@ -22,14 +24,23 @@ struct Header {
   uint64_t bytes;
 };
 
-// Waits until sock is readable (events = POLLIN) or writable (POLLOUT), or the deadline passes.
+// Waits until sock is readable (events = POLLIN) or writable (POLLOUT), or the deadline passes; runs the
+// interrupt check (pcpkv/core/interrupt.h) at least every kInterruptPollMs.
 IoStatus wait_for(int sock, short events, Deadline d) {
   for (;;) {
     pollfd p{sock, events, 0};
-    const int n = ::poll(&p, 1, ms_left(d));
-    if (n < 0 && errno == EINTR) continue;
+    const int left = ms_left(d);
+    const int n = ::poll(&p, 1, std::min(left, kInterruptPollMs));
+    if (n < 0 && errno == EINTR) {
+      check_interrupt();
+      continue;
+    }
     if (n < 0) return IoStatus::kError;
-    if (n == 0) return IoStatus::kTimeout;
+    if (n == 0) {
+      if (left <= kInterruptPollMs) return IoStatus::kTimeout;
+      check_interrupt();
+      continue;
+    }
     return IoStatus::kOk;  // readable, writable, or hung up: the next call tells which
   }
 }

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/core/interrupt.h"
 
 namespace pcpkv {
 namespace {
@@ -67,6 +68,7 @@ void HostFence::wait(int32_t barrier_idx, uint64_t e, int64_t timeout_ms) {
   uint64_t* own = pads_[static_cast<size_t>(rank_)];
   const uint64_t parity = e & 1;
   int32_t next = 0;  // ranks below `next` have been seen at epoch e
+  auto next_check = Clock::now() + std::chrono::milliseconds(kInterruptPollMs);
   for (int64_t spin = 0;; ++spin) {
     while (next < world_ && load_acquire(own + slot_index(barrier_idx, parity, next)) == e) ++next;
     if (next == world_) return;
@@ -76,6 +78,10 @@ void HostFence::wait(int32_t barrier_idx, uint64_t e, int64_t timeout_ms) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(spin < 1024 ? 20 : 200));
+    }
+    if ((spin & 15) == 0 && Clock::now() >= next_check) {
+      check_interrupt();  // Ctrl-C under Python: within kInterruptPollMs, not at the timeout
+      next_check = Clock::now() + std::chrono::milliseconds(kInterruptPollMs);
     }
     if ((spin & 15) == 0 && Clock::now() >= deadline) {
       const uint64_t seen = load_acquire(own + slot_index(barrier_idx, parity, next));

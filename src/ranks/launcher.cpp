@@ -18,7 +18,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <optional>
 #include <string>
+#include <system_error>
 
 #include <fmt/format.h>
 
@@ -26,6 +29,7 @@
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
+#include "ranks/fd_limit.h"
 
 extern char** environ;
 
@@ -34,8 +38,51 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::atomic<int> g_signals{0};  // SIGINT / SIGTERM received by the launcher
-void on_signal(int) { g_signals.fetch_add(1); }
+// Signals that stop the job: SIGINT and SIGTERM end the launch with the ranks' exit code (they are stopped);
+// the others (a lost terminal, SIGQUIT, SIGUSR1/2, SIGALRM) would have ended the launcher at once, leaving its
+// directory and the ranks behind: they stop the ranks too, and once the directory is gone the launcher ends by
+// the same signal (its default action), as it would have without pcpkv.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM};
+constexpr size_t kNumStopSignals = sizeof(kStopSignals) / sizeof(kStopSignals[0]);
+std::atomic<int> g_signals{0};  // stop signals received by the launcher
+std::atomic<int> g_reraise{0};  // the first of them other than SIGINT / SIGTERM, raised again at the end
+void on_signal(int sig) {
+  if (sig != SIGINT && sig != SIGTERM) {
+    int none = 0;
+    g_reraise.compare_exchange_strong(none, sig);
+  }
+  g_signals.fetch_add(1);
+}
+
+// Installs on_signal for the stop signals (one not ignored: `nohup pcpkv launch` keeps ignoring SIGHUP) and
+// SIG_IGN for SIGPIPE while the launch runs; restores the previous actions when it ends, however it ends.
+class SignalScope {
+ public:
+  SignalScope() {
+    g_signals = 0;
+    g_reraise = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < kNumStopSignals; ++i) {
+      ::sigaction(kStopSignals[i], nullptr, &old_[i]);
+      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kStopSignals[i], &sa, nullptr);
+    }
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ign, &old_pipe_);
+  }
+  ~SignalScope() {
+    for (size_t i = 0; i < kNumStopSignals; ++i) ::sigaction(kStopSignals[i], &old_[i], nullptr);
+    ::sigaction(SIGPIPE, &old_pipe_, nullptr);
+  }
+  SignalScope(const SignalScope&) = delete;
+  SignalScope& operator=(const SignalScope&) = delete;
+
+ private:
+  struct sigaction old_[kNumStopSignals] {};
+  struct sigaction old_pipe_ {};
+};
 
 void write_all(int fd, const std::string& s) {
   size_t done = 0;
@@ -162,7 +209,20 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
               "Unix socket path holds at most {}; give a directory of at most {} bytes",
               opts.socket_dir.empty() ? "TMPDIR (the default of --socket-dir)" : "--socket-dir", clip(parent),
               parent.size(), socket_rel, socket_len, kSunPathMax, kSunPathMax - socket_rel.size());
+  // The launcher keeps the read ends of two pipes per relayed rank: a job that cannot fit under the open-file limit
+  // (raised to the hard limit first; the ranks inherit it) says so before anything starts.
+  if (opts.output != LaunchOutput::kRaw) {
+    const int64_t need = fd_limit::open_now() + 2 * int64_t{opts.nproc} + 16;
+    if (const std::string why = fd_limit::fit(need); !why.empty())
+      throw std::system_error(EMFILE, std::generic_category(),
+                              fmt::format("launch --nproc {}: relaying the ranks' output needs about {} open files, "
+                                          "but {}: raise the hard limit (ulimit -Hn) or give --output raw",
+                                          opts.nproc, need, why));
+  }
   remove_stale_launch_dirs(parent);
+  // Before the directory exists: a signal from here on stops the ranks and removes it (kStopSignals).
+  std::optional<SignalScope> signals;
+  signals.emplace();
   std::string tmpl = parent + "/" + kLaunchDirPrefix + "XXXXXX";
   PCPKV_CHECK(::mkdtemp(tmpl.data()) != nullptr, "launch: cannot create a private directory in '{}': {}", parent,
               std::strerror(errno));
@@ -173,10 +233,12 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   }
   struct DirRemover {
     std::string path;
-    ~DirRemover() {
+    void remove_now() {
       std::error_code ec;
-      std::filesystem::remove_all(path, ec);
+      if (!path.empty()) std::filesystem::remove_all(path, ec);
+      path.clear();
     }
+    ~DirRemover() { remove_now(); }
   } remover{dir};
   const std::string socket_path = dir + "/rendezvous.sock";
   const std::string token = make_job_token();
@@ -192,17 +254,6 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   }
   for (const auto& [k, v] : opts.extra_env) base_env.push_back(k + "=" + v);
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {}, old_term {}, old_pipe {};
-  ::sigaction(SIGINT, &sa, &old_int);
-  ::sigaction(SIGTERM, &sa, &old_term);
-  struct sigaction ign {};
-  ign.sa_handler = SIG_IGN;
-  ::sigaction(SIGPIPE, &ign, &old_pipe);
-  g_signals = 0;
-
   const int n = opts.nproc;
   LaunchResult result;
   result.ranks.resize(static_cast<size_t>(n));
@@ -210,6 +261,29 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   std::vector<pid_t> pids(static_cast<size_t>(n), -1);
   const pid_t launcher_pid = ::getpid();
   const auto t0 = Clock::now();
+
+  // The system refused a pipe or a process part-way (EMFILE, EAGAIN): the ranks started so far are killed and
+  // reaped and their pipes closed (which gives back the descriptors remove_all needs), then the directory goes.
+  // Not bad input: std::system_error (exit code 3 in the CLI).
+  int in_flight[4] = {-1, -1, -1, -1};
+  auto give_up = [&](const char* what) {
+    const int err = errno;
+    for (int fd : in_flight)
+      if (fd >= 0) ::close(fd);
+    for (Stream& s : streams)
+      if (s.fd >= 0) ::close(s.fd);
+    streams.clear();
+    for (pid_t& pid : pids)
+      if (pid > 0) ::kill(pid, SIGKILL);
+    for (pid_t& pid : pids)
+      if (pid > 0) ::waitpid(pid, nullptr, 0);
+    remover.remove_now();
+    const auto started = std::count_if(pids.begin(), pids.end(), [](pid_t p) { return p > 0; });
+    throw std::system_error(err, std::generic_category(),
+                            fmt::format("launch: {} failed after starting {} of {} rank(s) (they were stopped; is the "
+                                        "descriptor or process limit too low? ulimit -n, ulimit -u)",
+                                        what, started, n));
+  };
 
   for (int r = 0; r < n; ++r) {
     std::vector<std::string> env = base_env;
@@ -234,11 +308,14 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     const bool relay_out = opts.output == LaunchOutput::kPrefix || (opts.output == LaunchOutput::kRank0 && r != 0);
     const bool relay_err = relay_out;
     for (int k = 0; k < 2; ++k)
-      if (k == 0 ? relay_out : relay_err)
-        PCPKV_CHECK(::pipe2(pipes[k], O_CLOEXEC) == 0, "launch: pipe failed: {}", std::strerror(errno));
+      if (k == 0 ? relay_out : relay_err) {
+        if (::pipe2(pipes[k], O_CLOEXEC) != 0) give_up("pipe");
+        in_flight[2 * k] = pipes[k][0];
+        in_flight[2 * k + 1] = pipes[k][1];
+      }
 
     const pid_t pid = ::fork();
-    PCPKV_CHECK(pid >= 0, "launch: fork failed: {}", std::strerror(errno));
+    if (pid < 0) give_up("fork");
     if (pid == 0) {
       // Child: die with the launcher; default signal handling; stdout/stderr into the pipes.
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
@@ -269,6 +346,7 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
       s.prefix = true;
       streams.push_back(std::move(s));
     }
+    std::fill(std::begin(in_flight), std::end(in_flight), -1);
   }
 
   int running = n;
@@ -376,9 +454,15 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   }
   for (Stream& s : streams) relay(s, true);
 
-  ::sigaction(SIGINT, &old_int, nullptr);
-  ::sigaction(SIGTERM, &old_term, nullptr);
-  ::sigaction(SIGPIPE, &old_pipe, nullptr);
+  if (const int sig = g_reraise.load(); sig != 0) {
+    // Ranks stopped: remove the directory, then end as that signal would have ended the launcher.
+    remover.remove_now();
+    signals.reset();
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+  }
+  remover.remove_now();  // before the handlers go: a signal from now on meets no directory to leave
+  signals.reset();
 
   // Exit code: the first failed rank, in the order reported (by time, and within one sweep the signal deaths).
   const RankExit* first = first_failed >= 0 ? &result.ranks[static_cast<size_t>(first_failed)] : nullptr;

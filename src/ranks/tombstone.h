@@ -18,8 +18,9 @@ namespace pcpkv::bootstrap_tombstone {
 std::string path_of(const std::string& address);
 
 /// Writes the tombstone atomically (a temporary file, then rename); best effort, silent on failure: it only
-/// speeds up the other ranks' errors.
-void write(const std::string& address, const std::string& token, const std::string& reason);
+/// speeds up the other ranks' errors. keep_s: how long a rank of this attempt may still be waiting (its timeout
+/// and a margin); past that, any later rank 0 in the directory removes the file (sweep).
+void write(const std::string& address, const std::string& token, const std::string& reason, double keep_s = 3600);
 
 /// Removes a tombstone at `address` (rank 0 at its start: any one there is an earlier attempt's).
 void remove(const std::string& address);
@@ -34,6 +35,10 @@ struct Found {
 
 /// The tombstone at `address` for `token`, classified against this process's start time.
 Found read(const std::string& address, const std::string& token);
+
+/// Removes the tombstones in `dir` that no rank can still be waiting for (kept past their keep_s, or from an
+/// earlier boot): rank 0 at its start reclaims what failed jobs with other addresses left.
+void sweep(const std::string& dir);
 
 /// Marks `found` as reported by this process: a later rendezvous in it treats the same tombstone as old.
 void mark_reported(const Found& found);

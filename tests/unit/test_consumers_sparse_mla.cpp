@@ -1,5 +1,5 @@
 // The CPU sparse MLA reference (pcpkv/consumers/sparse_mla.h) against a naive long-double softmax over rows
-// decoded by verify.h's decode_slot (an independent decoder), for every cache format.
+// decoded by pcpkv/publish/checks.h's decode_slot (an independent decoder), for every cache format.
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -193,37 +193,73 @@ TEST(InputLimits, ShadowedRopeThetaGetsANote) {
   for (const auto& r : same.remarks) EXPECT_EQ(r.find("shadowed"), std::string::npos) << r;
 }
 
-// SIGTERM while --save writes left FILE.tmp.<pid> behind.
-TEST(InputLimits, SignalDuringSaveLeavesNoTemporaryFile) {
+// A save that receives `sig` while it writes (after installing a handler for it when `handled`): the child's exit
+// status, and whether FILE.tmp.<pid> was left and the saved file exists.
+struct SignalledSave {
+  int status = 0;
+  bool temp_left = false;
+  bool saved = false;
+};
+
+std::atomic<int> g_handled{0};
+
+SignalledSave signal_save_with(int sig, bool handled) {
   ScratchDir dir;
   const std::string target = dir.file("out.safetensors");
   std::fflush(stdout);
   const pid_t child = ::fork();
   if (child == 0) {
+    if (handled) ::signal(sig, [](int) { g_handled.fetch_add(1); });
     std::vector<uint8_t> data(size_t{256} << 20, 0x5a);
     pcpkv::SafetensorsWriter w;
     w.add("x", pcpkv::StDtype::kU8, {static_cast<int64_t>(data.size())}, data.data(),
           static_cast<int64_t>(data.size()));
     const std::string tmp = fmt::format("{}.tmp.{}", target, ::getpid());
-    std::thread watcher([tmp] {
+    std::thread watcher([tmp, target, sig] {
       struct stat st {};
-      while (::stat(tmp.c_str(), &st) != 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      ::kill(::getpid(), SIGTERM);  // mid-write: the file exists and is being filled
+      while (::stat(tmp.c_str(), &st) != 0 && ::stat(target.c_str(), &st) != 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      ::kill(::getpid(), sig);  // mid-write: the file exists and is being filled
     });
-    watcher.detach();
+    bool ok = true;
     try {
       w.write(target);
     } catch (...) {
+      ok = false;
     }
+    watcher.join();
     // The write finished before the signal arrived: wait for it.
-    for (int i = 0; i < 500; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    ::_exit(0);
+    if (!handled)
+      for (int i = 0; i < 500; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ::_exit(ok ? 0 : 1);
   }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFSIGNALED(status)) << "the child was not killed by the signal";
-  EXPECT_EQ(WTERMSIG(status), SIGTERM);
-  EXPECT_FALSE(fs::exists(fmt::format("{}.tmp.{}", target, child))) << "the temporary file was left behind";
+  SignalledSave k;
+  EXPECT_EQ(::waitpid(child, &k.status, 0), child);
+  k.temp_left = fs::exists(fmt::format("{}.tmp.{}", target, child));
+  k.saved = fs::exists(target);
+  return k;
+}
+
+// SIGTERM while --save writes left FILE.tmp.<pid> behind; so did SIGUSR1 and SIGALRM (issue 31), whose default
+// action ends the process too.
+TEST(InputLimits, SignalDuringSaveLeavesNoTemporaryFile) {
+  for (int sig : {SIGTERM, SIGUSR1, SIGALRM, SIGHUP}) {
+    SCOPED_TRACE(sigabbrev_np(sig));
+    const SignalledSave k = signal_save_with(sig, false);
+    ASSERT_TRUE(WIFSIGNALED(k.status)) << "the child was not killed by the signal";
+    EXPECT_EQ(WTERMSIG(k.status), sig);
+    EXPECT_FALSE(k.temp_left) << "the temporary file was left behind";
+  }
+}
+
+// A signal the program handles does not end it: the save must not lose its temporary file to the cleanup (a
+// handler that returns, such as a timer's, left the write to fail at the rename).
+TEST(InputLimits, HandledSignalDuringSaveKeepsTheSave) {
+  const SignalledSave k = signal_save_with(SIGUSR1, true);
+  ASSERT_TRUE(WIFEXITED(k.status));
+  EXPECT_EQ(WEXITSTATUS(k.status), 0) << "the save failed";
+  EXPECT_TRUE(k.saved);
+  EXPECT_FALSE(k.temp_left);
 }
 
 }  // namespace

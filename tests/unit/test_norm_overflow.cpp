@@ -1,7 +1,7 @@
 // Rows whose norms overflow fp32 (SPEC 2.1, 2.2, 2.4): finite bf16 activations up to the
 // bf16 maximum (~2^128) are normalized from x * 2^-72 (the overflow guard of pcpkv/device/token_math.h)
 // instead of being published as zeros. The published rows must equal the fp64 math of SPEC section 2 within
-// the FP8 bound (verify.h), q_c_out within the bf16 bound; rows with a NaN / inf input keep today's result.
+// the FP8 bound (publish/checks.h), q_c_out within the bf16 bound; rows with a NaN / inf input keep today's result.
 #include <cfloat>
 #include <cmath>
 #include <limits>
@@ -84,7 +84,7 @@ TEST_P(NormOverflowFormats, HugeRowsPublishTheFp64Values) {
       EXPECT_EQ(f.num_over_bound, 0) << "rank " << rank << ": max err/bound " << f.max_err_over_bound << ", worst "
                                      << f.worst;
     }
-    // q_c_out (stays local): the bf16 of the fp64 RMSNorm, |err| <= 2^-8 |exact| + 2^-16 amax (verify.h's bf16 rule).
+    // q_c_out (stays local): the bf16 of the fp64 RMSNorm, |err| <= 2^-8 |exact| + 2^-16 amax (checks.h's bf16 rule).
     const int64_t q = c->inputs.q_lora_rank;
     for (int32_t rank = 0; rank < spec.pcp; ++rank) {
       const RankPlan& rp = c->plan.ranks[static_cast<size_t>(rank)];

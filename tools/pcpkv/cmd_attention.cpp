@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "batch_flags.h"
+#include "error_line.h"
 #include "footprint.h"
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/publish/backend.h"
@@ -494,7 +495,7 @@ int run_checks(const AttentionOptions& o, const CheckedOptions& c) {
   bool ok = true;
   for (size_t i = 0; i < c.worlds.size(); ++i) {
     // Progress on stderr: each world publishes and serves a whole batch (minutes for large ones).
-    fmt::print(stderr, "pcpkv attention: PCP {} ({} of {})...\n", c.worlds[i], i + 1, c.worlds.size());
+    print_stderr(fmt::format("pcpkv attention: PCP {} ({} of {})...\n", c.worlds[i], i + 1, c.worlds.size()));
     AttentionCheckConfig cfg = c.cfg;
     cfg.plan.pcp_world = static_cast<int32_t>(c.worlds[i]);
     // The reference and DCP checks do not depend on P: run them once.

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits.h>
+#include <system_error>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -118,7 +119,7 @@ void add_launch_command(CLI::App& app) {
     o.socket_dir = f->socket_dir;
     o.gpus = parse_device_list(f->gpus, "--gpus");
     if (!o.gpus.empty() && ranks_use_cpu_backend(cmd)) {
-      fmt::print(stderr, "pcpkv launch: note: --gpus {} is not used: the ranks run --backend cpu\n", f->gpus);
+      print_stderr(fmt::format("pcpkv launch: note: --gpus {} is not used: the ranks run --backend cpu\n", f->gpus));
     }
     if (f->program.empty()) {
       o.argv.push_back(self_exe());
@@ -126,7 +127,12 @@ void add_launch_command(CLI::App& app) {
       o.argv.push_back(f->program);
     }
     o.argv.insert(o.argv.end(), cmd.begin(), cmd.end());
-    const LaunchResult r = launch_ranks(o);
+    LaunchResult r;
+    try {
+      r = launch_ranks(o);
+    } catch (const std::system_error& e) {
+      throw CLI::RuntimeError(e.what(), 3);  // the system refused a resource: not bad input (README: exit codes)
+    }
     if (r.exit_code != 0) throw CLI::RuntimeError("", r.exit_code);
   });
   add_mp_publish_command(app);

@@ -16,9 +16,11 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/dispatch.h"
 #include "pcpkv/flag_checks.h"
+#include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/inputs_io.h"
 #include "pcpkv/publish/save_run.h"
 #include "progress.h"
+#include "error_line.h"
 #include "run_job.h"
 #include "run_report.h"
 
@@ -45,7 +47,7 @@ std::string save_outputs(const RunOptions& o, const PreparedRun& prep, const Run
   // fails with EFBIG instead and the writer removes its temporary file.
   std::signal(SIGXFSZ, SIG_IGN);
   Progress progress(true);
-  progress.step(fmt::format("saving {}", o.save));
+  progress.step(fmt::format("saving {}", clip(o.save)));
   try {
     save_run(o.save, prep.model, prep.plan, prep.fmt, prep.inputs, pick->result, info);
   } catch (const Error& e) {
@@ -68,7 +70,7 @@ int run_command(const RunOptions& o) {
   Progress progress(true);
   const PreparedRun prep = prepare_run(o, &progress);
   // The choice of --transport auto on stderr too, so that it shows beside a --json result.
-  if (!prep.transport_reason.empty()) fmt::print(stderr, "pcpkv run: {}\n", prep.transport_reason);
+  if (!prep.transport_reason.empty()) print_stderr(fmt::format("pcpkv run: {}\n", prep.transport_reason));
   const RunOutcome out = execute_run(prep, &progress);
   progress.finish();
   const double elapsed = progress.elapsed_s();

@@ -2,8 +2,12 @@
 // stderr, bounded in length (clip_middle): no input, however large, makes a multi-megabyte line.
 #pragma once
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -28,8 +32,24 @@ inline std::string escape_control(const std::string& s) {
   return out;
 }
 
-inline void print_error(const std::string& message) {
-  fmt::print(stderr, "pcpkv: error: {}\n", clip_middle(escape_control(message)));
+/// Writes text to stderr (descriptor 2) and never throws. fmt::print throws when the write fails, and a closed or
+/// full stderr (2>&-, 2>/dev/full) must not turn a refused input's exit code into an abort (a throw inside the
+/// top-level handler ends in std::terminate, SIGABRT, 134): what cannot be written is dropped.
+inline void print_stderr(std::string_view text) noexcept {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(2, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
+
+inline void print_error(const std::string& message) noexcept {
+  try {
+    print_stderr(fmt::format("pcpkv: error: {}\n", clip_middle(escape_control(message))));
+  } catch (...) {  // out of memory while formatting: the exit code still tells
+  }
 }
 
 }  // namespace pcpkv::cli

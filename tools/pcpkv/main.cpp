@@ -1,6 +1,9 @@
 // pcpkv: the command-line tool. Subcommands live in cmd_<name>.cpp (commands.h).
 // Exit codes: 0 success, 1 a verification check failed, 2 bad input or usage, 3 internal error, 4 (the
 // multi-process subcommands) rank setup failed, a peer died or a fence timed out; a signal gives 128 + N.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -106,7 +109,7 @@ int run_app(CLI::App& app, int argc, char** argv) {
     if (!known) {
       pcpkv::cli::print_error(
           fmt::format("unknown command '{}'; known: {}", pcpkv::clip(argv[1]), command_names(app)));
-      fmt::print(stderr, "Run 'pcpkv --help' for usage.\n");
+      pcpkv::cli::print_stderr("Run 'pcpkv --help' for usage.\n");
       return 2;
     }
   }
@@ -125,18 +128,19 @@ int run_app(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::RequiredError& e) {
     pcpkv::cli::print_error(
         fmt::format("{}{}", e.what(), argc < 2 ? fmt::format("; commands: {}", command_names(app)) : ""));
-    fmt::print(stderr, "Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
+    pcpkv::cli::print_stderr("Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
   } catch (const CLI::ParseError& e) {
     pcpkv::cli::print_error(bounded_parse_error(e.what()));
-    fmt::print(stderr, "Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
+    pcpkv::cli::print_stderr("Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
   } catch (const pcpkv::Error& e) {
     pcpkv::cli::print_error(e.what());
-    if (pcpkv::read_env("PCPKV_DEBUG") && !e.where().empty()) fmt::print(stderr, "pcpkv: (raised at {})\n", e.where());
+    if (pcpkv::read_env("PCPKV_DEBUG") && !e.where().empty())
+      pcpkv::cli::print_stderr(fmt::format("pcpkv: (raised at {})\n", e.where()));
     return 2;
   } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "pcpkv: error: out of memory (try fewer --tokens or a smaller --pcp)\n");
+    pcpkv::cli::print_stderr("pcpkv: error: out of memory (try fewer --tokens or a smaller --pcp)\n");
     return 3;
   } catch (const std::exception& e) {
     pcpkv::cli::print_error(fmt::format("internal: {}", e.what()));
@@ -145,9 +149,20 @@ int run_app(CLI::App& app, int argc, char** argv) {
   return 0;
 }
 
-}  // namespace
+// Descriptors 0-2 that the caller closed (2>&-) are opened on /dev/null: otherwise the next file pcpkv opens (a
+// --save target, a config) would take descriptor 2 and receive the error messages.
+void open_missing_std_fds() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+    const int null_fd = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+    if (null_fd >= 0 && null_fd != fd) {
+      ::dup2(null_fd, fd);
+      ::close(null_fd);
+    }
+  }
+}
 
-int main(int argc, char** argv) {
+int main_body(int argc, char** argv) {
   CLI::App app{
       "pcpkv: publish PCP KV-cache rows of sparse-MLA models (DeepSeek-V3.2, GLM-5) into every rank's "
       "cache replica, and verify them byte for byte"};
@@ -164,9 +179,22 @@ int main(int argc, char** argv) {
   errno = 0;
   if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
     const int err = errno;
-    fmt::print(stderr, "pcpkv: error: cannot write the output to stdout: {}\n",
-               err ? std::strerror(err) : "write error");
+    pcpkv::cli::print_error(
+        fmt::format("cannot write the output to stdout: {}", err ? std::strerror(err) : "write error"));
     if (code == 0) code = 3;  // a failed verdict (1) or bad input (2) keeps its code
   }
   return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  open_missing_std_fds();
+  try {
+    return main_body(argc, argv);
+  } catch (...) {
+    // Nothing may leave main as an exception (std::terminate: SIGABRT, 134); an escape here is pcpkv's own fault.
+    pcpkv::cli::print_error("internal: an unexpected exception escaped the command");
+    return 3;
+  }
 }

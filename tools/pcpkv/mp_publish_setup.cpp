@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "error_line.h"
 #include "footprint.h"
 #include "mp_publish.h"
 #include "pcpkv/core/error.h"
@@ -287,7 +288,7 @@ void setup_mp_job(const MpPublishFlags& f, Bootstrap& world, MpJob& job) {
     job.transports = {choice.transport};
     job.transport_reason = "--transport auto: " + choice.reason;
     if (job.group->rank() == 0)
-      fmt::print(stderr, "pcpkv mp-publish: PCP group {}: {}\n", group_idx, job.transport_reason);
+      print_stderr(fmt::format("pcpkv mp-publish: PCP group {}: {}\n", group_idx, job.transport_reason));
   }
   RankPublishOptions& opt = job.opt;
   opt.fence_timeout_ms = f.fence_timeout_ms;

@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "error_line.h"
+
 namespace pcpkv::cli {
 
 Progress::Progress(bool enabled, double quiet_s)
@@ -51,10 +53,10 @@ void Progress::loop() {
     const double t = elapsed_s();
     if (t < quiet_s_ || step_.empty()) continue;
     if (tty_) {
-      fmt::print(stderr, "\r\033[Kpcpkv: [{:6.1f} s] {}", t, step_);
+      print_stderr(fmt::format("\r\033[Kpcpkv: [{:6.1f} s] {}", t, step_));
     } else if ((step_changed_ && t - last_print >= 2.0) || t - last_print >= 10.0) {
       // A log gets at most a line every 2 s (the step current then) and a heartbeat every 10 s.
-      fmt::print(stderr, "pcpkv: [{:6.1f} s] {}\n", t, step_);
+      print_stderr(fmt::format("pcpkv: [{:6.1f} s] {}\n", t, step_));
     } else {
       continue;
     }

@@ -167,28 +167,29 @@ std::pair<long double, long double> check_footprint(const Footprint& f, const st
 // --save: the directory must exist and take a new file, and the target, when present, must be a regular
 // file (renaming over a device or a FIFO would replace it). Probes with the writer's temporary name, so
 // a run is not computed only to fail at the end.
-void check_save_target(const std::string& path) {
+void check_save_target(const std::string& file) {
   namespace fs = std::filesystem;
+  const std::string path = clip(file);  // as messages quote it (kMaxQuotedChars)
   std::error_code ec;
-  PCPKV_CHECK(!fs::is_directory(path, ec), "--save: '{}' is a directory", path);
-  const fs::file_status st = fs::status(path, ec);
+  PCPKV_CHECK(!fs::is_directory(file, ec), "--save: '{}' is a directory", path);
+  const fs::file_status st = fs::status(file, ec);
   PCPKV_CHECK(!fs::exists(st) || fs::is_regular_file(st),
               "--save: '{}' exists and is not a regular file (a device, FIFO or socket); pcpkv replaces the file "
               "at that path, so it refuses",
               path);
   fs::path target;
   try {
-    target = write_target(path);
+    target = write_target(file);
   } catch (const Error& e) {
     throw Error(std::string("--save: ") + e.what(), e.where());
   }
   const fs::path dir = fs::absolute(target, ec).parent_path();
-  PCPKV_CHECK(fs::exists(dir, ec), "--save: directory '{}' of '{}' does not exist", dir.string(), path);
-  PCPKV_CHECK(fs::is_directory(dir, ec), "--save: '{}' (the directory of '{}') is not a directory", dir.string(),
+  PCPKV_CHECK(fs::exists(dir, ec), "--save: directory '{}' of '{}' does not exist", clip(dir.string()), path);
+  PCPKV_CHECK(fs::is_directory(dir, ec), "--save: '{}' (the directory of '{}') is not a directory", clip(dir.string()),
               path);
   const std::string probe = fmt::format("{}.tmp.{}", target.string(), static_cast<long>(::getpid()));
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
-  PCPKV_CHECK(fd >= 0, "--save: cannot create a file next to '{}' (tried '{}'): {}", path, probe,
+  PCPKV_CHECK(fd >= 0, "--save: cannot create a file next to '{}' (tried '{}'): {}", path, clip(probe),
               std::strerror(errno));
   ::close(fd);
   ::unlink(probe.c_str());
@@ -303,7 +304,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
   InputsBatch batch;
   if (!o.inputs.empty()) {
     batch = read_inputs_batch(o.inputs);
-    for (const std::string& n : batch.notes) p.notes_text.push_back(fmt::format("--inputs {}: {}", o.inputs, n));
+    for (const std::string& n : batch.notes) p.notes_text.push_back(fmt::format("--inputs {}: {}", clip(o.inputs), n));
     // Not an error: re-encoding saved activations in another format or layer kind is a use; the saved caches
     // are not read. The scale settings count only where both the file and the run use their format.
     std::vector<std::string> saved;
@@ -322,7 +323,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
       p.notes_text.push_back(fmt::format(
           "--inputs {}: saved with {}: the caches are computed anew from the file's activations, so they (and a "
           "--save of this run) differ from the file's caches",
-          o.inputs, fmt::join(saved, ", ")));
+          clip(o.inputs), fmt::join(saved, ", ")));
     }
   }
   Footprint fp(o.block_size);
@@ -340,7 +341,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
                   batch.saved_block_size == o.block_size,
               "--inputs {}: its {} were saved with block_size {} (the file's metadata), but --block-size is {}; "
               "run with --block-size {}",
-              o.inputs, batch.block_tables.empty() ? "slot_mapping" : "block_tables", batch.saved_block_size,
+              clip(o.inputs), batch.block_tables.empty() ? "slot_mapping" : "block_tables", batch.saved_block_size,
               o.block_size, batch.saved_block_size);
   if (!batch.requests.empty()) {
     int64_t max_context = 0;
@@ -350,14 +351,14 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
     }
     std::tie(p.memory_estimate, p.memory_limit) =
         check_footprint(fp,
-                        fmt::format("--inputs {} ({} requests, {} tokens, contexts up to {}) with {}", o.inputs,
+                        fmt::format("--inputs {} ({} requests, {} tokens, contexts up to {}) with {}", clip(o.inputs),
                                     batch.requests.size(), batch.num_tokens, max_context, geometry),
                         o.memory_limit_gb, /*from_file=*/true);
     pc.requests = batch.requests;
-    p.batch_source = fmt::format("{} requests from {}", batch.requests.size(), o.inputs);
+    p.batch_source = fmt::format("{} requests from {}", batch.requests.size(), clip(o.inputs));
     p.notes_text.push_back(
         fmt::format("batch: {} describes its requests; --tokens, --decodes and --decode-context are not used",
-                    o.inputs));
+                    clip(o.inputs)));
   } else {
     PCPKV_CHECK(o.tokens > 0 || o.decodes > 0, "--tokens 0 --decodes 0: the batch is empty");
     // Sized before any request is stored: --decodes 2000000000 must not allocate first.
@@ -395,7 +396,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
       PCPKV_CHECK(batch.num_tokens == n,
                   "--inputs {}: tensor 'kv' has {} rows, but {} give {} tokens (the file has no 'requests' tensor "
                   "describing its batch)",
-                  o.inputs, batch.num_tokens, p.batch_source, n);
+                  clip(o.inputs), batch.num_tokens, p.batch_source, n);
     }
   }
   p.plan = make_plan(pc);
@@ -403,7 +404,7 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
                      fmt::format("{} (model {})", p.batch_source, p.model.name));
   // The file's block tables and slots replace the fresh plan's, so a run loaded from a file (and its --save)
   // keeps tables and slots that agree: slot = table[pos / B] * B + pos % B.
-  const std::string origin = "--inputs " + o.inputs;
+  const std::string origin = "--inputs " + clip(o.inputs);
   if (!batch.block_tables.empty()) {
     apply_block_tables(p.plan, batch.block_tables, origin);
     for (size_t g = 0; g < batch.slot_mapping.size(); ++g) {
@@ -416,13 +417,13 @@ PreparedRun prepare_run(const RunOptions& o, Progress* progress) {
                   p.plan.block_tables[r][pos / o.block_size], p.plan.global_slots[g], o.block_size);
     }
     validate_plan(p.plan);
-    p.notes_text.push_back(fmt::format("slots: taken from {} (block_tables{})", o.inputs,
+    p.notes_text.push_back(fmt::format("slots: taken from {} (block_tables{})", clip(o.inputs),
                                        batch.slot_mapping.empty() ? "" : "; slot_mapping agrees"));
   } else if (!batch.slot_mapping.empty()) {
     apply_slot_mapping(p.plan, batch.slot_mapping, origin);
     validate_plan(p.plan);
     p.notes_text.push_back(
-        fmt::format("slots: taken from {} (slot_mapping); the block tables follow from them", o.inputs));
+        fmt::format("slots: taken from {} (slot_mapping); the block tables follow from them", clip(o.inputs)));
   }
   p.ref_plan = single_rank_plan(p.plan);
 

@@ -55,6 +55,8 @@ struct BootstrapConfig {
   std::string job;               // the job's name in messages ("MASTER_PORT 29500, command '...'"), never the token
   double timeout_s = 60.0;       // bound of every blocking step (rendezvous and each collective); inf: none
   std::string source;            // where the values came from ("pcpkv launch", "torchrun env", "test")
+  bool token_per_attempt = false;  // the token names this attempt alone (pcpkv launch makes one per launch): rank 0's
+                                   // tombstone carrying it is this attempt's, however late a rank starts
 };
 
 /// Environment variables `pcpkv launch` sets for each rank process.
