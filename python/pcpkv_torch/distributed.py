@@ -37,7 +37,7 @@ import torch
 
 from .model import MLA_ROW_BYTES, CacheFormat, check_cache_format
 from .rank_agreement import agree_on, share_verdicts, torch_gather
-from .tables import CacheTargets, FenceState, RowDests
+from .tables import CacheTargets, FenceState, RowDests, check_num_barriers
 
 __all__ = ["Bootstrap", "SymmetricBuffer", "SymmetricCaches", "resource_counts", "dead_ranks"]
 
@@ -301,9 +301,10 @@ class SymmetricCaches:
     @staticmethod
     def _check(num_layers, num_blocks, block_size, kv_format, ds_mla_scale, has_indexer, num_barriers, fill):
         for name, v, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 1),
-                            ("block_size", block_size, 1), ("num_barriers", num_barriers, 1)):
+                            ("block_size", block_size, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} = {v!r} must be an integer >= {lo}")
+        check_num_barriers(num_barriers, "")
         if block_size & (block_size - 1):
             raise ValueError(f"block_size = {block_size} must be a power of two")
         if not isinstance(kv_format, str) or kv_format not in MLA_ROW_BYTES:

@@ -38,7 +38,8 @@ import torch
 
 from .model import CacheFormat, check_cache_format
 from .rank_agreement import torch_gather
-from .tables import CacheTargets, FenceState, RowDests, _describe, _index_geometry, _mla_geometry, first_overlap
+from .tables import (CacheTargets, FenceState, RowDests, _describe, _index_geometry, _mla_geometry, check_num_barriers,
+                     first_overlap)
 
 __all__ = ["EngineCaches"]
 
@@ -198,8 +199,7 @@ class EngineCaches:
         self._agree(fails, "mapping the peers' caches")
 
     def _arguments(self, mla_caches, index_caches, fmts, staging, num_barriers):
-        if isinstance(num_barriers, bool) or not isinstance(num_barriers, int) or num_barriers < 1:
-            raise ValueError(f"num_barriers = {num_barriers!r} must be an integer >= 1")
+        check_num_barriers(num_barriers, "")
         if isinstance(mla_caches, torch.Tensor) or not isinstance(mla_caches, Sequence) or not mla_caches:
             raise ValueError(f"mla_caches must be a non-empty list of per-layer MLA caches, got {_shown(mla_caches)}")
         L = len(mla_caches)

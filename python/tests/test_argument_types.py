@@ -6,6 +6,7 @@ import re
 import pytest
 
 from helpers import pk, torch  # noqa: F401  (skips without torch / the extension)
+from pcpkv_torch.distributed import SymmetricCaches
 
 
 @pytest.mark.parametrize("kw, named", [
@@ -102,3 +103,12 @@ def test_choose_transport_still_takes_nested_bools_and_arrays():
     assert pk.choose_transport(["h0", "h0"], np.ones((2, 2), dtype=bool))[0] == "direct"
     with pytest.raises(ValueError, match=re.escape("peer_access must be [0, 0]")):
         pk.choose_transport([], [])  # the shape is still the op's to name
+
+
+@pytest.mark.parametrize("num_barriers", [0, 2**40, 4097, 2.0, True])
+def test_num_barriers_outside_the_fence_cap_is_named(num_barriers):
+    # 2**40 reached the pad allocation and failed there with the allocator's RuntimeError (break test)
+    with pytest.raises(ValueError, match=r"num_barriers = .* must be an integer in \[1, 4096\]"):
+        pk.FenceState([8, 4096], world=2, num_barriers=num_barriers)
+    with pytest.raises(ValueError, match=r"num_barriers = .* must be an integer in \[1, 4096\]"):
+        SymmetricCaches._check(1, 4, 64, "fp8_ds_mla", None, True, num_barriers, 0)
