@@ -277,7 +277,7 @@ class EngineCaches:
                 rows[rb] = name
         except ValueError as e:
             fails.append((True, str(e)))
-        hit = first_overlap(self._own)
+        hit = first_overlap(self._own) and _first_interleaved_overlap(self._own)
         if hit:
             (a, ta), (b, tb) = hit
             fails.append((True, f"{a} ({_describe(ta)}) shares memory with {b} ({_describe(tb)}): every rank writes "
@@ -571,3 +571,40 @@ class EngineCaches:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _block_runs(t: torch.Tensor) -> tuple:
+    """(start, step, count, length) in bytes: t's memory as `count` runs of `length` bytes, `step` apart (its
+    blocks along dim 0), or one run of its whole extent."""
+    size = t.element_size()
+    extent = lambda dims: (sum((n - 1) * st for n, st in dims) + 1) * size  # noqa: E731
+    if t.dim() >= 2 and t.shape[0] > 1 and t.stride(0) > 0:
+        return t.data_ptr(), t.stride(0) * size, t.shape[0], extent(zip(t.shape[1:], t.stride()[1:]))
+    return t.data_ptr(), 0, 1, extent(zip(t.shape, t.stride()))
+
+
+def _runs_overlap(a: tuple, b: tuple) -> bool:
+    """Whether two block-run sets share a byte: exact when they step alike (or one is a single run), else by
+    extent. vLLM's cross-layer layout (one [num_blocks, L, block_size, row] buffer, layer l = buf[:, l]) gives L
+    caches whose extents overlap while their bytes never do."""
+    (sa, pa, na, la), (sb, pb, nb, lb) = a, b
+    if sa + (na - 1) * pa + la <= sb or sb + (nb - 1) * pb + lb <= sa:
+        return False
+    step = pa if nb == 1 else pb
+    if (na > 1 and nb > 1 and pa != pb) or step == 0:
+        return True
+    # run i of a and run j of b meet iff -lb < (sb - sa) + k * step < la for k = j - i in [-(na - 1), nb - 1]
+    d = sb - sa
+    k_lo, k_hi = (-lb - d) // step + 1, -((d - la) // step) - 1
+    return max(k_lo, -(na - 1)) <= min(k_hi, nb - 1)
+
+
+def _first_interleaved_overlap(named: list):
+    """The first pair of (name, tensor) whose bytes overlap by _runs_overlap, or None (called only when
+    first_overlap, by byte extents, found one)."""
+    runs = [_block_runs(t) for _, t in named]
+    for i in range(len(named)):
+        for j in range(i + 1, len(named)):
+            if _runs_overlap(runs[i], runs[j]):
+                return named[i], named[j]
+    return None

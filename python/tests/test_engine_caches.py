@@ -533,3 +533,42 @@ def test_expandable_segments_are_exported_or_refused_with_what_to_do(monkeypatch
         for r in range(W):
             kind, msg = out[r]
             assert kind == "err" and "expandable_segments" in msg, out[r]
+
+
+# ---- the overlap check of a rank's own tensors: exact for interleaved layers ----------------------------------
+
+
+def test_interleaved_layer_views_are_not_taken_for_shared_memory():
+    # vLLM's cross-layer layout: one [num_blocks, L, block_size, row] buffer, layer l = buf[:, l]; the views'
+    # extents overlap but no byte is shared (the break test saw "mla_caches[0] ... shares memory with
+    # mla_caches[1]"); a view that does share bytes is still found
+    from pcpkv_torch.engine_caches import _first_interleaved_overlap
+
+    buf = torch.empty((5, 3, 4, 656), dtype=torch.uint8)
+    layers = [(f"mla_caches[{l}]", buf[:, l]) for l in range(3)]
+    assert _first_interleaved_overlap(layers) is None
+    shifted = buf.view(-1)[656:].as_strided((5, 4, 656), (3 * 4 * 656, 656, 1))  # layer 0 one row later
+    hit = _first_interleaved_overlap(layers + [("index_caches[0]", shifted)])
+    assert hit is not None and {hit[0][0], hit[1][0]} == {"mla_caches[0]", "index_caches[0]"}, hit
+
+
+def test_the_run_overlap_rule_matches_every_byte():
+    # _runs_overlap against the byte sets themselves, on seeded random run sets (same and different steps)
+    from pcpkv_torch.engine_caches import _runs_overlap
+
+    gen = torch.Generator().manual_seed(31)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=gen))  # noqa: E731
+    for _ in range(3000):
+        runs = []
+        for _ in range(2):
+            count = rnd(1, 5)
+            length = rnd(1, 12)
+            step = rnd(length, 3 * length + 1) if count > 1 else 0
+            if runs and runs[0][1] and count > 1 and rnd(0, 4):  # mostly the first set's step
+                step = runs[0][1]
+            runs.append((rnd(0, 60), step, count, length))
+        sets = [{s + i * p + k for i in range(n) for k in range(ln)} for s, p, n, ln in runs]
+        exact = bool(sets[0] & sets[1])
+        got = _runs_overlap(*runs)
+        same_step = runs[0][2] == 1 or runs[1][2] == 1 or runs[0][1] == runs[1][1]
+        assert got == exact if same_step else got >= exact, (runs, got, exact)
