@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# docs/perf.md 38 (issue 34): what the two device calls of 2026-12-05 ran, from the repo root on the GPU machine.
+#   round 1: the build, the probe at 4096 (twice) and 32768, the per-token profile, the kernel byte tests, the A/B bench,
+#            ncu of the single-rank 4096-row launches
+#   round 2: the build, the kernel byte tests, the goals' bench (three rounds), the per-token profile again
+set -uo pipefail
+round="${1:?round 1 or 2}"
+out="${OUT:?}"
+build=build-gpu
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+t0=$SECONDS
+say() { echo "[+$((SECONDS - t0))s] $*"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+flags=(-O3 -std=c++20 -arch=sm_90 --expt-relaxed-constexpr -DFMT_USE_CONSTEXPR=1 -Xcompiler=-ffp-contract=off -Iinclude -Isrc)
+(
+  cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DPCPKV_BENCH=OFF > /tmp/cfg.log 2>&1 &&
+    ninja -C $build -j 16 pcpkv_cli cuda_test_publish_kernels cuda_test_topk_fill unit_test_dispatch_variant
+) > /tmp/build.log 2>&1 &
+bpid=$!
+nvcc "${flags[@]}" docs/results/2026-12-05b-h200/token_clock.cu -o /tmp/token_clock > /tmp/tc_build.log 2>&1 ||
+  { tail -20 /tmp/tc_build.log; }
+if [ "$round" = 1 ]; then
+  nvcc -O3 -arch=sm_90 -std=c++17 docs/results/2026-12-05-h200/split_probe.cu -o /tmp/split_probe || exit 1
+  for t in 4096 4096 32768; do timeout 100 /tmp/split_probe $t; echo; done > "$out/probe.md" 2>&1
+  say "probe rc=$?"
+fi
+timeout 60 /tmp/token_clock 4096 > "$out/token_clock_$round.md" 2>&1
+say "token_clock rc=$?"
+wait $bpid
+brc=$?
+say "build rc=$brc"
+grep -E "error|FAILED" /tmp/build.log | head -20
+tail -3 /tmp/build.log
+[ $brc = 0 ] || { cp /tmp/build.log "$out/build.log"; exit 1; }
+{
+  timeout 200 $build/tests/cuda_test_publish_kernels --gtest_filter='*Dispatch*' --gtest_brief=1
+  echo "== rc=$?"
+  timeout 60 $build/tests/cuda_test_topk_fill --gtest_brief=1
+  echo "== rc=$?"
+  timeout 30 $build/tests/unit_test_dispatch_variant --gtest_brief=1
+  echo "== rc=$?"
+} > "$out/tests_$round.log" 2>&1
+say "tests done"
+grep -E "== rc|PASSED|FAILED" "$out/tests_$round.log" | head -20
+$build/pcpkv bench --help > /dev/null 2>&1
+common=(--models glm-5,deepseek-v3.2 --pcp 8 --kv-formats fp8_ds_mla --topk-fill tail --pdl-tokens none)
+if [ "$round" = 1 ]; then
+  timeout 240 $build/pcpkv bench "${common[@]}" --single-rank-tokens 2048,4096,8192,16384,32768 \
+    --variants warp_token,warp_split,warp --layer-variants warp_token:fused:2,warp:fused:2 \
+    --json "$out/bench_1.json" --markdown "$out/bench_1.md" > /tmp/bench.log 2>&1
+  say "bench rc=$?"
+  tail -5 /tmp/bench.log
+  timeout 100 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section LaunchStats -k regex:dispatch_warp -c 4 $build/pcpkv bench --models glm-5 --pcp 8 \
+    --kv-formats fp8_ds_mla --transports direct --single-rank-tokens 4096 --variants warp_token,warp_split \
+    --per-gpu-pcp 0 --replica-check-pcp 0 --pdl-tokens none --layer-variants warp:fused:2 --topk-fill tail \
+    --iters 1 --warmup 0 --no-graph --copy-gib 0.25 > "$out/ncu_1.txt" 2>&1
+  say "ncu rc=$?"
+else
+  for i in 1 2 3; do
+    timeout 150 $build/pcpkv bench "${common[@]}" --single-rank-tokens 4096,32768 \
+      --variants warp_token,warp --layer-variants warp_token:fused:2,warp:fused:2 \
+      --json "$out/bench_2_$i.json" --markdown "$out/bench_2_$i.md" > /tmp/bench.log 2>&1
+    say "bench $i rc=$?"
+  done
+  tail -5 /tmp/bench.log
+fi
