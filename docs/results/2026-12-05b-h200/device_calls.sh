@@ -21,7 +21,7 @@ nvcc "${flags[@]}" docs/results/2026-12-05b-h200/token_clock.cu -o /tmp/token_cl
   { tail -20 /tmp/tc_build.log; }
 if [ "$round" = 1 ]; then
   nvcc -O3 -arch=sm_90 -std=c++17 docs/results/2026-12-05-h200/split_probe.cu -o /tmp/split_probe || exit 1
-  for t in 4096 4096 32768; do timeout 100 /tmp/split_probe $t; echo; done > "$out/probe.md" 2>&1
+  for t in 4096 4096 32768; do timeout 60 /tmp/split_probe $t; echo; done > "$out/probe.md" 2>&1
   say "probe rc=$?"
 fi
 timeout 60 /tmp/token_clock 4096 > "$out/token_clock_$round.md" 2>&1
@@ -34,20 +34,20 @@ tail -3 /tmp/build.log
 [ $brc = 0 ] || { cp /tmp/build.log "$out/build.log"; exit 1; }
 # the kernel byte tests (every dispatch case against the CPU oracle, every variant)
 tests() {
-  timeout 200 $build/tests/cuda_test_publish_kernels --gtest_filter='*Dispatch*' --gtest_brief=1 > "$out/tests_$round.log" 2>&1
+  timeout 100 $build/tests/cuda_test_publish_kernels --gtest_filter='*Dispatch*' --gtest_brief=1 > "$out/tests_$round.log" 2>&1
   say "tests rc=$?"
   tail -4 "$out/tests_$round.log"
 }
 common=(--models glm-5,deepseek-v3.2 --pcp 8 --kv-formats fp8_ds_mla --topk-fill tail --pdl-tokens none)
 if [ "$round" = 1 ]; then
-  timeout 240 $build/pcpkv bench "${common[@]}" --single-rank-tokens 4096,8192,16384,32768 \
+  tests
+  timeout 170 $build/pcpkv bench "${common[@]}" --single-rank-tokens 4096,8192,16384,32768 \
     --variants warp_token,warp_split --layer-variants warp_token:fused:2,warp:fused:2 \
     --json "$out/bench_1.json" --markdown "$out/bench_1.md" > /tmp/bench.log 2>&1
   say "bench rc=$?"
   cp /tmp/bench.log "$out/bench_1.log"
   tail -5 /tmp/bench.log
   python3 bench/vllm_peer.py  # vLLM is not on the device image: it says why it skips
-  tests
 else
   for i in 1 2 3; do
     json=(); [ $i = 1 ] && json=(--json "$out/bench_2_1.json")
