@@ -5,7 +5,7 @@
 // blocks), no top-k fill (the bench's tail fill has no padding rows), 4 rotating input sets.
 // Build (repo root): nvcc -O3 -std=c++20 -arch=sm_90 --expt-relaxed-constexpr -DFMT_USE_CONSTEXPR=1
 //   -Xcompiler=-ffp-contract=off -Iinclude -Isrc docs/results/2026-12-05b-h200/token_clock.cu -o token_clock
-// Run: ./token_clock [T]  (default 4096)
+// Run: ./token_clock [T]  (default 4096). Built with -DNO_STAMP it prints the event times only.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +24,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
+#ifndef NO_STAMP  // -DNO_STAMP: the kernel as pcpkv builds it (event times only, no profile)
 #define PCPKV_DISPATCH_STAMP(item, point)        \
   do {                                           \
     if ((threadIdx.x & 31) == 0) {               \
@@ -31,6 +32,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
       g_clk[point][item] = clock64();            \
     }                                            \
   } while (0)
+#endif
 
 #include "../../../src/publish/cuda/dispatch_warp.cu"
 
@@ -170,6 +172,12 @@ int main(int argc, char** argv) {
       }
       CK(cudaGetLastError());
       std::sort(ms.begin(), ms.end());
+#ifdef NO_STAMP
+      std::printf("| %s | %d replicas | %d regs | %d CTAs/SM | grid %u | event us median %.1f (min %.1f) |\n",
+                  split ? "split (KV, Q items)" : "token (warp per token)", reps, attr.numRegs, per_sm, grid,
+                  ms[ms.size() / 2] * 1e3, ms[0] * 1e3);
+      continue;
+#endif
       std::vector<unsigned long long> ns[3];
       std::vector<long long> clk[3];
       for (int p = 0; p < 3; ++p) {
