@@ -408,7 +408,7 @@ std::vector<DispatchCase> dispatch_cases() {
     c.fmt = make_fmt(KvFormat::kFp8DsMla, DsMlaScale::kPow2, true);
     add(c);
   }
-  {  // past the split rule's bound on an H200 (2 tokens per warp of 3168): warp runs one warp per token
+  {  // past the split rule's bound of 2 tokens per warp of 3168 (H200 / H100): warp runs one warp per token
     DispatchCase c;
     c.name = "above_split_bound_13001";
     c.num_tokens = 13001;

@@ -33,9 +33,9 @@ enum class DispatchVariant : uint8_t {
               // overrides, any other non-empty value is refused)
   kSimple,    // persistent CTAs of 4 warps, one token per CTA iteration, loads at the top of each iteration
   kPrefetch,  // same, but the next token's inputs are loaded before the current token is processed
-  kWarp,      // persistent warps, no CTA barrier (dispatch_warp.cu): kWarpSplit at few tokens per warp (at most 2
-              // on the GPU's resident warps), else kWarpToken; layouts that are not 16-byte aligned and
-              // q_lora_rank > 2048 run the simple kernel instead
+  kWarp,      // persistent warps, no CTA barrier (dispatch_warp.cu): kWarpSplit at few tokens per warp
+              // (dispatch.cu's kSplitMaxTokensPerWarp; 0 for now, docs/perf.md 38), else kWarpToken; layouts that
+              // are not 16-byte aligned and q_lora_rank > 2048 run the simple kernel instead
   kWarpPrefetch,  // kWarpToken + a bulk L2 prefetch of each warp's next token ("warp_pf")
   kWarpToken,     // one token per warp at every size ("warp_token": kWarp before issue 34)
   kWarpSplit,     // each token's KV part and Q part as two items of the warps at every size ("warp_split")
