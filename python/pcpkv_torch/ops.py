@@ -203,8 +203,8 @@ def validate_slots(slot_mapping: Tensor, num_slots: int, name: str = "slot_mappi
 
 def cuda_dispatch_impl() -> str:
     """Which CUDA kernels the ops run: "pcpkv" (pcpkv's own launchers of pcpkv/publish/kernels.h, the kernels the
-    C++ library runs; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf picks the dispatch kernel variant, unset or
-    empty the default warp, and any other value, "auto" included, makes the CUDA dispatch raise ValueError) or
+    C++ library runs; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf|warp_token|warp_split picks the dispatch
+    kernel variant, unset or empty the default warp, and any other value, "auto" included, makes the CUDA dispatch raise ValueError) or
     "none" in a CPU-only build."""
     if not hasattr(torch.ops.pcpkv, "cuda_dispatch_impl"):
         return "none"

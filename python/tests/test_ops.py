@@ -112,7 +112,7 @@ def publish_both(worlds, plan, what):
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", ["prefetch", "simple", "warp", "warp_pf"])
+@pytest.mark.parametrize("variant", ["prefetch", "simple", "warp", "warp_pf", "warp_token", "warp_split"])
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("index_rope_interleaved", [False, True])
 def test_cuda_equals_cpu_reference(monkeypatch, variant, kv_format, index_rope_interleaved):

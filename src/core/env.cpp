@@ -42,8 +42,8 @@ const std::vector<EnvVar>& env_registry() {
       {"PCPKV_DEVICE", "GPU index every rank process uses, in [0, visible devices)",
        "unset: local rank % visible devices", "ranks (src/ranks/launcher.cpp)"},
       {"PCPKV_DISPATCH_VARIANT",
-       "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf; any other non-empty value is "
-       "refused",
+       "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf | warp_token | warp_split; any "
+       "other non-empty value is refused",
        "unset or empty: warp", "publish/cuda (src/publish/cuda/dispatch.cu, src/publish/dispatch_variant.cpp)"},
       {"PCPKV_JOB_ID", "names a torchrun-style job (its token is derived from it)",
        "unset: the run id and the command line name the job", "ranks (src/ranks/bootstrap.cpp)"},

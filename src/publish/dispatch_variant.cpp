@@ -16,25 +16,28 @@ const char* to_string(DispatchVariant v) {
     case DispatchVariant::kPrefetch: return "prefetch";
     case DispatchVariant::kWarp: return "warp";
     case DispatchVariant::kWarpPrefetch: return "warp_pf";
+    case DispatchVariant::kWarpToken: return "warp_token";
+    case DispatchVariant::kWarpSplit: return "warp_split";
   }
   return "?";
 }
 
 DispatchVariant parse_dispatch_variant(const std::string& s) {
   for (DispatchVariant v : {DispatchVariant::kAuto, DispatchVariant::kSimple, DispatchVariant::kPrefetch,
-                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch})
+                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch, DispatchVariant::kWarpToken,
+                            DispatchVariant::kWarpSplit})
     if (s == to_string(v)) return v;
-  PCPKV_FAIL("dispatch variant '{}' is not auto, simple, prefetch, warp or warp_pf", clip(s));
+  PCPKV_FAIL("dispatch variant '{}' is not auto, simple, prefetch, warp, warp_pf, warp_token or warp_split", clip(s));
 }
 
 std::optional<DispatchVariant> dispatch_variant_from_env(const char* value) {
   if (value == nullptr || *value == '\0') return std::nullopt;
   // Not "auto": the variable exists to pick a kernel for kAuto; unset or empty is the way to get the default.
-  for (DispatchVariant v :
-       {DispatchVariant::kSimple, DispatchVariant::kPrefetch, DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch})
+  for (DispatchVariant v : {DispatchVariant::kSimple, DispatchVariant::kPrefetch, DispatchVariant::kWarp,
+                            DispatchVariant::kWarpPrefetch, DispatchVariant::kWarpToken, DispatchVariant::kWarpSplit})
     if (std::string(value) == to_string(v)) return v;
-  PCPKV_FAIL("{}: '{}' is not a dispatch variant; accepted: simple, prefetch, warp, warp_pf (empty or unset: the "
-             "default)",
+  PCPKV_FAIL("{}: '{}' is not a dispatch variant; accepted: simple, prefetch, warp, warp_pf, warp_token, warp_split "
+             "(empty or unset: the default)",
              kEnvDispatchVariant, clip(value));
 }
 

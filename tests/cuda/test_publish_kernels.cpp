@@ -257,6 +257,13 @@ void expect_rank_equal(const DispatchCase& c, RankData& r, const std::string& wh
   for (size_t d = 0; d < r.dests.size(); ++d) EXPECT_TRUE(same(r.dests[d], fmt::format("{} row dest {}", who, d)));
 }
 
+// warp chooses warp_split or warp_token by T (docs/perf.md 38); each is also run by name, so both paths are
+// compared with the oracle at every case's T.
+constexpr cuda_detail::DispatchVariant kAllDispatchVariants[] = {
+    cuda_detail::DispatchVariant::kSimple,        cuda_detail::DispatchVariant::kPrefetch,
+    cuda_detail::DispatchVariant::kWarp,          cuda_detail::DispatchVariant::kWarpPrefetch,
+    cuda_detail::DispatchVariant::kWarpToken,     cuda_detail::DispatchVariant::kWarpSplit};
+
 class DispatchKernel : public ::testing::TestWithParam<DispatchCase> {};
 
 TEST_P(DispatchKernel, BytesEqualCpuDispatch) {
@@ -275,8 +282,7 @@ TEST_P(DispatchKernel, BytesEqualCpuDispatch) {
   hp2.row_dests = host_dests.data();
   dispatch_reference(hp2);
 
-  for (auto variant : {cuda_detail::DispatchVariant::kSimple, cuda_detail::DispatchVariant::kPrefetch,
-                       cuda_detail::DispatchVariant::kWarp, cuda_detail::DispatchVariant::kWarpPrefetch}) {
+  for (auto variant : kAllDispatchVariants) {
     SCOPED_TRACE(cuda_detail::to_string(variant));
     cuda_detail::DispatchJob job{dp, tg.host, dev_dests};
     // Re-poison the device outputs so each variant proves it wrote everything itself.
@@ -385,6 +391,32 @@ std::vector<DispatchCase> dispatch_cases() {
     c.fmt = make_fmt(KvFormat::kFp8DsMla, DsMlaScale::kPow2, true);
     add(c);
   }
+  {  // the per-GPU size (issue 34): 4096 GLM-5 rows into 8 replicas of one geometry, where warp runs the split
+    DispatchCase c;
+    c.name = "per_gpu_4096_rows_8_replicas";
+    c.num_tokens = 4096;
+    c.num_targets = 8;
+    c.same_geometry = true;
+    c.num_dests = 0;
+    c.fmt = make_fmt(KvFormat::kFp8DsMla, DsMlaScale::kPow2, true);
+    add(c);
+  }
+  for (int64_t t : {1, 3}) {  // a token's two items on neighbouring warps of one CTA; most warps idle
+    DispatchCase c;
+    c.name = fmt::format("tokens_{}", t);
+    c.num_tokens = t;
+    c.fmt = make_fmt(KvFormat::kFp8DsMla, DsMlaScale::kPow2, true);
+    add(c);
+  }
+  {  // past the split rule's bound of 2 tokens per warp of 3168 (H200 / H100): warp runs one warp per token
+    DispatchCase c;
+    c.name = "above_split_bound_13001";
+    c.num_tokens = 13001;
+    c.num_targets = 1;
+    c.num_dests = 1;
+    c.fmt = make_fmt(KvFormat::kFp8DsMla, DsMlaScale::kPow2, true);
+    add(c);
+  }
   {  // odd top-k width (scalar fill), no materialization, direct only
     DispatchCase c;
     c.name = "odd_topk_direct_only";
@@ -444,8 +476,7 @@ TEST(DispatchKernelRanks, SeveralRanksInOneLaunch) {
     dp.row_dests = dest_tables.back().as<uint8_t* const>();
     jobs.push_back({dp, tg.host, dev_dests[i]});
   }
-  for (auto variant : {cuda_detail::DispatchVariant::kSimple, cuda_detail::DispatchVariant::kPrefetch,
-                       cuda_detail::DispatchVariant::kWarp, cuda_detail::DispatchVariant::kWarpPrefetch}) {
+  for (auto variant : kAllDispatchVariants) {
     SCOPED_TRACE(cuda_detail::to_string(variant));
     for (auto& r : ranks) {  // every variant must write every byte itself
       for (Mirror* m : {&r->q_out, &r->kv_out, &r->kpe_out, &r->idx_out, &r->topk})

@@ -229,7 +229,7 @@ TEST(PublishVariant, HugeNamesAreQuotedClipped) {
       {"warp:" + huge, "variant 'warp:vvv", "top-k fill 'vvv"},
       {"warp:fused:" + huge, "variant 'warp:fused:vvv", "combine rows per warp 'vvv"},
       {"warp:fused:4:" + huge, "variant 'warp:fused:4:vvv", "the 4th part 'vvv"},
-      {huge, "dispatch variant 'vvv", "is not auto, simple, prefetch, warp or warp_pf"},
+      {huge, "dispatch variant 'vvv", "is not auto, simple, prefetch, warp, warp_pf, warp_token or warp_split"},
   };
   for (const auto& c : cases)
     test::expect_clipped_error(test::error_of([&] { PublishVariant::parse(c.name); }), c.head, c.tail);

@@ -89,7 +89,7 @@ TEST(TopkFillCuda, EveryKernelEveryModeThenIndexerEqualsFullFillOnCpu) {
   DeviceCase d(c);
   const std::vector<int32_t> want = run_cpu(c, TopkFill::kFull, true);
   for (DispatchVariant v : {DispatchVariant::kSimple, DispatchVariant::kPrefetch, DispatchVariant::kWarp,
-                            DispatchVariant::kWarpPrefetch})
+                            DispatchVariant::kWarpPrefetch, DispatchVariant::kWarpToken, DispatchVariant::kWarpSplit})
     for (TopkFill mode : {TopkFill::kFull, TopkFill::kTail, TopkFill::kNone}) {
       const std::string what = fmt::format("{} {}", cuda_detail::to_string(v), to_string(mode));
       // The fill alone: exactly the CPU oracle's rows (poison elsewhere).

@@ -24,14 +24,16 @@ TEST(DispatchVariantEnv, NamesPickTheirKernelAndUnsetOrEmptyIsTheDefault) {
   EXPECT_EQ(dispatch_variant_from_env("prefetch"), DispatchVariant::kPrefetch);
   EXPECT_EQ(dispatch_variant_from_env("warp"), DispatchVariant::kWarp);
   EXPECT_EQ(dispatch_variant_from_env("warp_pf"), DispatchVariant::kWarpPrefetch);
+  EXPECT_EQ(dispatch_variant_from_env("warp_token"), DispatchVariant::kWarpToken);
+  EXPECT_EQ(dispatch_variant_from_env("warp_split"), DispatchVariant::kWarpSplit);
 }
 
 TEST(DispatchVariantEnv, AnUnknownValueIsRefusedNamingVariableValueAndTheAcceptedOnes) {
   for (const char* bad : {"wrap", "WARP", "warp ", "auto", "0", "fastest"}) {
     const std::string e = test::error_of([&] { dispatch_variant_from_env(bad); });
     EXPECT_EQ(e, std::string("PCPKV_DISPATCH_VARIANT: '") + bad +
-                     "' is not a dispatch variant; accepted: simple, prefetch, warp, warp_pf (empty or unset: the "
-                     "default)")
+                     "' is not a dispatch variant; accepted: simple, prefetch, warp, warp_pf, warp_token, warp_split "
+                     "(empty or unset: the default)")
         << bad;
   }
   // A huge value is clipped, not quoted whole.
@@ -46,7 +48,8 @@ TEST(DispatchVariantEnv, AnUnknownValueIsRefusedNamingVariableValueAndTheAccepte
 TEST(DispatchVariantEnv, EveryDocumentedListIsExactlyTheAcceptedValues) {
   std::string accepted;
   for (DispatchVariant v : {DispatchVariant::kAuto, DispatchVariant::kSimple, DispatchVariant::kPrefetch,
-                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch}) {
+                            DispatchVariant::kWarp, DispatchVariant::kWarpPrefetch, DispatchVariant::kWarpToken,
+                            DispatchVariant::kWarpSplit}) {
     try {
       dispatch_variant_from_env(to_string(v));
       if (!accepted.empty()) accepted += '|';
@@ -54,7 +57,7 @@ TEST(DispatchVariantEnv, EveryDocumentedListIsExactlyTheAcceptedValues) {
     } catch (const Error&) {  // "auto" is refused
     }
   }
-  ASSERT_EQ(accepted, "simple|prefetch|warp|warp_pf");
+  ASSERT_EQ(accepted, "simple|prefetch|warp|warp_pf|warp_token|warp_split");
   namespace fs = std::filesystem;
   const fs::path root(PCPKV_SOURCE_DIR);
   std::vector<fs::path> files = {root / "README.md", root / "python" / "README.md"};

@@ -583,8 +583,8 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--single-rank-tokens", a->single, "dispatch-only one-rank cases, comma-separated, or none")
       ->capture_default_str();
   sub->add_option("--variants", a->variants,
-                  "dispatch kernels of the single-rank section, comma-separated: simple, prefetch, warp, warp_pf "
-                  "(each with the top-k fill fused and separate)")
+                  "dispatch kernels of the single-rank section, comma-separated: simple, prefetch, warp, warp_pf, "
+                  "warp_token, warp_split (each with the top-k fill fused and separate)")
       ->capture_default_str();
   sub->add_option("--layer-variants", a->layer_variants,
                   "staging / direct variants, comma-separated <dispatch>:<fused|separate>:<combine rows per warp "

@@ -29,18 +29,21 @@ struct DispatchJob {
 };
 
 enum class DispatchVariant : uint8_t {
-  kAuto,      // the default (currently kWarp; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf overrides,
-              // any other non-empty value is refused)
+  kAuto,      // the default (currently kWarp; PCPKV_DISPATCH_VARIANT=simple|prefetch|warp|warp_pf|warp_token|warp_split
+              // overrides, any other non-empty value is refused)
   kSimple,    // persistent CTAs of 4 warps, one token per CTA iteration, loads at the top of each iteration
   kPrefetch,  // same, but the next token's inputs are loaded before the current token is processed
-  kWarp,      // persistent, one token per warp, no CTA barrier (dispatch_warp.cu); layouts that are not
-              // 16-byte aligned and q_lora_rank > 2048 run the simple kernel instead
-  kWarpPrefetch,  // kWarp + a bulk L2 prefetch of each warp's next token ("warp_pf")
+  kWarp,      // persistent warps, no CTA barrier (dispatch_warp.cu): kWarpSplit at few tokens per warp
+              // (dispatch.cu's kSplitMaxTokensPerWarp; 0 for now, docs/perf.md 38), else kWarpToken; layouts that
+              // are not 16-byte aligned and q_lora_rank > 2048 run the simple kernel instead
+  kWarpPrefetch,  // kWarpToken + a bulk L2 prefetch of each warp's next token ("warp_pf")
+  kWarpToken,     // one token per warp at every size ("warp_token": kWarp before issue 34)
+  kWarpSplit,     // each token's KV part and Q part as two items of the warps at every size ("warp_split")
 };
 /// Names of the variants; unlike the launchers these two are defined in pcpkv_core
 /// (src/publish/dispatch_variant.cpp), so CPU builds have them too.
 const char* to_string(DispatchVariant v);
-/// "auto" | "simple" | "prefetch" | "warp" | "warp_pf"; throws pcpkv::Error otherwise.
+/// "auto" | "simple" | "prefetch" | "warp" | "warp_pf" | "warp_token" | "warp_split"; throws pcpkv::Error otherwise.
 DispatchVariant parse_dispatch_variant(const std::string& s);
 
 /// Enqueues the fused dispatch of every job (one kernel launch for up to 8 jobs that share weights, rope

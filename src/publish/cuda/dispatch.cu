@@ -441,6 +441,12 @@ int resident_ctas(KernelFn fn) {
 // fastest layer variant (warp:separate:1) for staging and direct in 22 of 24 (model, P, kv) cases.
 constexpr DispatchVariant kDefaultVariant = DispatchVariant::kWarp;
 
+// kWarp runs the split instance (a token's KV and Q parts as two items) while the one-warp-per-token grid would
+// give each warp at most this many tokens. 0 (never) for now: on an H100 the split was 3% faster at 4096 rows and
+// 0.5-8% slower from 8192 up (docs/perf.md 38), where 2 would be the bound, but its byte tests against the CPU
+// oracle have not run on a GPU yet (no device build came in that session); raise it to 2 after they pass.
+constexpr int64_t kSplitMaxTokensPerWarp = 0;
+
 // kAuto: PCPKV_DISPATCH_VARIANT when set (an unknown value throws pcpkv::Error), else kDefaultVariant.
 DispatchVariant resolve_variant(DispatchVariant v) {
   if (v != DispatchVariant::kAuto) return v;
@@ -557,11 +563,17 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
   const bool aligned = c.load_align == 16 && c.store_align == 16;
   KernelFn fn = nullptr;
   int64_t grid = 0;
-  const bool warp = v == DispatchVariant::kWarp || v == DispatchVariant::kWarpPrefetch;
+  const bool warp = v == DispatchVariant::kWarp || v == DispatchVariant::kWarpPrefetch ||
+                    v == DispatchVariant::kWarpToken || v == DispatchVariant::kWarpSplit;
   if (warp && aligned && c.num_q_leaves <= kWarpKernelMaxQLeaves) {
     static_assert(kWarpKernelThreads == kThreads, "resident_ctas() assumes one block size");
-    fn = warp_kernel_for(p0.fmt.kv_format, v == DispatchVariant::kWarpPrefetch);
-    grid = std::min<int64_t>((a.total_tokens + kWarpKernelTokensPerCta - 1) / kWarpKernelTokensPerCta, resident_ctas(fn));
+    bool split = v == DispatchVariant::kWarpSplit;
+    if (v == DispatchVariant::kWarp)
+      split = a.total_tokens <= kSplitMaxTokensPerWarp * kWarpKernelTokensPerCta *
+                                    int64_t{resident_ctas(warp_kernel_for(p0.fmt.kv_format, false, false))};
+    fn = warp_kernel_for(p0.fmt.kv_format, v == DispatchVariant::kWarpPrefetch, split);
+    const int64_t items = split ? 2 * a.total_tokens : a.total_tokens;
+    grid = std::min<int64_t>((items + kWarpKernelTokensPerCta - 1) / kWarpKernelTokensPerCta, resident_ctas(fn));
   } else {  // the CTA kernel: simple / prefetch, and what the warp kernel does not serve
     fn = pick_kernel(p0.fmt.kv_format, ql, v == DispatchVariant::kPrefetch, aligned);
     grid = std::min<int64_t>(a.total_tokens, resident_ctas(fn));
@@ -637,15 +649,18 @@ std::vector<std::string> dispatch_kernel_resources() {
                                 attr.localSizeBytes, per_sm, kThreads));
     }
   for (KvFormat f : formats)
-    for (bool pf : {false, true}) {
-      KernelFn fn = warp_kernel_for(f, pf);
+    for (int k = 0; k < 3; ++k) {
+      const bool pf = k == 1, split = k == 2;
+      KernelFn fn = warp_kernel_for(f, pf, split);
       cudaFuncAttributes attr{};
       PCPKV_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
       int per_sm = 0;
       PCPKV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kWarpKernelThreads, 0));
       out.push_back(fmt::format("dispatch<{}, {}, aligned>: {} regs, {} B static smem, {} B local (spill), "
                                 "{} CTAs/SM of {} threads = {} tokens in flight per SM",
-                                to_string(f), pf ? "warp per token + L2 prefetch (warp_pf)" : "warp per token (warp)",
+                                to_string(f),
+                                split ? "KV and Q parts as items (warp_split; warp at few tokens per warp)"
+                                      : (pf ? "warp per token + L2 prefetch (warp_pf)" : "warp per token (warp_token)"),
                                 attr.numRegs, attr.sharedSizeBytes, attr.localSizeBytes, per_sm, kWarpKernelThreads,
                                 per_sm * kWarpKernelTokensPerCta));
     }

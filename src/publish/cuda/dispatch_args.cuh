@@ -267,10 +267,12 @@ using KernelFn = void (*)(DispatchArgs);
 
 /// dispatch_warp.cu: one warp per token, kWarpKernelThreads threads per CTA, for 16-byte-aligned layouts and
 /// q_lora_rank <= 8 * kWarpKernelMaxQLeaves (launch_dispatch falls back to the CTA kernel otherwise).
-/// l2_prefetch: also bulk-prefetch the warp's next token into L2 (variant warp_pf).
+/// l2_prefetch: also bulk-prefetch the warp's next token into L2 (variant warp_pf). split: each token's KV and Q
+/// parts are two work items of the persistent grid (the instance for few tokens per warp, docs/perf.md 38;
+/// l2_prefetch is ignored then).
 constexpr int kWarpKernelThreads = 128;
 constexpr int kWarpKernelTokensPerCta = kWarpKernelThreads / 32;
 constexpr int kWarpKernelMaxQLeaves = 256;
-KernelFn warp_kernel_for(KvFormat f, bool l2_prefetch);
+KernelFn warp_kernel_for(KvFormat f, bool l2_prefetch, bool split = false);
 
 }  // namespace pcpkv::cuda_detail::dispatch_impl

@@ -39,6 +39,7 @@ namespace {
 constexpr int kWarps = 4;  // per CTA; the CTA shares only the target / destination tables
 constexpr int kWarpThreads = 32 * kWarps;
 constexpr int kMinBlocks = 6;  // 24 warps (tokens) per SM: caps registers at 80 (no spills; 7 spills)
+constexpr int kSplitMinBlocks = 8;  // the split kernel (Q and KV parts as items): 32 warps per SM, 64 registers
 constexpr int kQLeaves = 8;    // q_c leaves per lane: q_lora_rank <= 32 * 8 * 8 = 2048
 
 // The CTA's copy of the norm weights (fp32): q_norm_w [q_lora_rank <= 2048], kv_norm_w [512], then the
@@ -272,8 +273,197 @@ __device__ __forceinline__ void load_weights_to_smem(const CommonArgs& c, float*
     }
 }
 
-template <KvFormat F, bool kL2Prefetch>
-__global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
+// Per-item timestamps for the latency profile of docs/perf.md 38 (results/2026-12-05b-h200/token_clock.cu defines
+// it before including this file); compiled to nothing in pcpkv. point: 0 start, 1 inputs reduced, 2 done.
+#ifndef PCPKV_DISPATCH_STAMP
+#define PCPKV_DISPATCH_STAMP(item, point) ((void)(item), (void)(point))
+#endif
+
+/// The q_c row of local token t: leaves 32 v + lane (zeros past num_q_leaves or without Q).
+__device__ __forceinline__ void load_q(const CommonArgs& c, const RankArgs& ra, int64_t t, int lane,
+                                       uint4 (&q)[kQLeaves]) {
+#pragma unroll
+  for (int v = 0; v < kQLeaves; ++v) {
+    const int leaf = 32 * v + lane;
+    q[v] = make_uint4(0, 0, 0, 0);
+    if (ra.do_q && leaf < c.num_q_leaves) q[v] = __ldcs(reinterpret_cast<const uint4*>(ra.q_c + t * ra.q_c_stride + 8 * leaf));
+  }
+}
+
+/// The KV inputs of local token t (kv leaves lane / lane + 32, the k_pe or index_k leaf, slot, position), and
+/// its RoPE row into L1. Untouched when the rank needs no KV part.
+__device__ __forceinline__ void load_kv(const CommonArgs& c, const RankArgs& ra, int64_t t, int lane, uint4 (&kv)[2],
+                                        uint4& x, int64_t& slot, int64_t& pos) {
+  if (!ra.need_kv) return;
+  const uint16_t* kv_row = ra.kv + t * ra.kv_stride;
+  kv[0] = __ldcs(reinterpret_cast<const uint4*>(kv_row + 8 * lane));
+  kv[1] = __ldcs(reinterpret_cast<const uint4*>(kv_row + 8 * (lane + 32)));
+  if (lane < 8)
+    x = __ldcs(reinterpret_cast<const uint4*>(ra.k_pe + t * ra.k_pe_stride + 8 * lane));
+  else if (lane >= 16 && c.has_indexer)
+    x = __ldcs(reinterpret_cast<const uint4*>(ra.index_k + t * ra.index_k_stride + 8 * (lane - 16)));
+  if (ra.slot_mapping != nullptr) slot = __ldg(ra.slot_mapping + t);
+  pos = __ldg(ra.positions + t);
+  // The token's RoPE row (64 fp32 = 2 lines) into L1 now: k_pe and indexer lanes read it only after the kv_c
+  // part, and that dependent load's latency was the second largest stall of the kernel (ncu source counters,
+  // docs/perf.md section 17). A hint: no register, no byte written.
+  if (lane < 2) prefetch_l1(c.rope_cos_sin + pos * kRopeDims + 32 * lane);
+}
+
+/// Top-k fill of local token t: stores that need nothing, issued while the loads are in flight.
+__device__ __forceinline__ void fill_topk(const CommonArgs& c, const RankArgs& ra, int64_t t, int lane) {
+  if (ra.topk_fill == nullptr || t < ra.topk_first_row) return;
+  int32_t* row = ra.topk_fill + t * c.topk_width;
+  if (c.topk_vec) {
+#pragma unroll 4
+    for (int64_t i = 4 * lane; i < c.topk_width; i += 4 * 32) stg16_cs(row + i, ~0u, ~0u, ~0u, ~0u);
+  } else {
+    for (int64_t i = lane; i < c.topk_width; i += 32) stg4(row + i, ~0u);
+  }
+}
+
+/// Q RMSNorm of local token t from its loaded leaves, and the q_c_out row.
+__device__ __forceinline__ void q_part(const CommonArgs& c, const RankArgs& ra, int64_t t, int lane, const float* s_w,
+                                       const uint4 (&q)[kQLeaves], int64_t item) {
+  float part[kQLeaves];
+#pragma unroll
+  for (int v = 0; v < kQLeaves; ++v) {
+    float qx[8];
+    unpack_bf16x8(q[v], qx);
+    part[v] = math::leaf_sumsq(qx);  // zero leaves (past num_q_leaves) add +0: the canonical padding
+  }
+  float total = warp_total8(part, lane);
+  PCPKV_DISPATCH_STAMP(item, 1);
+  bool big = false;
+  if (!math::finite(total)) {  // overflow guard (token_math.h; SPEC 2.1), warp-uniform
+    const float t2 = rescaled_q_total(ra.q_c + t * ra.q_c_stride, c.num_q_leaves, lane);
+    big = math::use_rescaled(total, t2);
+    if (big) total = t2;
+  }
+  const float r = math::rms_inv(total, c.q_lora_rank, big ? math::rescaled_eps(c.q_eps) : c.q_eps);
+  uint16_t* out = ra.q_c_out + t * c.q_lora_rank;
+#pragma unroll
+  for (int v = 0; v < kQLeaves; ++v) {
+    const int leaf = 32 * v + lane;
+    if (leaf < c.num_q_leaves) {
+      float qx[8], w[8];
+      unpack_bf16x8(q[v], qx);
+      if (big) math::rescale_leaf(qx);
+      load_w8(s_w + kWQ + 8 * leaf, w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) qx[k] = math::rms_apply(qx[k], r, w[k]);
+      uint32_t packed[4];
+      pack_bf16x8(qx, packed);
+      store16_cs(out + 8 * leaf, packed);
+    }
+  }
+}
+
+/// The KV part of local token t (the rank needs it): kv_c, k_pe and the indexer row into every target and
+/// transport row. stamp_item: the item whose point 1 the profile stamps here (-1: none).
+template <KvFormat F>
+__device__ __forceinline__ void kv_part(const CommonArgs& c, const RankArgs& ra, int64_t t, int lane, const float* s_w,
+                                        const TargetLite* s_targets, uint8_t* const* s_dests, const uint4 (&kv)[2],
+                                        const uint4& x, int64_t slot, int64_t pos, int64_t stamp_item) {
+  // ---- kv_c ----
+  {
+    uint32_t wa[4], wb[4], scales[4] = {0u, 0u, 0u, 0u};
+    float ya[8], yb[8];
+    encode_kv<F>(c, s_w + kWKv, kv, ra.kv + t * ra.kv_stride, lane, wa, wb, scales, ya, yb);
+    if (stamp_item >= 0) PCPKV_DISPATCH_STAMP(stamp_item, 1);
+    if (ra.kv_c_out != nullptr) {
+      uint32_t p[4];
+      uint16_t* out = ra.kv_c_out + t * kKvLoraRank;
+      pack_bf16x8(ya, p);
+      store16(out + 8 * lane, p);
+      pack_bf16x8(yb, p);
+      store16((out + 8 * (lane + 32)), p);
+    }
+    if (slot >= 0)
+      for (int d = 0; d < ra.num_targets; ++d) store_kv<F>(mla_row(s_targets[ra.target_base + d], slot), lane, wa, wb, scales);
+    for (int d = 0; d < ra.num_row_dests; ++d) store_kv<F>(s_dests[ra.dest_base + d] + t * c.row_bytes, lane, wa, wb, scales);
+  }
+
+  if (lane < 8) {
+    // ---- k_pe: RoPE, then bf16 (bf16, fp8_ds_mla) or e4m3 / k_scale (fp8) ----
+    float rc[8], rs[8];
+    load_rope(c.rope_cos_sin + pos * kRopeDims, lane, c.mla_rope_interleaved, rc, rs);
+    float xf[8];
+    unpack_bf16x8(x, xf);
+    rope_leaf(xf, lane, c.mla_rope_interleaved, rc, rs, 0xffu, true);
+    if (ra.k_pe_out != nullptr) {
+      uint32_t p[4];
+      pack_bf16x8(xf, p);
+      store16((ra.k_pe_out + t * kRopeDims + 8 * lane), p);
+    }
+    uint32_t words[4];
+    if constexpr (F == KvFormat::kFp8) {
+      divide_by_scale(xf, c.k_scale);
+      uint32_t w2[2];
+      pack_e4m3x8(xf, w2);
+      words[0] = w2[0];
+      words[1] = w2[1];
+    } else {
+      pack_bf16x8(xf, words);
+    }
+    constexpr int kBase = F == KvFormat::kBf16 ? 1024 : (F == KvFormat::kFp8 ? 512 : static_cast<int>(kDsMlaKpeOffset));
+    auto put = [&](uint8_t* row) {
+      if constexpr (F == KvFormat::kFp8) store8(row + kBase + 8 * lane, words);
+      else store16(row + kBase + 16 * lane, words);
+    };
+    if (slot >= 0)
+      for (int d = 0; d < ra.num_targets; ++d) put(mla_row(s_targets[ra.target_base + d], slot));
+    for (int d = 0; d < ra.num_row_dests; ++d) put(s_dests[ra.dest_base + d] + t * c.row_bytes);
+  } else if (lane >= 16 && c.has_indexer) {
+    // ---- indexer K: LayerNorm, RoPE on dims [0, 64), optional Hadamard, UE8M0 quantization ----
+    constexpr unsigned kHalf = 0xffff0000u;
+    const int leaf = lane - 16;
+    float rc[8] = {}, rs[8] = {};
+    if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
+    float xf[8];
+    bool unused = false;  // kColdCall guards the row itself
+    const float r = index_ln_center<LnGuard::kColdCall>(x, ra.index_k + t * ra.index_k_stride + 8 * leaf, 16, xf,
+                                                        kHalf, c.index_eps, unused);
+    float w[8], b[8];
+    load_w8(s_w + kWLnW + 8 * leaf, w);
+    load_w8(s_w + kWLnB + 8 * leaf, b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) xf[k] = math::ln_apply(xf[k], r, w[k], b[k]);
+    rope_leaf(xf, leaf, c.index_rope_interleaved, rc, rs, kHalf, leaf < 8);
+    if (c.hadamard) hadamard_leaf(xf, leaf, kHalf);
+    if (ra.index_k_out != nullptr) {
+      uint32_t p[4];
+      pack_bf16x8(xf, p);
+      store16((ra.index_k_out + t * kIndexHeadDim + 8 * leaf), p);
+    }
+    const float s = codec::indexer_scale(lanes_max<16>(amax8(xf), kHalf));
+    divide_by_scale(xf, s);
+    uint32_t words[2];
+    pack_e4m3x8(xf, words);
+    const uint32_t scale_row[4] = {__float_as_uint(s), 0u, 0u, 0u};  // scale + the 12 zero pad bytes
+    if (slot >= 0)
+      for (int d = 0; d < ra.num_targets; ++d) {
+        const TargetLite& tl = s_targets[ra.target_base + d];
+        uint8_t* block = tl.index_base + (slot >> tl.index_block_shift) * tl.index_block_stride;
+        const int64_t off = slot & tl.index_block_mask;
+        store8(block + off * kIndexHeadDim + 8 * leaf, words);
+        if (leaf == 0) stg4(block + tl.index_scale_base + off * 4, scale_row[0]);
+      }
+    for (int d = 0; d < ra.num_row_dests; ++d) {
+      uint8_t* row = s_dests[ra.dest_base + d] + t * c.row_bytes;
+      store8(row + c.index_data_offset + 8 * leaf, words);
+      if (leaf == 0) store16(row + c.index_scale_offset, scale_row);
+    }
+  }
+}
+
+// kSplit (few tokens per warp): each token is two items, its KV part (items [0, T)) and its Q part (items
+// [T, 2T)), walked by the persistent grid as one list: twice the work units for the same warps, so at 4096 tokens
+// the last round is not 928 whole tokens on a GPU of 3168 warps, and the long KV chains (reductions, encode,
+// RoPE, 8 replicas' stores) start first while the Q rows (pure streaming) fill the end. Same math per part, so
+// the same bytes. Without Q's 32 registers of loads live across the KV part, 8 CTAs fit per SM (docs/perf.md 38).
+template <KvFormat F, bool kL2Prefetch, bool kSplit>
+__global__ void __launch_bounds__(kWarpThreads, kSplit ? kSplitMinBlocks : kMinBlocks)
     dispatch_warp_kernel(const __grid_constant__ DispatchArgs a) {
   __shared__ TargetLite s_targets[kMaxTargets];
   __shared__ uint8_t* s_dests[kMaxDests];
@@ -291,191 +481,64 @@ __global__ void __launch_bounds__(kWarpThreads, kMinBlocks)
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int64_t stride = int64_t{gridDim.x} * kWarps;
-  for (int64_t g = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); g < a.total_tokens; g += stride) {
-    const RankArgs& ra = a.r[find_rank(a, g)];
-    const int64_t t = g - ra.token_begin;
-    if constexpr (kL2Prefetch) prefetch_token(a, g + stride, lane);
-
-    // ---- every load of the token first ----
-    uint4 q[kQLeaves];
-#pragma unroll
-    for (int v = 0; v < kQLeaves; ++v) {
-      const int leaf = 32 * v + lane;
-      q[v] = make_uint4(0, 0, 0, 0);
-      if (ra.do_q && leaf < c.num_q_leaves) q[v] = __ldcs(reinterpret_cast<const uint4*>(ra.q_c + t * ra.q_c_stride + 8 * leaf));
+  if constexpr (kSplit) {
+    const int64_t items = 2 * a.total_tokens;
+    for (int64_t i = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); i < items; i += stride) {
+      const bool kv_item = i < a.total_tokens;
+      const int64_t g = kv_item ? i : i - a.total_tokens;
+      const RankArgs& ra = a.r[find_rank(a, g)];
+      const int64_t t = g - ra.token_begin;
+      PCPKV_DISPATCH_STAMP(i, 0);
+      if (kv_item) {
+        uint4 kv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+        uint4 x = make_uint4(0, 0, 0, 0);
+        int64_t slot = -1, pos = 0;
+        load_kv(c, ra, t, lane, kv, x, slot, pos);
+        fill_topk(c, ra, t, lane);
+        if (ra.need_kv) kv_part<F>(c, ra, t, lane, s_w, s_targets, s_dests, kv, x, slot, pos, i);
+      } else if (ra.do_q) {
+        uint4 q[kQLeaves];
+        load_q(c, ra, t, lane, q);
+        q_part(c, ra, t, lane, s_w, q, i);
+      }
+      PCPKV_DISPATCH_STAMP(i, 2);
     }
-    uint4 kv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-    uint4 x = make_uint4(0, 0, 0, 0);  // k_pe leaf (lanes 0..7) or index_k leaf (lanes 16..31)
-    int64_t slot = -1, pos = 0;
-    if (ra.need_kv) {
-      const uint16_t* kv_row = ra.kv + t * ra.kv_stride;
-      kv[0] = __ldcs(reinterpret_cast<const uint4*>(kv_row + 8 * lane));
-      kv[1] = __ldcs(reinterpret_cast<const uint4*>(kv_row + 8 * (lane + 32)));
-      if (lane < 8)
-        x = __ldcs(reinterpret_cast<const uint4*>(ra.k_pe + t * ra.k_pe_stride + 8 * lane));
-      else if (lane >= 16 && c.has_indexer)
-        x = __ldcs(reinterpret_cast<const uint4*>(ra.index_k + t * ra.index_k_stride + 8 * (lane - 16)));
-      if (ra.slot_mapping != nullptr) slot = __ldg(ra.slot_mapping + t);
-      pos = __ldg(ra.positions + t);
-      // The token's RoPE row (64 fp32 = 2 lines) into L1 now: k_pe and indexer lanes read it only after the kv_c
-      // part, and that dependent load's latency was the second largest stall of the kernel (ncu source counters,
-      // docs/perf.md section 17). A hint: no register, no byte written.
-      if (lane < 2) prefetch_l1(c.rope_cos_sin + pos * kRopeDims + 32 * lane);
-    }
-
-    // ---- top-k fill: stores that need nothing, issued while the loads are in flight ----
-    if (ra.topk_fill != nullptr && t >= ra.topk_first_row) {
-      int32_t* row = ra.topk_fill + t * c.topk_width;
-      if (c.topk_vec) {
-#pragma unroll 4
-        for (int64_t i = 4 * lane; i < c.topk_width; i += 4 * 32) stg16_cs(row + i, ~0u, ~0u, ~0u, ~0u);
-      } else {
-        for (int64_t i = lane; i < c.topk_width; i += 32) stg4(row + i, ~0u);
-      }
-    }
-
-    // ---- Q RMSNorm ----
-    if (ra.do_q) {
-      float part[kQLeaves];
-#pragma unroll
-      for (int v = 0; v < kQLeaves; ++v) {
-        float qx[8];
-        unpack_bf16x8(q[v], qx);
-        part[v] = math::leaf_sumsq(qx);  // zero leaves (past num_q_leaves) add +0: the canonical padding
-      }
-      float total = warp_total8(part, lane);
-      bool big = false;
-      if (!math::finite(total)) {  // overflow guard (token_math.h; SPEC 2.1), warp-uniform
-        const float t2 = rescaled_q_total(ra.q_c + t * ra.q_c_stride, c.num_q_leaves, lane);
-        big = math::use_rescaled(total, t2);
-        if (big) total = t2;
-      }
-      const float r = math::rms_inv(total, c.q_lora_rank, big ? math::rescaled_eps(c.q_eps) : c.q_eps);
-      uint16_t* out = ra.q_c_out + t * c.q_lora_rank;
-#pragma unroll
-      for (int v = 0; v < kQLeaves; ++v) {
-        const int leaf = 32 * v + lane;
-        if (leaf < c.num_q_leaves) {
-          float qx[8], w[8];
-          unpack_bf16x8(q[v], qx);
-          if (big) math::rescale_leaf(qx);
-          load_w8(s_w + kWQ + 8 * leaf, w);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) qx[k] = math::rms_apply(qx[k], r, w[k]);
-          uint32_t packed[4];
-          pack_bf16x8(qx, packed);
-          store16_cs(out + 8 * leaf, packed);
-        }
-      }
-    }
-    if (!ra.need_kv) continue;
-
-    // ---- kv_c ----
-    {
-      uint32_t wa[4], wb[4], scales[4] = {0u, 0u, 0u, 0u};
-      float ya[8], yb[8];
-      encode_kv<F>(c, s_w + kWKv, kv, ra.kv + t * ra.kv_stride, lane, wa, wb, scales, ya, yb);
-      if (ra.kv_c_out != nullptr) {
-        uint32_t p[4];
-        uint16_t* out = ra.kv_c_out + t * kKvLoraRank;
-        pack_bf16x8(ya, p);
-        store16(out + 8 * lane, p);
-        pack_bf16x8(yb, p);
-        store16((out + 8 * (lane + 32)), p);
-      }
-      if (slot >= 0)
-        for (int d = 0; d < ra.num_targets; ++d) store_kv<F>(mla_row(s_targets[ra.target_base + d], slot), lane, wa, wb, scales);
-      for (int d = 0; d < ra.num_row_dests; ++d) store_kv<F>(s_dests[ra.dest_base + d] + t * c.row_bytes, lane, wa, wb, scales);
-    }
-
-    if (lane < 8) {
-      // ---- k_pe: RoPE, then bf16 (bf16, fp8_ds_mla) or e4m3 / k_scale (fp8) ----
-      float rc[8], rs[8];
-      load_rope(c.rope_cos_sin + pos * kRopeDims, lane, c.mla_rope_interleaved, rc, rs);
-      float xf[8];
-      unpack_bf16x8(x, xf);
-      rope_leaf(xf, lane, c.mla_rope_interleaved, rc, rs, 0xffu, true);
-      if (ra.k_pe_out != nullptr) {
-        uint32_t p[4];
-        pack_bf16x8(xf, p);
-        store16((ra.k_pe_out + t * kRopeDims + 8 * lane), p);
-      }
-      uint32_t words[4];
-      if constexpr (F == KvFormat::kFp8) {
-        divide_by_scale(xf, c.k_scale);
-        uint32_t w2[2];
-        pack_e4m3x8(xf, w2);
-        words[0] = w2[0];
-        words[1] = w2[1];
-      } else {
-        pack_bf16x8(xf, words);
-      }
-      constexpr int kBase = F == KvFormat::kBf16 ? 1024 : (F == KvFormat::kFp8 ? 512 : static_cast<int>(kDsMlaKpeOffset));
-      auto put = [&](uint8_t* row) {
-        if constexpr (F == KvFormat::kFp8) store8(row + kBase + 8 * lane, words);
-        else store16(row + kBase + 16 * lane, words);
-      };
-      if (slot >= 0)
-        for (int d = 0; d < ra.num_targets; ++d) put(mla_row(s_targets[ra.target_base + d], slot));
-      for (int d = 0; d < ra.num_row_dests; ++d) put(s_dests[ra.dest_base + d] + t * c.row_bytes);
-    } else if (lane >= 16 && c.has_indexer) {
-      // ---- indexer K: LayerNorm, RoPE on dims [0, 64), optional Hadamard, UE8M0 quantization ----
-      constexpr unsigned kHalf = 0xffff0000u;
-      const int leaf = lane - 16;
-      float rc[8] = {}, rs[8] = {};
-      if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
-      float xf[8];
-      bool unused = false;  // kColdCall guards the row itself
-      const float r = index_ln_center<LnGuard::kColdCall>(x, ra.index_k + t * ra.index_k_stride + 8 * leaf, 16, xf,
-                                                          kHalf, c.index_eps, unused);
-      float w[8], b[8];
-      load_w8(s_w + kWLnW + 8 * leaf, w);
-      load_w8(s_w + kWLnB + 8 * leaf, b);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) xf[k] = math::ln_apply(xf[k], r, w[k], b[k]);
-      rope_leaf(xf, leaf, c.index_rope_interleaved, rc, rs, kHalf, leaf < 8);
-      if (c.hadamard) hadamard_leaf(xf, leaf, kHalf);
-      if (ra.index_k_out != nullptr) {
-        uint32_t p[4];
-        pack_bf16x8(xf, p);
-        store16((ra.index_k_out + t * kIndexHeadDim + 8 * leaf), p);
-      }
-      const float s = codec::indexer_scale(lanes_max<16>(amax8(xf), kHalf));
-      divide_by_scale(xf, s);
-      uint32_t words[2];
-      pack_e4m3x8(xf, words);
-      const uint32_t scale_row[4] = {__float_as_uint(s), 0u, 0u, 0u};  // scale + the 12 zero pad bytes
-      if (slot >= 0)
-        for (int d = 0; d < ra.num_targets; ++d) {
-          const TargetLite& tl = s_targets[ra.target_base + d];
-          uint8_t* block = tl.index_base + (slot >> tl.index_block_shift) * tl.index_block_stride;
-          const int64_t off = slot & tl.index_block_mask;
-          store8(block + off * kIndexHeadDim + 8 * leaf, words);
-          if (leaf == 0) stg4(block + tl.index_scale_base + off * 4, scale_row[0]);
-        }
-      for (int d = 0; d < ra.num_row_dests; ++d) {
-        uint8_t* row = s_dests[ra.dest_base + d] + t * c.row_bytes;
-        store8(row + c.index_data_offset + 8 * leaf, words);
-        if (leaf == 0) store16(row + c.index_scale_offset, scale_row);
-      }
+  } else {
+    for (int64_t g = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); g < a.total_tokens; g += stride) {
+      const RankArgs& ra = a.r[find_rank(a, g)];
+      const int64_t t = g - ra.token_begin;
+      PCPKV_DISPATCH_STAMP(g, 0);
+      if constexpr (kL2Prefetch) prefetch_token(a, g + stride, lane);
+      // every load of the token first, then the top-k fill's stores while they are in flight
+      uint4 q[kQLeaves];
+      load_q(c, ra, t, lane, q);
+      uint4 kv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      uint4 x = make_uint4(0, 0, 0, 0);  // k_pe leaf (lanes 0..7) or index_k leaf (lanes 16..31)
+      int64_t slot = -1, pos = 0;
+      load_kv(c, ra, t, lane, kv, x, slot, pos);
+      fill_topk(c, ra, t, lane);
+      if (ra.do_q) q_part(c, ra, t, lane, s_w, q, g);
+      if (ra.need_kv) kv_part<F>(c, ra, t, lane, s_w, s_targets, s_dests, kv, x, slot, pos, -1);
+      PCPKV_DISPATCH_STAMP(g, 2);
     }
   }
 }
 
-template <bool kL2Prefetch>
+template <bool kL2Prefetch, bool kSplit>
 KernelFn warp_kernel_of(KvFormat f) {
   switch (f) {
-    case KvFormat::kBf16: return dispatch_warp_kernel<KvFormat::kBf16, kL2Prefetch>;
-    case KvFormat::kFp8: return dispatch_warp_kernel<KvFormat::kFp8, kL2Prefetch>;
+    case KvFormat::kBf16: return dispatch_warp_kernel<KvFormat::kBf16, kL2Prefetch, kSplit>;
+    case KvFormat::kFp8: return dispatch_warp_kernel<KvFormat::kFp8, kL2Prefetch, kSplit>;
     case KvFormat::kFp8DsMla: break;
   }
-  return dispatch_warp_kernel<KvFormat::kFp8DsMla, kL2Prefetch>;
+  return dispatch_warp_kernel<KvFormat::kFp8DsMla, kL2Prefetch, kSplit>;
 }
 
 }  // namespace
 
-KernelFn warp_kernel_for(KvFormat f, bool l2_prefetch) {
-  return l2_prefetch ? warp_kernel_of<true>(f) : warp_kernel_of<false>(f);
+KernelFn warp_kernel_for(KvFormat f, bool l2_prefetch, bool split) {
+  if (split) return warp_kernel_of<false, true>(f);  // no next token of the same warp to prefetch
+  return l2_prefetch ? warp_kernel_of<true, false>(f) : warp_kernel_of<false, false>(f);
 }
 
 }  // namespace pcpkv::cuda_detail::dispatch_impl

@@ -25,7 +25,7 @@ namespace pcpkv::cuda_detail {
 
 /// How a publication runs: kernel variants, where the top-k fill happens, PDL. Every variant writes the same
 /// bytes; a Publisher can switch between runs (set_variant). Written "<dispatch>:<fill>:<rows>[:pdl]", e.g.
-/// "warp:fused:4" (dispatch kernel auto | simple | prefetch | warp | warp_pf; top-k fill fused into the dispatch or
+/// "warp:fused:4" (dispatch kernel auto | simple | prefetch | warp | warp_pf | warp_token | warp_split; top-k fill fused into the dispatch or
 /// separate (its own byte-fill stage); combine rows per warp 1 | 2 | 4; pdl: staging / direct chain
 /// dispatch -> fence -> combine launched with programmatic stream serialization).
 struct PublishVariant {
