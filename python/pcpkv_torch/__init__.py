@@ -26,5 +26,6 @@ if _torch is not None:
     from .plan import DECODE_OWNERSHIPS, LOCAL_ORDERS, PcpPlan, Request, make_plan
     from .transport import choose_transport, resolve_transport
     from .tables import CacheTargets, FenceState, RowDests, allocate_fence_pads, peer_pointers, pointer_table
+    from .engine_caches import EngineCaches
 
 __version__ = "0.1.0"

@@ -242,6 +242,47 @@ def test_bad_arguments_name_the_argument(device):
             assert_bytes_equal(orig[k].view(torch.uint8), before[k].view(torch.uint8), f"{name}: {k} was written")
 
 
+def internal_name_cases(device):
+    """(argument overrides, the caller's argument the ValueError must name): caches and a scale the drop-in refused
+    under the names of its internals (CacheTargets' mla_ptrs[0], like_mla, like_index, make_cache_targets' target 0)
+    or as a RuntimeError (a meta mla_k_scale's .item()), issue 31 item 9."""
+    bytes_ = dict(dtype=torch.uint8, device=device)
+    fp8 = dict(mla_kv_cache_dtype="fp8", mla_kv_cache=lambda a: a["mla_kv_cache"][..., :576])
+    return [
+        # no blocks: a null data pointer (CacheTargets: mla_ptrs[0] = 0 is not a non-null address)
+        (dict(mla_kv_cache=torch.empty((0, BLOCK_SIZE, 656), **bytes_),
+              indexer_k_cache=torch.empty((0, BLOCK_SIZE, 132), **bytes_)), "mla_kv_cache"),
+        # rows overlapping (row stride 0; CacheTargets: like_mla: rows or blocks overlap)
+        (dict(mla_kv_cache=torch.zeros((NUM_BLOCKS, 1, 656), **bytes_).expand(NUM_BLOCKS, BLOCK_SIZE, 656)),
+         "mla_kv_cache"),
+        # block_size 12, not a power of two (make_cache_targets: target 0: mla cache: block_size = 12 ...)
+        (dict(mla_kv_cache=torch.zeros((8, 12, 656), **bytes_), indexer_k_cache=torch.zeros((8, 12, 132), **bytes_)),
+         "mla_kv_cache"),
+        # a row stride of 664 B, not a multiple of 16 (make_cache_targets: target 0: mla cache: row_stride = 664 ...)
+        (dict(mla_kv_cache=torch.zeros((NUM_BLOCKS, BLOCK_SIZE, 664), **bytes_)[..., :656]), "mla_kv_cache"),
+        # indexer rows 264 B apart (CacheTargets: like_index: expected ... the rows of a block contiguous)
+        (dict(indexer_k_cache=torch.zeros((NUM_BLOCKS, BLOCK_SIZE, 264), **bytes_)[..., :132]), "indexer_k_cache"),
+        # a meta k_scale has no value (.item() raised RuntimeError)
+        (dict(mla_k_scale=torch.tensor([0.5], device="meta"), **fp8), "mla_k_scale"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_caches_and_scale_are_named_as_the_callers_arguments(device):
+    for over, name in internal_name_cases(device):
+        a = vllm_inputs(device, "fp8_ds_mla", seed=5)
+        orig = {k: a[k] for k in WRITTEN}
+        before = {k: v.clone() for k, v in orig.items()}
+        for k, v in over.items():
+            a[k] = v(a) if callable(v) else v
+        with pytest.raises(ValueError, match=rf"^fused_norm_rope: {name}: ") as e:
+            fused_norm_rope(**a)
+        for internal in ("CacheTargets", "like_mla", "like_index", "mla_ptrs", "make_cache_targets"):
+            assert internal not in str(e.value), f"{name}: {e.value}"
+        for k in WRITTEN:
+            assert_bytes_equal(orig[k].view(torch.uint8), before[k].view(torch.uint8), f"{name}: {k} was written")
+
+
 def overlap_cases(device):
     """(argument overrides, output, the argument it shares memory with): each passes every other check."""
     bf16 = dict(dtype=torch.bfloat16, device=device)
