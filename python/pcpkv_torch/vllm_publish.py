@@ -9,7 +9,7 @@ rank's replica, one fence), `staging` or `collect`, chosen by name or by `auto` 
 It works over the caches vLLM allocated (pcpkv_torch.EngineCaches maps every peer's cache once):
 
     pub = VllmPcpPublisher(kv_caches, indexer_k_caches, kv_cache_dtype="fp8_ds_mla", max_num_tokens=M,
-                           group=get_pcp_group().cpu_group_or_device_group, transport="auto")   # model init
+                           group=get_pcp_group().device_group, transport="auto")                 # model init
     q_c = pub.publish(layer_idx, positions, q_c, ..., topk_indices_buffer, slot_mapping=layer_slot_mapping,
                       num_decode_tokens=attn_metadata.num_decode_tokens)                        # per layer
     pub.close()                                                                                 # teardown

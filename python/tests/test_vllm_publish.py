@@ -54,9 +54,10 @@ def _slot(blocks, rid, pos):
     return blocks[rid][pos // BS] * BS + pos % BS
 
 
-def vllm_step(world, reqs, blocks, graph_pad=0):
+def vllm_step(world, reqs, blocks, graph_pad=0, decode_copies=-1):
     """What vLLM's PCPManager gives every rank for one step: per rank the local rows [(rid, position, real)],
-    the rank-major gathered slot mapping [W * M] and num_decode_tokens."""
+    the rank-major gathered slot mapping [W * M] and num_decode_tokens. decode_copies: what the decode copies of
+    ranks > 0 hold, -1 (pad_slot_mapping) or "slot" (rank 0's slot: the publisher must still write each once)."""
     rows = []
     for r in range(world):
         mine = []
@@ -76,8 +77,8 @@ def vllm_step(world, reqs, blocks, graph_pad=0):
     sm = torch.full((world, M), -1, dtype=torch.int64)
     for r in range(world):
         for i, (rid, pos, real) in enumerate(rows[r]):
-            if real and (i >= nd or r == 0):  # pad_slot_mapping: a decode's copies past the first hold -1
-                sm[r, i] = _slot(blocks, rid, pos)
+            if real and (i >= nd or r == 0 or decode_copies == "slot"):  # pad_slot_mapping: a decode's copies
+                sm[r, i] = _slot(blocks, rid, pos)                             # past the first hold -1
     return rows, sm.view(-1), nd
 
 
@@ -189,7 +190,7 @@ def _references(world, kv_cache_dtype):
     return out
 
 
-def _run(rank, world, kv_cache_dtype, device, transports):
+def _run(rank, world, kv_cache_dtype, device, transports, decode_copies=-1):
     """Every transport through the publisher over this rank's engine caches, three steps each; returns per
     (transport, step, layer) what matched."""
     if device == "cuda":
@@ -210,7 +211,7 @@ def _run(rank, world, kv_cache_dtype, device, transports):
             _flat(t).fill_(GUARD)
         dist.barrier()  # every replica poisoned before any peer stores into it
         for s, reqs in enumerate(STEPS):
-            rows, sm, nd = vllm_step(world, reqs, blocks, GRAPH_PAD[s])
+            rows, sm, nd = vllm_step(world, reqs, blocks, GRAPH_PAD[s], decode_copies)
             M = len(rows[0])
             for layer, has in enumerate(LAYERS):
                 x = Inputs(layer, has)
@@ -273,10 +274,11 @@ def _check(out, transports):
         assert n == len(transports) * len(STEPS) * len(LAYERS) * 3, n
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "auto", "fp8"])
-def test_every_transport_matches_vllms_collect_path_cpu(kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,decode_copies", [("fp8_ds_mla", -1), ("auto", -1), ("fp8", -1),
+                                                          ("fp8_ds_mla", "slot")])
+def test_every_transport_matches_vllms_collect_path_cpu(kv_cache_dtype, decode_copies):
     transports = ("collect", "direct", "staging", "auto")
-    out = run_ranks(_run, W, kv_cache_dtype, "cpu", transports, timeout=300)
+    out = run_ranks(_run, W, kv_cache_dtype, "cpu", transports, decode_copies, timeout=300)
     _check(out, transports)
     for r in range(W):
         assert out[r][1][("auto", "chosen")] == "direct"  # one host, shared memory between every pair
@@ -375,9 +377,10 @@ def test_a_bad_or_disagreeing_call_is_refused_on_every_rank_before_any_write():
 
 
 @requires_cuda
-def test_every_transport_matches_vllms_collect_path_cuda():
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_ds_mla", "auto"])
+def test_every_transport_matches_vllms_collect_path_cuda(kv_cache_dtype):
     transports = ("collect", "direct", "staging", "auto")
-    out = run_ranks(_run, W, "fp8_ds_mla", "cuda", transports, timeout=600)
+    out = run_ranks(_run, W, kv_cache_dtype, "cuda", transports, timeout=600)
     _check(out, transports)
 
 
