@@ -313,8 +313,8 @@ std::pair<at::Tensor, at::Tensor> cache_targets(const at::Tensor& mla, const at:
     if (it != memo.end()) return {it->second.host, it->second.table};
   }
   translate_errors([&] { pcpkv::validate_cache_target(t, cf, "fused_norm_rope: mla_kv_cache / indexer_k_cache"); });
-  at::Tensor host = at::zeros({1, kTargetRecordBytes}, at::kByte);
-  std::memcpy(host.data_ptr(), &t, sizeof(t));
+  at::Tensor host = at::zeros({1, kTargetRecordBytes}, at::kByte);  // a record of make_cache_targets' table
+  *reinterpret_cast<pcpkv::CacheTarget*>(host.data_ptr()) = t;
   at::Tensor table = dev.is_cpu() ? host : host.to(dev);
   std::lock_guard<std::mutex> lock(mu);
   if (memo.size() >= kMaxCached) memo.clear();
@@ -337,7 +337,8 @@ std::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? std::o
 at::Tensor get(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
 // The op: every check before anything is written, then pcpkv::dispatch (its CPU or CUDA kernel).
-void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const at::Tensor& q_rms_norm_w, double q_rms_eps,
+void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const at::Tensor& q_rms_norm_w,
+                     double q_rms_eps,
                      const at::Tensor& kv_c, const at::Tensor& kv_rms_norm_w, double kv_rms_eps, const at::Tensor& k_pe,
                      const at::Tensor& k_rope_cos_sin_cache, const std::optional<at::Tensor>& index_k_,
                      const std::optional<at::Tensor>& index_k_layer_norm_w_,
@@ -348,7 +349,8 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
                      c10::string_view mla_kv_cache_dtype, const std::optional<at::Tensor>& mla_k_scale_,
                      double mla_k_scale_value, bool has_indexer, bool index_rope_interleave, const at::Tensor& q_c_out,
                      const std::optional<at::Tensor>& kv_c_out_, const std::optional<at::Tensor>& k_pe_out_,
-                     const std::optional<at::Tensor>& index_k_out_, const std::optional<at::Tensor>& indexer_slot_mapping_,
+                     const std::optional<at::Tensor>& index_k_out_,
+                     const std::optional<at::Tensor>& indexer_slot_mapping_,
                      c10::string_view ds_mla_scale) {
   // The schema turns None into an undefined tensor for the required ones: named as the Python mapping named them
   // (q_c_out: Python allocates it once positions and q_c have the shapes checked below).
@@ -407,7 +409,8 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
   } else {
     index_k_out = at::Tensor();  // a shared layer leaves it untouched, as vLLM's kernel does
   }
-  if (!q_c_out.defined() || q_c_out.scalar_type() != at::kBFloat16 || q_c_out.dim() != 2 || q_c_out.size(0) != T || q_c_out.size(1) != r ||
+  if (!q_c_out.defined() || q_c_out.scalar_type() != at::kBFloat16 || q_c_out.dim() != 2 || q_c_out.size(0) != T ||
+      q_c_out.size(1) != r ||
       !q_c_out.is_contiguous() || q_c_out.device() != device)
     fail("q_c_out", fmt::format("expected a contiguous bfloat16 [{}, {}] on {}", T, r, device.str()), q_c_out);
 
@@ -494,7 +497,8 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
   static const auto dispatch =
       c10::Dispatcher::singleton().findSchemaOrThrow("pcpkv::dispatch", "").typed<DispatchOp>();
   const bool idx = cf.has_indexer;
-  dispatch.call(kv_c, k_pe, positions, f32(kv_rms_norm_w), rope, q_c, f32(q_rms_norm_w), idx ? opt(index_k) : std::nullopt,
+  dispatch.call(kv_c, k_pe, positions, f32(kv_rms_norm_w), rope, q_c, f32(q_rms_norm_w),
+                idx ? opt(index_k) : std::nullopt,
                 idx ? opt(f32(index_ln_w)) : std::nullopt, idx ? opt(f32(index_ln_b)) : std::nullopt, opt(slot_mapping),
                 targets, targets_host, std::nullopt, std::nullopt, q_c_out, opt(kv_c_out), opt(k_pe_out),
                 opt(index_k_out), opt(topk), written, cd.format_name, ds_mla_scale,

@@ -61,10 +61,10 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
 
 Like vLLM's, the work is one custom op (``torch.ops.pcpkv_vllm.fused_norm_rope``, mutation marks on the
 caches, the top-k buffer and the outputs, a fake kernel), so ``torch.compile(fullgraph=True)`` traces through
-the function. The op is C++ (python/csrc/vllm_dropin.cpp: the checks, the memos below, then pcpkv's dispatch op),
-so an eager call costs about what ``pcpkv_torch.dispatch`` costs on the same work (docs/perf.md 39). Under CUDA graphs call it once before capture: the first call per table converts / compares
-the cos/sin tables, reads a k_scale tensor and builds the cache table (host work, a device copy), later calls
-reuse them and only launch.
+the function. The op is C++ (python/csrc/vllm_dropin.cpp: the checks, the memos of the first-call work below, then
+pcpkv's dispatch op), so an eager call costs about what ``pcpkv_torch.dispatch`` costs on the same work (docs/perf.md
+39). Under CUDA graphs call it once before capture: the first call per table converts / compares the cos/sin tables,
+reads a k_scale tensor and builds the cache table (host work, a device copy), later calls reuse them and only launch.
 """
 
 from __future__ import annotations

@@ -53,87 +53,162 @@ def extra_cases():
 
 # fmt: off
 MESSAGES = [
-    "ValueError: fused_norm_rope: mla_kv_cache_dtype: = 'fp8_e5m2'; pcpkv maps ['auto', 'fp8', 'fp8_ds_mla', 'fp8_e4m3'] (vLLM would write e4m3 bytes for any other string)",
-    "ValueError: fused_norm_rope: mla_kv_cache_dtype: = 'bfloat16'; pcpkv maps ['auto', 'fp8', 'fp8_ds_mla', 'fp8_e4m3'] (vLLM would write e4m3 bytes for any other string)",
-    "ValueError: fused_norm_rope: mla_kv_cache: expected torch.bfloat16 [num_blocks, block_size, 576] with unit inner stride for mla_kv_cache_dtype = 'auto', got torch.uint8 [6, 16, 656] strides [10496, 656, 1] on cpu",
-    "ValueError: fused_norm_rope: q_c: expected bfloat16 [24 (positions), n] with unit inner stride on cpu (positions' device), got torch.float16 [24, 256] strides [256, 1] on cpu",
-    "ValueError: fused_norm_rope: q_c: width q_lora_rank = 0 must be a multiple of 8 in [8, 4096] (pcpkv's dispatch), got torch.bfloat16 [24, 0] strides [1, 1] on cpu",
-    "ValueError: fused_norm_rope: q_c: width q_lora_rank = 12 must be a multiple of 8 in [8, 4096] (pcpkv's dispatch), got torch.bfloat16 [24, 12] strides [12, 1] on cpu",
-    "ValueError: fused_norm_rope: q_c: width q_lora_rank = 4104 must be a multiple of 8 in [8, 4096] (pcpkv's dispatch), got torch.bfloat16 [24, 4104] strides [4104, 1] on cpu",
-    "ValueError: fused_norm_rope: kv_c: expected bfloat16 [24 (positions), 512] with unit inner stride on cpu (positions' device), got torch.bfloat16 [24, 256] strides [832, 1] on cpu",
-    "ValueError: fused_norm_rope: k_pe: expected bfloat16 [24 (positions), 64] with unit inner stride on cpu (positions' device), got torch.bfloat16 [23, 64] strides [832, 1] on cpu",
+    "ValueError: fused_norm_rope: mla_kv_cache_dtype: = 'fp8_e5m2'; pcpkv maps ['auto', 'fp8', "
+    "'fp8_ds_mla', 'fp8_e4m3'] (vLLM would write e4m3 bytes for any other string)",
+    "ValueError: fused_norm_rope: mla_kv_cache_dtype: = 'bfloat16'; pcpkv maps ['auto', 'fp8', "
+    "'fp8_ds_mla', 'fp8_e4m3'] (vLLM would write e4m3 bytes for any other string)",
+    'ValueError: fused_norm_rope: mla_kv_cache: expected torch.bfloat16 [num_blocks, block_size, 576] '
+    "with unit inner stride for mla_kv_cache_dtype = 'auto', got torch.uint8 [6, 16, 656] strides "
+    '[10496, 656, 1] on cpu',
+    'ValueError: fused_norm_rope: q_c: expected bfloat16 [24 (positions), n] with unit inner stride on '
+    "cpu (positions' device), got torch.float16 [24, 256] strides [256, 1] on cpu",
+    'ValueError: fused_norm_rope: q_c: width q_lora_rank = 0 must be a multiple of 8 in [8, 4096] '
+    "(pcpkv's dispatch), got torch.bfloat16 [24, 0] strides [1, 1] on cpu",
+    'ValueError: fused_norm_rope: q_c: width q_lora_rank = 12 must be a multiple of 8 in [8, 4096] '
+    "(pcpkv's dispatch), got torch.bfloat16 [24, 12] strides [12, 1] on cpu",
+    'ValueError: fused_norm_rope: q_c: width q_lora_rank = 4104 must be a multiple of 8 in [8, 4096] '
+    "(pcpkv's dispatch), got torch.bfloat16 [24, 4104] strides [4104, 1] on cpu",
+    'ValueError: fused_norm_rope: kv_c: expected bfloat16 [24 (positions), 512] with unit inner stride '
+    "on cpu (positions' device), got torch.bfloat16 [24, 256] strides [832, 1] on cpu",
+    'ValueError: fused_norm_rope: k_pe: expected bfloat16 [24 (positions), 64] with unit inner stride on '
+    "cpu (positions' device), got torch.bfloat16 [23, 64] strides [832, 1] on cpu",
     'ValueError: fused_norm_rope: positions: expected int64 [num_tokens], got torch.int32 [24] strides [1] on cpu',
-    'ValueError: fused_norm_rope: q_rms_norm_w: expected a float [256] weight on cpu, got torch.bfloat16 [8] strides [1] on cpu',
-    "ValueError: fused_norm_rope: k_rope_cos_sin_cache: expected a float [max_position, 64] cos/sin cache ([cos 32 | sin 32] per position; pcpkv's rotary dims are 64), got torch.bfloat16 [3000, 32] strides [64, 1] on cpu",
-    'ValueError: fused_norm_rope: index_k_rope_cos_sin_cache: holds other values than k_rope_cos_sin_cache; pcpkv rotates k_pe and index_k with one table (the rotation style is index_rope_interleave)',
-    "ValueError: fused_norm_rope: index_k_rope_cos_sin_cache: expected a float [max_position, 64] cos/sin cache ([cos 32 | sin 32] per position; pcpkv's rotary dims are 64)",
-    "ValueError: fused_norm_rope: index_k: expected bfloat16 [24 (positions), 128] with unit inner stride on cpu (positions' device)",
-    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first 24 rows are contiguous, got torch.int32 [23, 64] strides [64, 1] on cpu',
-    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first 24 rows are contiguous, got torch.int64 [29, 64] strides [64, 1] on cpu',
-    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first 24 rows are contiguous, got torch.int32 [29, 32] strides [64, 2] on cpu',
-    'ValueError: fused_norm_rope: q_c_out: expected a contiguous bfloat16 [24, 256] on cpu, got torch.bfloat16 [24, 256] strides [1, 24] on cpu',
-    'ValueError: fused_norm_rope: slot_mapping: expected int64 [24] on cpu, got torch.int32 [24] strides [1] on cpu',
-    "ValueError: fused_norm_rope: mla_kv_cache: is None but indexer_k_cache is given: pcpkv's cache table always has the MLA row",
-    'ValueError: fused_norm_rope: indexer_k_cache: has (num_blocks, block_size) = (6, 8) but mla_kv_cache (6, 16); pcpkv writes both caches at one slot',
-    'ValueError: fused_norm_rope: mla_k_scale: = 0.0 must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: indexer_slot_mapping: must be None or slot_mapping itself: pcpkv writes the MLA and indexer rows of a token at one slot',
-    'ValueError: fused_norm_rope: write_kv_output: = True (in-place kv_c / k_pe outputs) is not supported; pass kv_c_out / k_pe_out',
+    'ValueError: fused_norm_rope: q_rms_norm_w: expected a float [256] weight on cpu, got torch.bfloat16 '
+    '[8] strides [1] on cpu',
+    'ValueError: fused_norm_rope: k_rope_cos_sin_cache: expected a float [max_position, 64] cos/sin '
+    "cache ([cos 32 | sin 32] per position; pcpkv's rotary dims are 64), got torch.bfloat16 [3000, 32] "
+    'strides [64, 1] on cpu',
+    'ValueError: fused_norm_rope: index_k_rope_cos_sin_cache: holds other values than '
+    'k_rope_cos_sin_cache; pcpkv rotates k_pe and index_k with one table (the rotation style is '
+    'index_rope_interleave)',
+    'ValueError: fused_norm_rope: index_k_rope_cos_sin_cache: expected a float [max_position, 64] '
+    "cos/sin cache ([cos 32 | sin 32] per position; pcpkv's rotary dims are 64)",
+    'ValueError: fused_norm_rope: index_k: expected bfloat16 [24 (positions), 128] with unit inner '
+    "stride on cpu (positions' device)",
+    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first '
+    '24 rows are contiguous, got torch.int32 [23, 64] strides [64, 1] on cpu',
+    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first '
+    '24 rows are contiguous, got torch.int64 [29, 64] strides [64, 1] on cpu',
+    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first '
+    '24 rows are contiguous, got torch.int32 [29, 32] strides [64, 2] on cpu',
+    'ValueError: fused_norm_rope: q_c_out: expected a contiguous bfloat16 [24, 256] on cpu, got '
+    'torch.bfloat16 [24, 256] strides [1, 24] on cpu',
+    'ValueError: fused_norm_rope: slot_mapping: expected int64 [24] on cpu, got torch.int32 [24] strides '
+    '[1] on cpu',
+    "ValueError: fused_norm_rope: mla_kv_cache: is None but indexer_k_cache is given: pcpkv's cache "
+    'table always has the MLA row',
+    'ValueError: fused_norm_rope: indexer_k_cache: has (num_blocks, block_size) = (6, 8) but '
+    'mla_kv_cache (6, 16); pcpkv writes both caches at one slot',
+    'ValueError: fused_norm_rope: mla_k_scale: = 0.0 must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: indexer_slot_mapping: must be None or slot_mapping itself: pcpkv '
+    'writes the MLA and indexer rows of a token at one slot',
+    'ValueError: fused_norm_rope: write_kv_output: = True (in-place kv_c / k_pe outputs) is not '
+    'supported; pass kv_c_out / k_pe_out',
     'ValueError: fused_norm_rope: q_rms_eps: = nan must be finite (as float32) and >= 0',
     'ValueError: fused_norm_rope: kv_rms_eps: = 1e+300 must be finite (as float32) and >= 0',
     'ValueError: fused_norm_rope: index_k_layer_norm_eps: = -1.0 must be finite (as float32) and >= 0',
-    'ValueError: fused_norm_rope: mla_k_scale: = 1e+300 must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: mla_k_scale: = 1e-45 must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: mla_k_scale: = 1e-39 must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: mla_k_scale: = 1.401298464324817e-45 must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: mla_k_scale: = -0.5 must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: mla_k_scale: = nan must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: mla_k_scale: = inf must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: mla_k_scale: = 0.0 must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = 1e+300 must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = 1e-45 must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = 1e-39 must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = 1.401298464324817e-45 must be a finite, positive, '
+    'normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = -0.5 must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = nan must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = inf must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
+    'ValueError: fused_norm_rope: mla_k_scale: = 0.0 must be a finite, positive, normal float32 (in '
+    '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
     "ValueError: fused_norm_rope: ds_mla_scale: = 'recip'; expected 'raw' (vLLM's rule) or 'pow2'",
     'ValueError: fused_norm_rope: has_indexer: = 1 must be a bool',
-    'ValueError: fused_norm_rope: kv_rms_norm_w: expected a float [512] weight on cpu, got torch.bfloat16 [512] strides [1] on meta',
-    "ValueError: fused_norm_rope: k_pe: expected bfloat16 [24 (positions), 64] with unit inner stride on cpu (positions' device), got torch.bfloat16 [24, 64] strides [64, 1] on meta",
+    'ValueError: fused_norm_rope: kv_rms_norm_w: expected a float [512] weight on cpu, got '
+    'torch.bfloat16 [512] strides [1] on meta',
+    'ValueError: fused_norm_rope: k_pe: expected bfloat16 [24 (positions), 64] with unit inner stride on '
+    "cpu (positions' device), got torch.bfloat16 [24, 64] strides [64, 1] on meta",
     'ValueError: fused_norm_rope: k_rope_cos_sin_cache: is on meta but positions on cpu',
-    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first 24 rows are contiguous, got torch.int32 [29, 64] strides [64, 1] on meta',
-    'ValueError: fused_norm_rope: q_c_out: expected a contiguous bfloat16 [24, 256] on cpu, got torch.bfloat16 [24, 256] strides [256, 1] on meta',
-    'ValueError: fused_norm_rope: slot_mapping: expected int64 [24] on cpu, got torch.int64 [24] strides [1] on meta',
-    'ValueError: fused_norm_rope: q_c_out: shares memory with q_c (torch.bfloat16 [24, 256] strides [256, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an output must not overlap an input or another output, got torch.bfloat16 [24, 256] strides [256, 1] on cpu',
-    'ValueError: fused_norm_rope: q_c_out: shares memory with q_c (torch.bfloat16 [24, 256] strides [256, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an output must not overlap an input or another output, got torch.bfloat16 [24, 256] strides [256, 1] on cpu',
-    'ValueError: fused_norm_rope: kv_c_out: shares memory with k_pe_out (torch.bfloat16 [24, 64] strides [64, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an output must not overlap an input or another output, got torch.bfloat16 [24, 512] strides [512, 1] on cpu',
-    'ValueError: fused_norm_rope: index_k_out: shares memory with index_k (torch.bfloat16 [24, 128] strides [136, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an output must not overlap an input or another output, got torch.bfloat16 [24, 128] strides [128, 1] on cpu',
-    'ValueError: fused_norm_rope: mla_kv_cache: shares memory with kv_c (torch.bfloat16 [24, 512] strides [512, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an output must not overlap an input or another output, got torch.uint8 [6, 16, 656] strides [10496, 656, 1] on cpu',
-    'ValueError: fused_norm_rope: mla_kv_cache: shares memory with indexer_k_cache (torch.uint8 [6, 16, 132] strides [2112, 132, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an output must not overlap an input or another output, got torch.uint8 [6, 16, 656] strides [10496, 656, 1] on cpu',
-    'ValueError: fused_norm_rope: topk_indices_buffer: shares memory with slot_mapping (torch.int64 [24] strides [1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an output must not overlap an input or another output, got torch.int32 [24, 64] strides [64, 1] on cpu',
-    'ValueError: fused_norm_rope: positions: expected int64 [num_tokens] positions and q_c [num_tokens, q_lora_rank], got torch.int64 [24, 1] strides [1, 1] on cpu',
-    'ValueError: fused_norm_rope: q_c: expected int64 [num_tokens] positions and q_c [num_tokens, q_lora_rank], got torch.bfloat16 [256] strides [1] on cpu',
+    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [>= 24, topk] on cpu whose first '
+    '24 rows are contiguous, got torch.int32 [29, 64] strides [64, 1] on meta',
+    'ValueError: fused_norm_rope: q_c_out: expected a contiguous bfloat16 [24, 256] on cpu, got '
+    'torch.bfloat16 [24, 256] strides [256, 1] on meta',
+    'ValueError: fused_norm_rope: slot_mapping: expected int64 [24] on cpu, got torch.int64 [24] strides '
+    '[1] on meta',
+    'ValueError: fused_norm_rope: q_c_out: shares memory with q_c (torch.bfloat16 [24, 256] strides '
+    '[256, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an '
+    'output must not overlap an input or another output, got torch.bfloat16 [24, 256] strides [256, 1] on cpu',
+    'ValueError: fused_norm_rope: q_c_out: shares memory with q_c (torch.bfloat16 [24, 256] strides '
+    '[256, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an '
+    'output must not overlap an input or another output, got torch.bfloat16 [24, 256] strides [256, 1] on cpu',
+    'ValueError: fused_norm_rope: kv_c_out: shares memory with k_pe_out (torch.bfloat16 [24, 64] strides '
+    '[64, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an '
+    'output must not overlap an input or another output, got torch.bfloat16 [24, 512] strides [512, 1] on cpu',
+    'ValueError: fused_norm_rope: index_k_out: shares memory with index_k (torch.bfloat16 [24, 128] '
+    'strides [136, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so '
+    'an output must not overlap an input or another output, got torch.bfloat16 [24, 128] strides [128, 1] on cpu',
+    'ValueError: fused_norm_rope: mla_kv_cache: shares memory with kv_c (torch.bfloat16 [24, 512] '
+    'strides [512, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so '
+    'an output must not overlap an input or another output, got torch.uint8 [6, 16, 656] strides [10496, '
+    '656, 1] on cpu',
+    'ValueError: fused_norm_rope: mla_kv_cache: shares memory with indexer_k_cache (torch.uint8 [6, 16, '
+    '132] strides [2112, 132, 1] on cpu): pcpkv reads the inputs and writes the outputs row by row in '
+    'any order, so an output must not overlap an input or another output, got torch.uint8 [6, 16, 656] '
+    'strides [10496, 656, 1] on cpu',
+    'ValueError: fused_norm_rope: topk_indices_buffer: shares memory with slot_mapping (torch.int64 [24] '
+    'strides [1] on cpu): pcpkv reads the inputs and writes the outputs row by row in any order, so an '
+    'output must not overlap an input or another output, got torch.int32 [24, 64] strides [64, 1] on cpu',
+    'ValueError: fused_norm_rope: positions: expected int64 [num_tokens] positions and q_c [num_tokens, '
+    'q_lora_rank], got torch.int64 [24, 1] strides [1, 1] on cpu',
+    'ValueError: fused_norm_rope: q_c: expected int64 [num_tokens] positions and q_c [num_tokens, '
+    'q_lora_rank], got torch.bfloat16 [256] strides [1] on cpu',
     'ValueError: fused_norm_rope: positions: expected a tensor',
     'ValueError: fused_norm_rope: q_c: expected a tensor, got int',
     'ValueError: fused_norm_rope: mla_kv_cache: expected a tensor or None, got list',
     'ValueError: fused_norm_rope: mla_k_scale: expected None, a float or a float [1] tensor, got str',
-    'ValueError: fused_norm_rope: mla_k_scale: expected None, a float or a float [1] tensor, got torch.float32 [2] strides [1] on cpu',
-    'ValueError: fused_norm_rope: mla_k_scale: expected None, a float or a float [1] tensor, got torch.int64 [1] strides [1] on cpu',
+    'ValueError: fused_norm_rope: mla_k_scale: expected None, a float or a float [1] tensor, got '
+    'torch.float32 [2] strides [1] on cpu',
+    'ValueError: fused_norm_rope: mla_k_scale: expected None, a float or a float [1] tensor, got '
+    'torch.int64 [1] strides [1] on cpu',
     'ValueError: fused_norm_rope: q_rms_eps: = True must be a float',
     "ValueError: fused_norm_rope: kv_rms_eps: = '1e-5' must be a float",
-    "ValueError: fused_norm_rope: mla_kv_cache_dtype: = 5; pcpkv maps ['auto', 'fp8', 'fp8_ds_mla', 'fp8_e4m3'] (vLLM would write e4m3 bytes for any other string)",
+    "ValueError: fused_norm_rope: mla_kv_cache_dtype: = 5; pcpkv maps ['auto', 'fp8', 'fp8_ds_mla', "
+    "'fp8_e4m3'] (vLLM would write e4m3 bytes for any other string)",
     'ValueError: fused_norm_rope: has_indexer: = None must be a bool',
     'ValueError: fused_norm_rope: write_kv_output: = 1 must be a bool',
-    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [max_tokens, topk], got torch.int32 [64] strides [1] on cpu',
-    "ValueError: fused_norm_rope: k_rope_cos_sin_cache: expected a float [max_position, 64] cos/sin cache ([cos 32 | sin 32] per position; pcpkv's rotary dims are 64), got torch.float64 [3000, 64] strides [128, 2] on cpu",
-    'ValueError: fused_norm_rope: index_k_layer_norm_w: expected a float [128] weight on cpu, got torch.int32 [128] strides [1] on cpu',
-    'ValueError: fused_norm_rope: index_k_layer_norm_bias: expected a float [128] weight on cpu, got torch.float32 [64] strides [1] on cpu',
-    "ValueError: fused_norm_rope: index_k: expected bfloat16 [24 (positions), 128] with unit inner stride on cpu (positions' device), got torch.bfloat16 [24, 64] strides [136, 1] on cpu",
-    "ValueError: fused_norm_rope: kv_c: expected bfloat16 [24 (positions), 512] with unit inner stride on cpu (positions' device), got torch.bfloat16 [24, 512] strides [1, 24] on cpu",
-    'ValueError: fused_norm_rope: indexer_k_cache: expected uint8 or float8_e4m3fn [num_blocks, block_size, 132], got torch.int32 [6, 16, 132] strides [2112, 132, 1] on cpu',
+    'ValueError: fused_norm_rope: topk_indices_buffer: expected int32 [max_tokens, topk], got '
+    'torch.int32 [64] strides [1] on cpu',
+    'ValueError: fused_norm_rope: k_rope_cos_sin_cache: expected a float [max_position, 64] cos/sin '
+    "cache ([cos 32 | sin 32] per position; pcpkv's rotary dims are 64), got torch.float64 [3000, 64] "
+    'strides [128, 2] on cpu',
+    'ValueError: fused_norm_rope: index_k_layer_norm_w: expected a float [128] weight on cpu, got '
+    'torch.int32 [128] strides [1] on cpu',
+    'ValueError: fused_norm_rope: index_k_layer_norm_bias: expected a float [128] weight on cpu, got '
+    'torch.float32 [64] strides [1] on cpu',
+    'ValueError: fused_norm_rope: index_k: expected bfloat16 [24 (positions), 128] with unit inner '
+    "stride on cpu (positions' device), got torch.bfloat16 [24, 64] strides [136, 1] on cpu",
+    'ValueError: fused_norm_rope: kv_c: expected bfloat16 [24 (positions), 512] with unit inner stride '
+    "on cpu (positions' device), got torch.bfloat16 [24, 512] strides [1, 24] on cpu",
+    'ValueError: fused_norm_rope: indexer_k_cache: expected uint8 or float8_e4m3fn [num_blocks, '
+    'block_size, 132], got torch.int32 [6, 16, 132] strides [2112, 132, 1] on cpu',
     'ValueError: fused_norm_rope: indexer_k_cache: is on meta but mla_kv_cache on cpu',
     'ValueError: fused_norm_rope: mla_kv_cache: is on meta but positions on cpu',
     'ValueError: fused_norm_rope: index_k_rope_cos_sin_cache: is on meta but positions on cpu',
-    "ValueError: fused_norm_rope: index_k_out: needs indexer_k_cache when mla_kv_cache is given (pcpkv's MLA-only write has no indexer output)",
-    'ValueError: fused_norm_rope: slot_mapping: expected int64 [24] on cpu, got torch.int64 [23] strides [1] on cpu',
+    "ValueError: fused_norm_rope: index_k_out: needs indexer_k_cache when mla_kv_cache is given (pcpkv's "
+    'MLA-only write has no indexer output)',
+    'ValueError: fused_norm_rope: slot_mapping: expected int64 [24] on cpu, got torch.int64 [23] strides '
+    '[1] on cpu',
     'ValueError: pcpkv: dispatch: slot_mapping[0] = 96 is out of range [0, 96) (or -1 to skip)',
-    'ValueError: dispatch: kv_c_out: expected contiguous BFloat16 [24, 512] on cpu, got BFloat16 [24, 256] strides [256, 1] on cpu',
-    'ValueError: fused_norm_rope: q_c_out: expected a contiguous bfloat16 [24, 256] on cpu, got torch.bfloat16 [24, 128] strides [256, 1] on cpu',
-    'ValueError: fused_norm_rope: positions: expected int64 [num_tokens] positions and q_c [num_tokens, q_lora_rank], got torch.int64 [24, 1] strides [1, 1] on cpu',
-    'ValueError: fused_norm_rope: q_c: expected int64 [num_tokens] positions and q_c [num_tokens, q_lora_rank], got torch.bfloat16 [256] strides [1] on cpu',
+    'ValueError: dispatch: kv_c_out: expected contiguous BFloat16 [24, 512] on cpu, got BFloat16 [24, '
+    '256] strides [256, 1] on cpu',
+    'ValueError: fused_norm_rope: q_c_out: expected a contiguous bfloat16 [24, 256] on cpu, got '
+    'torch.bfloat16 [24, 128] strides [256, 1] on cpu',
+    'ValueError: fused_norm_rope: positions: expected int64 [num_tokens] positions and q_c [num_tokens, '
+    'q_lora_rank], got torch.int64 [24, 1] strides [1, 1] on cpu',
+    'ValueError: fused_norm_rope: q_c: expected int64 [num_tokens] positions and q_c [num_tokens, '
+    'q_lora_rank], got torch.bfloat16 [256] strides [1] on cpu',
 ]
 # fmt: on
 
