@@ -14,8 +14,9 @@ cache inputs rank 0's decodes + every rank's prefill rows, the cache slot mappin
   * transport collect: byte-identical to that reference (every format);
   * direct / staging / auto: byte-identical to it where SPEC section 5 makes the bytes one function (bf16 "auto"
     MLA caches, every k_pe of fp8_ds_mla); byte-identical to the fused CPU oracle of the same cache inputs
-    (the direct reference: the same rows, dispatched into one local replica) everywhere, and for the fp8 rows
-    within one e4m3 step of the collect reference's decoded values (collect quantizes from bf16-rounded values).
+    (the direct reference: the same rows, dispatched into one local replica) everywhere, and for the e4m3 rows
+    (fp8 MLA rows, indexer K) within one e4m3 step of the collect reference's decoded values (collect quantizes
+    from bf16-rounded values, so SPEC section 5 gives it its own bytes).
 GPU variants (W processes on one GPU through CUDA IPC; a CUDA-graph capture + replay) skip here:
 
     cd python && pytest tests/test_vllm_publish.py -q
@@ -261,11 +262,16 @@ def _compare(mine, coll, fused, transport, kv_cache_dtype, has):
             return "fp8_ds_mla k_pe (bf16) differs from vLLM's collect path"
         if not torch.allclose(a[0], b[0], rtol=0.13, atol=1e-3 * float(b[0].abs().max())):
             return "fp8 kv_c decodes farther than one e4m3 step from vLLM's collect path"
+    if transport != "collect" and has:  # the indexer's e4m3 rows, likewise
+        a = pk.dequantize_indexer(mine[1].view(NUM_BLOCKS, BS, 132))
+        b = pk.dequantize_indexer(coll[1].view(NUM_BLOCKS, BS, 132))
+        if not torch.allclose(a, b, rtol=0.13, atol=1e-3 * float(b.abs().max())):
+            return "indexer K decodes farther than one e4m3 step from vLLM's collect path"
     return "ok"
 
 
-def _check(out, transports):
-    for r in range(W):
+def _check(out, transports, world=W):
+    for r in range(world):
         kind, val = out[r]
         assert kind == "ok", val
         bad = {k: v for k, v in val.items() if "chosen" not in k and v not in (True, "ok")}
@@ -274,13 +280,13 @@ def _check(out, transports):
         assert n == len(transports) * len(STEPS) * len(LAYERS) * 3, n
 
 
-@pytest.mark.parametrize("kv_cache_dtype,decode_copies", [("fp8_ds_mla", -1), ("auto", -1), ("fp8", -1),
-                                                          ("fp8_ds_mla", "slot")])
-def test_every_transport_matches_vllms_collect_path_cpu(kv_cache_dtype, decode_copies):
+@pytest.mark.parametrize("kv_cache_dtype,decode_copies,world", [("fp8_ds_mla", -1, W), ("auto", -1, W), ("fp8", -1, W),
+                                                                ("fp8_ds_mla", "slot", W), ("fp8_ds_mla", -1, 3)])
+def test_every_transport_matches_vllms_collect_path_cpu(kv_cache_dtype, decode_copies, world):
     transports = ("collect", "direct", "staging", "auto")
-    out = run_ranks(_run, W, kv_cache_dtype, "cpu", transports, decode_copies, timeout=300)
-    _check(out, transports)
-    for r in range(W):
+    out = run_ranks(_run, world, kv_cache_dtype, "cpu", transports, decode_copies, timeout=300)
+    _check(out, transports, world)
+    for r in range(world):
         assert out[r][1][("auto", "chosen")] == "direct"  # one host, shared memory between every pair
 
 
