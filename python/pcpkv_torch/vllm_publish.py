@@ -82,6 +82,15 @@ def _desc(t) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}"
 
 
+def _version(t: torch.Tensor):
+    """t's version counter; None for an inference-mode tensor, which has none (converted once: a weight or table
+    changed in place under inference mode is not seen)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -268,7 +277,8 @@ class VllmPcpPublisher:
         written."""
         if self._closed:
             raise RuntimeError(f"{_WHERE}: publish() used after close()")
-        args = dict(positions=positions, q_c=q_c, kv_c=kv_c, k_pe=k_pe, index_k=index_k,
+        args = dict(positions=positions, q_c=q_c, kv_c=kv_c, k_pe=k_pe, index_k=index_k, q_rms_norm_w=q_rms_norm_w,
+                    kv_rms_norm_w=kv_rms_norm_w,
                     index_k_layer_norm_w=index_k_layer_norm_w, index_k_layer_norm_bias=index_k_layer_norm_bias,
                     index_k_rope_cos_sin_cache=index_k_rope_cos_sin_cache, k_rope_cos_sin_cache=k_rope_cos_sin_cache,
                     topk_indices_buffer=topk_indices_buffer, slot_mapping=slot_mapping, q_c_out=q_c_out)
@@ -299,10 +309,11 @@ class VllmPcpPublisher:
             gathered[1:, :num_decode_tokens] = -1
         if q_c_out is None:
             q_c_out = torch.empty((T, q_c.shape[1]), dtype=torch.bfloat16, device=q_c.device)
-        kw = dict(fmt=fmt, q_c=q_c, q_norm_w=q_rms_norm_w, q_c_out=q_c_out,
+        kv_rms_norm_w = self._f32(kv_rms_norm_w)  # the norm weights as float32 once, as the tables
+        kw = dict(fmt=fmt, q_c=q_c, q_norm_w=self._f32(q_rms_norm_w), q_c_out=q_c_out,
                   index_k=index_k if fmt.has_indexer else None,
-                  index_ln_w=index_k_layer_norm_w if fmt.has_indexer else None,
-                  index_ln_b=index_k_layer_norm_bias if fmt.has_indexer else None,
+                  index_ln_w=self._f32(index_k_layer_norm_w) if fmt.has_indexer else None,
+                  index_ln_b=self._f32(index_k_layer_norm_bias) if fmt.has_indexer else None,
                   topk_fill=topk_indices_buffer[:T] if fmt.has_indexer else None,
                   q_eps=float(q_rms_eps), kv_eps=float(kv_rms_eps), index_eps=float(index_k_layer_norm_eps),
                   mla_rope_interleaved=True, index_rope_interleaved=index_rope_interleave)
@@ -361,23 +372,28 @@ class VllmPcpPublisher:
             torch.cuda.synchronize(self.device)
             self.caches.fence_state.check()
 
+    def _f32(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """t as contiguous float32 (exact for bf16 weights and tables), converted once per tensor and version (a
+        weak reference: a new tensor at a freed one's id never hits)."""
+        if t is None or (t.dtype is torch.float32 and t.is_contiguous()):
+            return t
+        key = ("t", id(t))
+        hit = self._tables.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == _version(t):
+            return hit[2]
+        f = t.to(torch.float32).contiguous()
+        self._tables[key] = (weakref.ref(t), _version(t), f)
+        return f
+
     def _rope(self, k_table: torch.Tensor, index_table: Optional[torch.Tensor]) -> torch.Tensor:
         """k_table as contiguous float32 (exact for vLLM's tables), converted once per tensor and version; an index
         table must hold the same values (compared once per pair; a host sync on CUDA the first time)."""
-        def converted(t):
-            key = ("t", id(t))
-            hit = self._tables.get(key)
-            if hit is not None and hit[0]() is t and hit[1] == t._version:
-                return hit[2]
-            f = t if t.dtype is torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
-            self._tables[key] = (weakref.ref(t), t._version, f)
-            return f
-
+        converted = self._f32
         table = converted(k_table)
         if index_table is not None and index_table is not k_table:
             key = ("same", id(k_table), id(index_table))
             hit = self._tables.get(key)
-            stamp = (k_table._version, index_table._version)
+            stamp = (_version(k_table), _version(index_table))
             if hit is None or hit[0]() is not k_table or hit[1]() is not index_table or hit[2] != stamp:
                 if index_table.shape != k_table.shape or not torch.equal(converted(index_table), table):
                     raise ValueError(f"index_k_rope_cos_sin_cache must hold the same values as "
@@ -414,6 +430,13 @@ class VllmPcpPublisher:
             if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[0] != T or \
                     (shape is not None and tuple(t.shape) != shape):
                 return f"{name}: expected bf16 [T = {T}, {shape[1] if shape else 'q_lora_rank'}], got {_desc(t)}"
+        weights = [("q_rms_norm_w", a["q_c"].shape[1]), ("kv_rms_norm_w", 512)]
+        if fmt.has_indexer:
+            weights += [("index_k_layer_norm_w", 128), ("index_k_layer_norm_bias", 128)]
+        for name, n in weights:  # converted to float32 below (once): an integer weight would convert silently
+            t = a[name]
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != (n,):
+                return f"{name}: expected a floating-point [{n}] weight, got {_desc(t)}"
         sm = a["slot_mapping"]
         if not isinstance(sm, torch.Tensor) or sm.dim() != 1 or sm.dtype != torch.int64 or sm.shape[0] < W * T:
             return (f"slot_mapping: expected int64 [>= W * T = {W} * {T}] (vLLM's gathered, rank-major layer slot "

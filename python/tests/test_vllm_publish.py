@@ -337,9 +337,9 @@ def _refusals(rank, world):
     topk = torch.zeros((M, TOPK), dtype=torch.int32)
 
     def call(sm_=sm, nd_=nd, **kw):
-        a = dict(index_k=ik, index_k_rope_cos_sin_cache=x.cos_sin)
+        a = dict(index_k=ik, index_k_rope_cos_sin_cache=x.cos_sin, q_w=x.w["q"])
         a.update(kw)
-        pub.publish(0, pos, q_c, x.w["q"], 1e-6, kv, x.w["kv"], 1e-6, pe, x.cos_sin, a["index_k"], x.w["ln_w"],
+        pub.publish(0, pos, q_c, a["q_w"], 1e-6, kv, x.w["kv"], 1e-6, pe, x.cos_sin, a["index_k"], x.w["ln_w"],
                     x.w["ln_b"], 1e-6, a["index_k_rope_cos_sin_cache"], topk, sm_, nd_)
 
     attempt("num_decode_tokens", lambda: call(nd_=nd + (rank == 1)))
@@ -348,6 +348,7 @@ def _refusals(rank, world):
     attempt("slot_mapping contents", lambda: call(sm_=other))
     attempt("slot_mapping short", lambda: call(sm_=sm[:-1] if rank == 1 else sm))
     attempt("index_k missing", lambda: call(index_k=None if rank == 0 else ik))
+    attempt("weight", lambda: call(q_w=x.w["q"].to(torch.int32) if rank == 1 else x.w["q"]))
     attempt("index table", lambda: call(index_k_rope_cos_sin_cache=x.cos_sin * 2 if rank == 0 else x.cos_sin))
     dist.barrier()
     got["untouched"] = all(bool((_flat(t) == GUARD).all()) for t in mla + [idx[0]])
@@ -369,7 +370,8 @@ def test_a_bad_or_disagreeing_call_is_refused_on_every_rank_before_any_write():
         for case, words in (("num_decode_tokens", ["num_decode_tokens"]),
                             ("slot_mapping contents", ["slot_mapping", "sha256"]),
                             ("slot_mapping short", ["bad argument on rank 1", "slot_mapping"]),
-                            ("index_k missing", ["bad argument on rank 0", "index_k is None"])):
+                            ("index_k missing", ["bad argument on rank 0", "index_k is None"]),
+                            ("weight", ["bad argument on rank 1", "q_rms_norm_w", "floating-point"])):
             kind_, msg = got[case]
             assert kind_ == "ValueError" and all(w in msg for w in words), (case, got[case])
         kind_, msg = got["index table"]
