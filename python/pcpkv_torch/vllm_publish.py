@@ -145,7 +145,8 @@ class VllmPcpPublisher:
         self.transport, self.transport_reason = self._resolve(transport)
         logger.info("%s: transport %s%s", _WHERE, self.transport,
                     f" ({self.transport_reason})" if self.transport_reason else "")
-        self._tables: dict = {}   # memo: cos/sin tables as float32, the index table's agreement
+        self._tables: dict = {}   # memo: cos/sin tables and weights as float32, the index table's agreement
+        self._staging_calls = 0   # staging publications so far: the buffer of the next one is its parity
         if self.transport in ("direct", "staging"):
             staging = None
             if self.transport == "staging":
@@ -335,7 +336,10 @@ class VllmPcpPublisher:
     def _staging(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw):
         ec, W, T = self.caches, self.world, gathered.shape[1]
         ws, dests = ec.staging_for(fmt, max(T, 1))
-        buf = layer % 2  # alternate buffers: a rank may run one layer ahead of a peer's combine
+        # Alternate buffers per call (every rank makes the same calls): a rank past this fence may write the next
+        # publication's rows while a peer still combines these; by layer parity an odd layer count would reuse a
+        # buffer from the last layer of a step to the first of the next.
+        buf, self._staging_calls = self._staging_calls % 2, self._staging_calls + 1
         dispatch(kv_c, k_pe, positions, kv_w, rope, row_dests=dests[buf], **kw)
         fence(ec.fence_state, 0, timeout_us=self._fence_timeout_us, written=ws)
         self._fence_check()

@@ -305,6 +305,46 @@ def test_the_step_builder_follows_vllms_pcp_manager():
     assert g[1, 1] == _slot(blocks, 1, 2)
 
 
+def _staging_one_layer(rank, world):
+    """One indexer layer (an odd layer count), two steps with staging; rank 1 combines slowly, so rank 0 reaches
+    the next step's dispatch while rank 1 still reads the previous rows out of its workspace."""
+    import time
+
+    import torch.distributed as dist
+    from pcpkv_torch import vllm_publish
+    from pcpkv_torch.vllm import VllmPcpPublisher
+
+    if rank == 1:
+        real = vllm_publish.combine
+
+        def slow(*a, **k):
+            time.sleep(0.5)
+            return real(*a, **k)
+        vllm_publish.combine = slow
+    refs = _references(world, "fp8_ds_mla")
+    mla, idx = _engine_caches("fp8_ds_mla", "cpu", True)
+    pub = VllmPcpPublisher(mla[:1], idx[:1], kv_cache_dtype="fp8_ds_mla", max_num_tokens=48, transport="staging",
+                           check=False)
+    blocks, x = _blocks(), Inputs(0, True)
+    for s in range(2):
+        rows, sm, nd = vllm_step(world, STEPS[s], blocks, GRAPH_PAD[s])
+        pos, qkv, ik = x.rows(rows[rank], 1000 * s + rank)
+        q_c, kv, pe = _splits(qkv)
+        pub.publish(0, pos, q_c, x.w["q"], 1e-6, kv, x.w["kv"], 1e-6, pe, x.cos_sin, ik, x.w["ln_w"], x.w["ln_b"],
+                    1e-6, x.cos_sin, torch.empty((len(rows[0]), TOPK), dtype=torch.int32), sm, nd)
+    dist.barrier()
+    ok = torch.equal(_flat(mla[0]), refs[1]["fused"][0][0]) and torch.equal(_flat(idx[0]), refs[1]["fused"][0][1])
+    pub.close()
+    return ok
+
+
+def test_staging_alternates_its_buffers_per_call_across_steps():
+    # by layer parity a one-layer model reused buffer 0 from one step to the next: rank 0's rows of step 1 landed
+    # in rank 1's workspace while rank 1 still combined step 0's rows from it
+    out = run_ranks(_staging_one_layer, W, timeout=120)
+    assert out[0] == ("ok", True) and out[1] == ("ok", True), out
+
+
 # ---- every rank agrees or every rank refuses, before anything is written ---------------------------------------
 
 
