@@ -253,3 +253,4 @@ def _(*args, **kwargs):
     if not any(isinstance(a, FakeTensor) for a in args + tuple(kwargs.values())):
         _OP.redispatch(_CPU, *args, **kwargs)
     return None
+from .vllm_publish import VLLM_SOURCES, VllmPcpPublisher  # noqa: E402,F401  per-layer publication (vllm_publish.py)
