@@ -442,10 +442,9 @@ int resident_ctas(KernelFn fn) {
 constexpr DispatchVariant kDefaultVariant = DispatchVariant::kWarp;
 
 // kWarp runs the split instance (a token's KV and Q parts as two items) while the one-warp-per-token grid would
-// give each warp at most this many tokens. 0 (never) for now: on an H100 the split was 3% faster at 4096 rows and
-// 0.5-8% slower from 8192 up (docs/perf.md 38), where 2 would be the bound, but its byte tests against the CPU
-// oracle have not run on a GPU yet (no device build came in that session); raise it to 2 after they pass.
-constexpr int64_t kSplitMaxTokensPerWarp = 0;
+// give each warp at most this many tokens: on an H100 the split was 3% faster at 4096 rows and 0.5-8% slower from
+// 8192 up (docs/perf-log.md 38); its byte tests against the CPU oracle passed on the GPU.
+constexpr int64_t kSplitMaxTokensPerWarp = 2;
 
 // kAuto: PCPKV_DISPATCH_VARIANT when set (an unknown value throws pcpkv::Error), else kDefaultVariant.
 DispatchVariant resolve_variant(DispatchVariant v) {
