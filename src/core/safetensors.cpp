@@ -19,6 +19,7 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
+#include "core/fatal_signals.h"
 
 namespace pcpkv {
 namespace {
@@ -72,27 +73,9 @@ std::string file_offset(int64_t data_start, int64_t rel) {
 
 // While the writer's temporary file exists, a signal whose default action ends the process (Ctrl-C, kill, a lost
 // terminal, ulimit -f or -t, SIGUSR1/2, an alarm, a profiling timer, SIGPWR, SIGIO, a real-time signal, kill -ABRT)
-// removes it first, then takes its previous course: a killed save leaves no FILE.tmp.<pid>. Every such signal, not a
-// list of the usual ones: SIGPWR or SIGRTMIN left the file (issue 31's break test). (SIGKILL cannot be caught; a
-// power cut leaves the file too.) One write at a time per process.
-bool default_action_ends_process(int sig) {
-  switch (sig) {
-    case SIGKILL:  // cannot be caught
-    case SIGSTOP:
-    case SIGTSTP:  // these stop, continue or are ignored by default
-    case SIGTTIN:
-    case SIGTTOU:
-    case SIGCONT:
-    case SIGCHLD:
-    case SIGURG:
-    case SIGWINCH:
-      return false;
-    default:
-      // The standard signals are 1..31; glibc keeps the two lowest real-time signals (32, 33) for its threads, so
-      // the real-time signals a caller can send start at SIGRTMIN.
-      return sig < 32 || (sig >= SIGRTMIN && sig <= SIGRTMAX);
-  }
-}
+// removes it first, then takes its previous course: a killed save leaves no FILE.tmp.<pid>. (SIGKILL cannot be
+// caught; a power cut leaves the file too.) One write at a time per process.
+using signals::default_action_ends_process;
 char g_temp_path[PATH_MAX + 1];
 volatile sig_atomic_t g_temp_armed = 0;
 struct sigaction g_old_actions[_NSIG];
