@@ -68,7 +68,7 @@ def _scenarios(rank, world, path):
     model = torch.load(path, weights_only=False)
     out = {}
     # _refused last: before the fix rank 0 hung in it
-    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _refused):
+    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _fence_timeout, _refused):
         try:
             part(out, model, rank, world)
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -91,6 +91,14 @@ def _weights(out, model, rank, world):
     finally:
         with torch.no_grad():
             w[3, 5] = keep
+
+
+def _fence_timeout(out, model, rank, world):
+    # rank 1 refuses fence_timeout_s after the setup exchange (issue 31's break test): rank 0 waited in the caches'
+    # setup, then paired it with rank 1's next exchange (a garbled 'bad argument on rank 1' and every later
+    # collective off by one); group=5 was an AttributeError
+    out["fence_timeout_s"] = _setup_error(model, fence_timeout_s=0 if rank == 1 else 5.0)
+    out["group"] = _setup_error(model, group=5)
 
 
 def _refused(out, model, rank, world):
@@ -227,6 +235,17 @@ def test_an_argument_one_rank_refuses_is_named_on_every_rank(scenarios):
     e = scenarios[0].get("refused") or ""
     assert e.startswith("Disagreement: DistPcpModel setup: rank 1 refused it: ValueError: row_chunk = 0"), \
         scenarios[0]
+
+
+def test_a_fence_timeout_one_rank_refuses_is_named_on_every_rank(scenarios):
+    assert (scenarios[1].get("fence_timeout_s") or "").startswith("ValueError: fence_timeout_s = 0 must be"), \
+        scenarios[1]
+    e = scenarios[0].get("fence_timeout_s") or ""
+    assert e.startswith("Disagreement: DistPcpModel setup: rank 1 refused it: ValueError: fence_timeout_s = 0"), \
+        scenarios[0]
+    for r in range(2):
+        assert (scenarios[r].get("group") or "").startswith(
+            "ValueError: DistPcpModel: group = 5 is not a torch.distributed process group"), scenarios[r]
 
 
 def test_a_step_with_other_requests_on_one_rank_is_refused_before_any_work(scenarios):

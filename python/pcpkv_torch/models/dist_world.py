@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..distributed import SymmetricCaches
+from ..distributed import SymmetricCaches, _member_rank
 from ..ops import rope_table
 from ..rank_agreement import torch_gather
 from . import agreement
@@ -37,6 +37,15 @@ from .world import PcpWorld
 __all__ = ["DistPcpWorld", "DistPcpModel", "MAX_FENCE_TIMEOUT_S"]
 
 MAX_FENCE_TIMEOUT_S = 86400.0  # one day
+
+
+def _check_fence_timeout(fence_timeout_s) -> None:
+    # The fence op takes whole microseconds: a bound under 1 us would reach it as 0 (refused there, at the first
+    # layer, without this argument's name), inf would not convert; one day is mp-publish's bound too.
+    if isinstance(fence_timeout_s, bool) or not isinstance(fence_timeout_s, (int, float)) or not (
+            1e-6 <= fence_timeout_s <= MAX_FENCE_TIMEOUT_S):
+        raise ValueError(f"fence_timeout_s = {fence_timeout_s!r} must be a number of seconds in [1e-06, "
+                         f"{MAX_FENCE_TIMEOUT_S}] (1 us to one day)")
 
 
 class DistPcpWorld(PcpWorld):
@@ -53,12 +62,7 @@ class DistPcpWorld(PcpWorld):
                  fence_timeout_s: float = 30.0):
         import torch.distributed as dist
 
-        # The fence op takes whole microseconds: a bound under 1 us would reach it as 0 (refused there, at the first
-        # layer, without this argument's name), inf would not convert; one day is mp-publish's bound too.
-        if isinstance(fence_timeout_s, bool) or not isinstance(fence_timeout_s, (int, float)) or not (
-                1e-6 <= fence_timeout_s <= MAX_FENCE_TIMEOUT_S):
-            raise ValueError(f"fence_timeout_s = {fence_timeout_s!r} must be a number of seconds in [1e-06, "
-                             f"{MAX_FENCE_TIMEOUT_S}] (1 us to one day)")
+        _check_fence_timeout(fence_timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistPcpWorld: torch.distributed is not initialized (run under torchrun and call "
                                "torch.distributed.init_process_group)")
@@ -210,6 +214,7 @@ def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("DistPcpModel: torch.distributed is not initialized (run under torchrun and call "
                            "torch.distributed.init_process_group)")
+    _member_rank(group, "DistPcpModel")  # group=5 was an AttributeError from dist.get_world_size
     W = dist.get_world_size(group)
     gather = torch_gather(group, "DistPcpModel setup agreement")
     shared = {"done": False}
@@ -224,6 +229,10 @@ def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout
             bound.apply_defaults()
             return _setup_entries(hf_model, dict(bound.arguments), kwargs)
 
+        # Checked before the exchange, so that a refusal is shared: checked only in DistPcpWorld, after it, one
+        # rank's fence_timeout_s = 0 raised there alone while its peers waited in the caches' setup, then paired
+        # their exchange with that rank's next one (garbled messages, every later collective off by one).
+        _check_fence_timeout(fence_timeout_s)
         agree(entries)
         return DistPcpWorld(*args, group=group, timeout_s=timeout_s, fence_timeout_s=fence_timeout_s, **kwargs)
 
