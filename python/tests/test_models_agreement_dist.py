@@ -68,7 +68,7 @@ def _scenarios(rank, world, path):
     model = torch.load(path, weights_only=False)
     out = {}
     # _refused last: before the fix rank 0 hung in it
-    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _fence_timeout, _refused):
+    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _after_close, _fence_timeout, _refused):
         try:
             part(out, model, rank, world)
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -91,6 +91,25 @@ def _weights(out, model, rank, world):
     finally:
         with torch.no_grad():
             w[3, 5] = keep
+
+
+def _after_close(out, model, rank, world):
+    # issue 31 item 9 after its fix (break test): a step after model.world.close() was an IndexError from the
+    # released caches (a Disagreement on fence epochs on its peer), replica_bytes an IndexError
+    from pcpkv_torch.models import StepRequest
+
+    first, _ = _steps_of()
+    pcp = _make(model)
+    try:
+        pcp.step(first)
+        if rank == 1:
+            pcp.world.close()
+        out["step after close"] = _error(lambda: pcp.step([StepRequest("c", _ids(5, 4))]))
+    finally:
+        pcp.restore()
+        pcp.world.close()
+    pcp.world.close()  # twice is fine
+    out["replica_bytes after close"] = _error(lambda: pcp.world.replica_bytes(0, 0))
 
 
 def _fence_timeout(out, model, rank, world):
@@ -235,6 +254,17 @@ def test_an_argument_one_rank_refuses_is_named_on_every_rank(scenarios):
     e = scenarios[0].get("refused") or ""
     assert e.startswith("Disagreement: DistPcpModel setup: rank 1 refused it: ValueError: row_chunk = 0"), \
         scenarios[0]
+
+
+def test_use_after_world_close_is_a_runtime_error_named_on_every_rank(scenarios):
+    used = "DistPcpModel.step used after world.close() (its symmetric memory is released; build a new DistPcpModel)"
+    assert scenarios[1].get("step after close") == f"RuntimeError: {used}", scenarios[1]
+    assert scenarios[0].get("step after close") == \
+        f"Disagreement: DistPcpModel.step: rank 1 refused it: RuntimeError: {used}", scenarios[0]
+    for r in range(2):
+        assert (scenarios[r].get("replica_bytes after close") or "").startswith(
+            "RuntimeError: DistPcpWorld.replica_bytes used after world.close()"), scenarios[r]
+        assert "_after_close error" not in scenarios[r], scenarios[r]
 
 
 def test_a_fence_timeout_one_rank_refuses_is_named_on_every_rank(scenarios):

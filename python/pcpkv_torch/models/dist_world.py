@@ -69,6 +69,7 @@ class DistPcpWorld(PcpWorld):
         W = dist.get_world_size(group)
         if pcp_world != W:
             raise ValueError(f"pcp_world = {pcp_world}, but the torch.distributed group has {W} ranks (one per rank)")
+        self._closed = False
         self.group, self.W, self.spec, self.num_layers = group, W, spec, num_layers
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -112,6 +113,9 @@ class DistPcpWorld(PcpWorld):
         Disagreement (ValueError) on every rank naming the first differing request and field and the ranks'
         values."""
         def entries():
+            # raised here, inside the exchange, so that a peer which did not close is told too (a step after
+            # world.close() ran into the released caches: IndexError)
+            self._check_open("DistPcpModel.step")
             # the fence epochs too: a step that failed on one rank before a fence leaves the ranks' epochs apart,
             # and a fence passed on a stale epoch would read rows a peer has not written yet
             epochs = () if self.fence_state is None else tuple(self.fence_state.epochs.reshape(-1).tolist())
@@ -137,6 +141,8 @@ class DistPcpWorld(PcpWorld):
             raise RuntimeError(f"{what} on rank {self.rank}: {who} exited or was killed ({e})") from e
 
     def publish(self, layer_idx, transport, local, step, weights, q_c_out):
+        self._check_open("DistPcpWorld.publish")
+
         def run():
             super(DistPcpWorld, self).publish(layer_idx, transport, local, step, weights, q_c_out)
             if self.device.type == "cuda":  # the device fence reports a timeout in memory; raise it here
@@ -164,9 +170,20 @@ class DistPcpWorld(PcpWorld):
         self.replica_check.record(t0)
 
     def close(self):
-        """Releases this rank's symmetric memory and bootstrap (local; the peers need not be alive)."""
+        """Releases this rank's symmetric memory and bootstrap (local; the peers need not be alive). Twice is fine;
+        a step or replica read afterwards raises RuntimeError '... used after world.close()'."""
+        self._closed = True
         self.mla, self.index, self.targets, self.pads, self.fence_state = [], [], [], [], None
         self.caches.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} used after world.close() (its symmetric memory is released; build a new "
+                               "DistPcpModel)")
+
+    def replica_bytes(self, layer_idx: int, rank: int):
+        self._check_open("DistPcpWorld.replica_bytes")
+        return super().replica_bytes(layer_idx, rank)
 
 
 #: PcpModel arguments that only observe this rank's run (no collective, cache byte or logit depends on them): not
