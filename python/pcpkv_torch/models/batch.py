@@ -131,6 +131,11 @@ class StepBatch:
         if not requests:
             raise ValueError("requests: a step needs at least one request")
         ids = [q.request_id for q in requests]
+        for i, rid in enumerate(ids):  # the block tables are keyed by it: a list id was set()'s TypeError
+            try:
+                hash(rid)
+            except TypeError:
+                raise ValueError(f"requests[{i}].request_id = {rid!r} must be hashable (a str or an int)") from None
         if len(set(ids)) != len(ids):
             raise ValueError(f"requests: a request_id appears twice in one step ({ids})")
         need = 0
