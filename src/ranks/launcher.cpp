@@ -91,12 +91,20 @@ class SignalScope {
   struct sigaction old_pipe_ {};
 };
 
+// The ranks' relayed stdout and the first error writing to it (ENOSPC, EPIPE): a report that never reached stdout
+// must not pass for success (the launch exited 0 with its stdout on /dev/full). One launch at a time per process.
+int g_relay_out_fd = -1;
+int g_relay_out_errno = 0;
+
 void write_all(int fd, const std::string& s) {
   size_t done = 0;
   while (done < s.size()) {
     const ssize_t n = ::write(fd, s.data() + done, s.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
+    if (n <= 0) {
+      if (fd == g_relay_out_fd && g_relay_out_errno == 0) g_relay_out_errno = n < 0 ? errno : EIO;
+      return;
+    }
     done += static_cast<size_t>(n);
   }
 }
@@ -199,6 +207,8 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   PCPKV_CHECK(opts.grace_s >= 0, "--grace must be >= 0, got {}", opts.grace_s);
   // nan and -1 meant "no limit" silently (the test is max_time_s > 0); 0 is the one spelling of that.
   PCPKV_CHECK(opts.max_time_s >= 0, "--max-time must be >= 0 seconds (0: no limit), got {}", opts.max_time_s);
+  g_relay_out_fd = out_fd;
+  g_relay_out_errno = 0;
 
   // Private rendezvous directory and job token.
   std::string parent = opts.socket_dir;
@@ -486,7 +496,12 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     if (result.exit_code == 0) result.exit_code = 1;
     write_all(err_fd, fmt::format("pcpkv launch: {} of {} rank(s) failed; the first was rank {}\n", num_failed, n,
                                   first->rank));
+  } else if (g_relay_out_errno != 0) {
+    write_all(err_fd, fmt::format("pcpkv: error: launch: cannot write the ranks' output to stdout: {}\n",
+                                  std::strerror(g_relay_out_errno)));
+    result.exit_code = 3;  // as any command whose report never reached stdout
   }
+  g_relay_out_fd = -1;
   return result;
 }
 
