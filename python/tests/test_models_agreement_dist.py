@@ -4,8 +4,10 @@ ranks' values; a step whose requests differ on one rank is refused on every rank
 request and the field (the caches are untouched: the same step then runs); an argument one rank refuses is named
 on the other; a step failing part-way on every rank rolls back and its retry gives the clean run's logits."""
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 import traceback
 
@@ -27,7 +29,9 @@ except ImportError as e:
 def model_file():
     cfg = small_config("glm-5", num_layers=3, hidden_size=128, num_heads=2, index_n_heads=2, index_topk=16,
                        vocab_size=64)
-    path = os.path.join(tempfile.mkdtemp(prefix="pcpkv-test-agree-"), "model.pt")
+    d = tempfile.mkdtemp(prefix="pcpkv-test-agree-")
+    atexit.register(shutil.rmtree, d, True)  # each run left its 15 MB model in /tmp (43 found)
+    path = os.path.join(d, "model.pt")
     torch.save(build_hf_model(cfg, seed=5), path)
     return path
 
