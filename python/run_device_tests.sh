@@ -11,14 +11,35 @@
 # Python). Logs, faulthandler dumps and a JUnit report per file go to $OUT (or /tmp/pcpkv_torch_tests).
 # The last lines are one overall SUMMARY line and then one line per test file.
 #   bash python/run_device_tests.sh            (from anywhere; ~2-4 min build on 16 cores, ~2-3 min tests)
-# Environment: PYTHON (default python3), MAX_JOBS (default nproc), PCPKV_TORCH_CUDA (default: auto),
+# Python: $PYTHON when set; else the first that imports torch of python3, $PCPKV_PYTHON and the venv of
+# scripts/test.sh ($PCPKV_BUILD_DIR or build/, python-venv/bin/pcpkv-python); it prints which.
+# Environment: PYTHON, MAX_JOBS (default nproc), PCPKV_TORCH_CUDA (default: auto),
 #              PYTEST_ARGS (extra pytest arguments, e.g. "-k graph"), FILE_TIMEOUT (seconds per file, 240),
 #              SKIP_BUILD=1 (reuse the in-place build), CLEAN_BUILD=0 (keep earlier objects), NO_XDIST=1
 #              (the fallback isolation even where pytest-xdist is installed).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
-PY="${PYTHON:-python3}"
+# The interpreter: one that has torch (the extension is built against it and the tests import it).
+if [ -n "${PYTHON:-}" ]; then
+  PY="$PYTHON" why="\$PYTHON"
+else
+  PY="" why=""
+  build_dir="${PCPKV_BUILD_DIR:-$here/../build}"
+  for cand in python3 ${PCPKV_PYTHON:+"$PCPKV_PYTHON"} "$build_dir/python-venv/bin/pcpkv-python"; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import torch' >/dev/null 2>&1; then
+      PY="$cand" why="the first of python3, \$PCPKV_PYTHON, $build_dir/python-venv that imports torch"
+      break
+    fi
+  done
+  if [ -z "$PY" ]; then
+    echo "SUMMARY: no Python with torch: python3${PCPKV_PYTHON:+, $PCPKV_PYTHON} and $build_dir/python-venv" \
+         "cannot import torch. Set PYTHON=/path/to/python (with torch installed), or run ./scripts/test.sh once" \
+         "(it creates that venv)"
+    exit 1
+  fi
+fi
+echo "python: $(command -v "$PY") ($why)"
 out="${OUT:-/tmp/pcpkv_torch_tests}"
 mkdir -p "$out"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"

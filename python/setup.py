@@ -1,7 +1,12 @@
 """Builds pcpkv_torch._C against the installed torch, from pcpkv's sources (no download, no CMake build).
 
-    cd python && python setup.py build_ext --inplace        # in-tree (tests, development)
     pip install --no-build-isolation ./python               # into the environment
+    pip wheel --no-build-isolation ./python                 # a wheel (for this torch, Python and platform)
+    cd python && python setup.py build_ext --inplace        # in-tree (tests, development)
+
+The project's metadata (name, version, requirements, extras, the packages: every package under pcpkv_torch/)
+is in pyproject.toml; this file adds the extension. It needs the installed torch, so pip's default isolated
+build (which hides it) stops with a message saying to add --no-build-isolation.
 
 Environment:
     PCPKV_TORCH_CUDA=0|1      build the CUDA ops (default: 1 when torch has CUDA and nvcc is found)
@@ -17,8 +22,9 @@ and (for CUDA) nvcc is needed.
 
 import glob
 import os
+import sys
 
-from setuptools import setup
+import setuptools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -100,18 +106,42 @@ def _extensions():
     ]
 
 
+def _require_build_environment():
+    """torch and a setuptools that can make a wheel, from the environment itself; else one clear message."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        isolated = any("pip-build-env" in p for p in sys.path)
+        raise SystemExit(
+            "pcpkv_torch: torch is not importable by the build"
+            + (" (pip's build isolation hides the installed torch)" if isolated else "")
+            + f": {e}. The extension is built against the torch it will run with: install torch first, then "
+            "`pip install --no-build-isolation ./python` (or `pip wheel --no-build-isolation ./python`).") from e
+    version = tuple(int(x) for x in setuptools.__version__.split(".")[:2] if x.isdigit())
+    # dist_info: pip's metadata step, which needs bdist_wheel too
+    wheel_cmds = {"bdist_wheel", "editable_wheel", "dist_info"}.intersection(sys.argv)
+    if version < (61, 0) or (wheel_cmds and version < (70, 1) and _missing("wheel")):
+        raise SystemExit(
+            f"pcpkv_torch: setuptools {setuptools.__version__} of this environment cannot build it "
+            f"({'no pyproject.toml metadata' if version < (61, 0) else 'no bdist_wheel without the wheel package'}): "
+            "`pip install 'setuptools>=70.1'` (pyproject.toml's build-system.requires) and build again.")
+
+
+def _missing(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
 def main():
+    # pyproject.toml and the package folders are found relative to the working directory.
+    os.chdir(HERE)
+    _require_build_environment()
     from torch.utils.cpp_extension import BuildExtension
 
-    setup(
-        name="pcpkv_torch",
-        version="0.1.0",
-        description="PyTorch custom ops for pcpkv: PCP KV-cache publication for DeepSeek-V3.2 / GLM-5",
-        packages=["pcpkv_torch"],
-        package_dir={"pcpkv_torch": os.path.join(HERE, "pcpkv_torch")} if os.getcwd() != HERE else {},
+    setuptools.setup(
         ext_modules=_extensions(),
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-        python_requires=">=3.10",
     )
 
 

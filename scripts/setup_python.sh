@@ -5,6 +5,8 @@
 # VENV/bin/pcpkv-python, the interpreter to use: it puts the CUDA toolkit's lib directory on the loader path,
 # without which `import torch` fails (the cu130 wheel loads libtorch_cuda.so, which needs libcudart,
 # libcublasLt, cudnn, nccl from the toolkit, even when no GPU is used).
+# It also puts this tree's python/ on the venv's path (pcpkv-source.pth), so its python imports pcpkv_torch
+# (every subpackage) from any directory once the extension is built in place.
 # Usage: scripts/setup_python.sh VENV   (scripts/test.sh passes BUILD/python-venv)
 # Environment: PCPKV_PYTHON (base interpreter, default python3, >= 3.10), CUDA_HOME (toolkit, default: the one
 # holding libcublasLt.so.13 among /usr/local/cuda-13.0, /usr/local/cuda and nvcc's).
@@ -56,6 +58,12 @@ $ld_line
 exec "$venv/bin/python" "\$@"
 EOF
 chmod +x "$venv/bin/pcpkv-python"
+# This source tree's package on the venv's path (a .pth file naming python/), so that `pcpkv-python -c 'import
+# pcpkv_torch.models'` works from any directory once the extension is built in place (scripts/test.sh does;
+# by hand: cd python && PCPKV_TORCH_CUDA=0 ../build/python-venv/bin/pcpkv-python setup.py build_ext --inplace).
+# Not `pip install -e`: that compiles the extension again, in a temporary build folder, on every install.
+site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+echo "$root/python" > "$site/pcpkv-source.pth"
 if ! "$venv/bin/pcpkv-python" -c 'import torch' ; then
   echo "setup_python: 'import torch' fails in $venv (above); loader path added: ${cuda_lib:-none}" >&2
   exit 1

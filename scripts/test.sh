@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Builds pcpkv and all its tests if needed (installing the Debian packages it needs), then runs every
 # test with ctest; then builds pcpkv_torch (CPU ops) in a virtual environment under the build directory
-# (scripts/setup_python.sh: pinned torch and transformers from the package registry, reused when present)
-# and runs its pytest suite. Exits nonzero when the build or any test fails (ctest or pytest). GPU tests
-# skip, with the reason, on a machine without a GPU.
+# (scripts/setup_python.sh: pinned torch and transformers from the package registry, reused when present;
+# its bin/pcpkv-python imports this tree's pcpkv_torch from any directory) and runs its pytest suite, then
+# scripts/test_wheel.sh (the wheel, installed into a new environment and run outside the source tree).
+# Exits nonzero when the build or any test fails (ctest, pytest or the wheel). GPU tests skip, with the
+# reason, on a machine without a GPU.
 # Environment: PCPKV_BUILD_DIR (default build), PCPKV_JOBS (build jobs), PCPKV_CTEST_ARGS (extra ctest
 # arguments, e.g. "-L unit" or "-j2"), PCPKV_PYTHON_TESTS=0 (skip the Python part), PCPKV_PYTEST_ARGS (extra
-# pytest arguments, e.g. "-k plan"), PCPKV_INSTALL_TEST=0 (skip scripts/test_install.sh), PCPKV_CMAKE_ARGS
-# (extra cmake arguments when the build directory is configured, e.g. "-DPCPKV_WERROR=ON", as .ci/run sets).
+# pytest arguments, e.g. "-k plan"), PCPKV_WHEEL_TEST=0 (skip scripts/test_wheel.sh), PCPKV_INSTALL_TEST=0
+# (skip scripts/test_install.sh), PCPKV_CMAKE_ARGS (extra cmake arguments when the build directory is
+# configured, e.g. "-DPCPKV_WERROR=ON", as .ci/run sets).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${PCPKV_BUILD_DIR:-$root/build}"
@@ -41,5 +44,9 @@ if [ "${PCPKV_PYTHON_TESTS:-1}" != 0 ]; then
   # pytest's exit 5 (no tests collected) fails too.
   # shellcheck disable=SC2086
   (cd "$root/python" && "$py" -m pytest tests -q -rs -p no:cacheprovider ${PCPKV_PYTEST_ARGS:-}) || status=1
+  # The package as a user installs it (reuses the objects above: about a minute and a half on 2 cores).
+  if [ "${PCPKV_WHEEL_TEST:-1}" != 0 ]; then
+    PCPKV_BUILD_DIR="$build" "$root/scripts/test_wheel.sh" || status=1
+  fi
 fi
 exit "$status"

@@ -37,7 +37,7 @@ import torch
 
 from .model import MLA_ROW_BYTES, CacheFormat, check_cache_format
 from .rank_agreement import agree_on, share_verdicts, torch_gather
-from .tables import CacheTargets, FenceState, RowDests
+from .tables import CacheTargets, FenceState, RowDests, check_num_barriers
 
 __all__ = ["Bootstrap", "SymmetricBuffer", "SymmetricCaches", "resource_counts", "dead_ranks"]
 
@@ -117,8 +117,10 @@ class Bootstrap:
         self.group = group
         self.world = dist.get_world_size(group)
         # the first exchange carries each rank's verdict on its own arguments along with its host
-        mine = f"{socket.gethostname()}\n{_timeout_problem(timeout_s)}"
-        got = [s.split("\n", 1) for s in torch_gather(group, "Bootstrap")(mine)]
+        why = _timeout_problem(timeout_s)
+        mine = f"{socket.gethostname()}\n{why}"
+        wait = 60.0 if why else float(timeout_s)  # a bad timeout_s is refused after this exchange, on every rank
+        got = [s.split("\n", 1) for s in torch_gather(group, "Bootstrap", wait)(mine)]
         share_verdicts(lambda _: [w for _, w in got], "Bootstrap", "")
         hosts = [h for h, _ in got]
         if len(set(hosts)) != 1:
@@ -285,7 +287,8 @@ class SymmetricCaches:
         except ValueError as e:
             why = str(e)
         if bootstrap is None:
-            share_verdicts(torch_gather(group, what), what, why)
+            wait = 60.0 if _timeout_problem(timeout_s) else float(timeout_s)  # a bad one: refused by this exchange
+            share_verdicts(torch_gather(group, what, wait), what, why)
             bootstrap = Bootstrap(group, timeout_s=timeout_s)
             self.bootstrap = bootstrap
         else:
@@ -304,9 +307,10 @@ class SymmetricCaches:
     @staticmethod
     def _check(num_layers, num_blocks, block_size, kv_format, ds_mla_scale, has_indexer, num_barriers, fill):
         for name, v, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 1),
-                            ("block_size", block_size, 1), ("num_barriers", num_barriers, 1)):
+                            ("block_size", block_size, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} = {v!r} must be an integer >= {lo}")
+        check_num_barriers(num_barriers, "")
         if block_size & (block_size - 1):
             raise ValueError(f"block_size = {block_size} must be a power of two")
         if not isinstance(kv_format, str) or kv_format not in MLA_ROW_BYTES:

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import socket
-from datetime import timedelta
+import struct
 from typing import Optional, Sequence
 
 import torch
 
 from .model import CacheFormat, check_cache_format
-from .tables import CacheTargets, FenceState, RowDests, _describe, _index_geometry, _mla_geometry, first_overlap
+from .rank_agreement import torch_gather
+from .tables import (CacheTargets, FenceState, RowDests, _describe, _index_geometry, _mla_geometry, check_num_barriers,
+                     first_overlap)
 
 __all__ = ["EngineCaches"]
 
@@ -113,17 +114,16 @@ class EngineCaches:
                  fmts, *, staging=None, group=None, num_barriers: int = 1, timeout_s: float = 60.0):
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"{_WHERE}: torch.distributed is not initialized (call "
-                               "torch.distributed.init_process_group first, e.g. under torchrun)")
+        from .distributed import _member_rank
+
+        rank = _member_rank(group, _WHERE)  # a non-member (or not a group) is refused here: it has no peers to tell
         fails = []  # refused on every rank, after the first exchange: a local raise would leave the peers waiting
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e6:
             fails.append((True, f"timeout_s = {timeout_s!r} must be a positive number of seconds (< 1e6)"))
             timeout_s = 60.0
         self._closed = False
         self._group, self._timeout_s = group, float(timeout_s)
-        self._gloo = dist.get_backend(group) == "gloo"
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.world = rank, dist.get_world_size(group)
         self._own: list = []      # (name, tensor) of this rank, in the order every rank lists them
         self._opened: list = []   # peer storages opened here (their mappings live while referenced)
         self._t: dict = {}
@@ -140,23 +140,13 @@ class EngineCaches:
     # ---- collectives ------------------------------------------------------------------------------------------
 
     def _gather(self, obj, what: str) -> list:
-        """Every rank's obj. On a gloo group a monitored barrier first: a rank that does not arrive within
-        timeout_s is named (other backends rely on the group's own timeout)."""
-        import torch.distributed as dist
-
-        if self._gloo:
-            try:
-                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=self._timeout_s),
-                                       wait_all_ranks=True)
-            except RuntimeError as e:
-                # gloo names the missing ranks ("Ranks 1, 3 failed to pass monitoredBarrier"): say it our way
-                m = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e))
-                who = f"rank {m.group(1).strip()}" if m else "a rank"
-                raise _Refused(f"{_WHERE}: {what}: {who} did not arrive within timeout_s = {self._timeout_s} s "
-                               f"(torch.distributed: {e})", False) from None
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
+        """Every rank's obj. On a gloo group every rank first checks that every peer arrived within timeout_s and
+        names those that did not (arrival_check; other backends rely on the group's own timeout); a failed
+        all-gather (a peer gone after arriving) is refused naming this rank."""
+        try:
+            return torch_gather(self._group, f"{_WHERE}: {what}", self._timeout_s)(obj)
+        except RuntimeError as e:
+            raise _Refused(str(e), False) from None
 
     def _agree(self, failures: list, what: str):
         """failures: this rank's [(is_argument, message)]. Returns when no rank failed; else raises _Refused on
@@ -209,8 +199,7 @@ class EngineCaches:
         self._agree(fails, "mapping the peers' caches")
 
     def _arguments(self, mla_caches, index_caches, fmts, staging, num_barriers):
-        if isinstance(num_barriers, bool) or not isinstance(num_barriers, int) or num_barriers < 1:
-            raise ValueError(f"num_barriers = {num_barriers!r} must be an integer >= 1")
+        check_num_barriers(num_barriers, "")
         if isinstance(mla_caches, torch.Tensor) or not isinstance(mla_caches, Sequence) or not mla_caches:
             raise ValueError(f"mla_caches must be a non-empty list of per-layer MLA caches, got {_shown(mla_caches)}")
         L = len(mla_caches)
@@ -254,7 +243,8 @@ class EngineCaches:
         pads = torch.zeros((num_barriers, 2, self.world), dtype=torch.int64, device=device)
         if device.type == "cpu":
             pads.share_memory_()
-        self._own.append(("fence pads (allocated by EngineCaches)", pads))
+        # named by the argument that sizes them: ranks with other num_barriers differ in this entry's shape
+        self._own.append(("fence pads [num_barriers, 2, W] (allocated by EngineCaches)", pads))
         self._num_barriers = num_barriers
 
     def _check_local(self) -> list:
@@ -287,7 +277,7 @@ class EngineCaches:
                 rows[rb] = name
         except ValueError as e:
             fails.append((True, str(e)))
-        hit = first_overlap(self._own)
+        hit = first_overlap(self._own) and _first_interleaved_overlap(self._own)
         if hit:
             (a, ta), (b, tb) = hit
             fails.append((True, f"{a} ({_describe(ta)}) shares memory with {b} ({_describe(tb)}): every rank writes "
@@ -324,7 +314,9 @@ class EngineCaches:
     def _layout(self) -> list:
         """What every rank must agree on: per tensor (name, dtype, shape, strides), formats, pads."""
         out = [(n, str(t.dtype), tuple(t.shape), tuple(t.stride())) for n, t in self._own]
-        out.append(("fmts", tuple((f.kv_format, f.ds_mla_scale, f.k_scale, f.has_indexer) for f in self.fmts)))
+        # k_scale as the float32 the kernels divide by: 2, 2.0 and numpy's float32(2) are one format
+        out.append(("fmts", tuple((f.kv_format, f.ds_mla_scale, struct.unpack("f", struct.pack("f", f.k_scale))[0],
+                                   f.has_indexer) for f in self.fmts)))
         return out
 
     def _digest(self) -> str:
@@ -529,15 +521,20 @@ class EngineCaches:
     pads = property(lambda self: self._get("pads"))
     fence_state = property(lambda self: self._get("fence_state"))
 
+    def _dests(self, fmt: CacheFormat, where: str):
+        """(workspaces [W], RowDests [buffer][ubatch]) of the staging tensor holding fmt's rows; errors name `where`
+        (the method the caller called)."""
+        dests = self._get("dests", where)
+        check_cache_format(fmt, f"{_WHERE}.{where}")
+        if fmt.row_bytes not in dests:
+            raise ValueError(f"{_WHERE}.{where}: no staging workspace holds {fmt.row_bytes} B rows "
+                             f"(fmt {fmt.kv_format}, has_indexer={fmt.has_indexer}); given: {sorted(dests)} B")
+        return dests[fmt.row_bytes]
+
     def row_dests(self, fmt: CacheFormat, buffer: int = 0, ubatch: int = 0) -> RowDests:
         """This rank's RowDests into every rank's workspace of the staging tensor with fmt.row_bytes rows.
         Raises ValueError when no staging workspace holds fmt's rows or buffer / ubatch is out of range."""
-        dests = self._get("dests", "row_dests")
-        check_cache_format(fmt, f"{_WHERE}.row_dests")
-        if fmt.row_bytes not in dests:
-            raise ValueError(f"{_WHERE}.row_dests: no staging workspace holds {fmt.row_bytes} B rows "
-                             f"(fmt {fmt.kv_format}, has_indexer={fmt.has_indexer}); given: {sorted(dests)} B")
-        per_buffer = dests[fmt.row_bytes][1]
+        per_buffer = self._dests(fmt, "row_dests")[1]
         for name, v, n in (("buffer", buffer, 2), ("ubatch", ubatch, len(per_buffer[0]))):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
                 raise ValueError(f"{_WHERE}.row_dests: {name} = {v!r} must be an integer in [0, {n})")
@@ -547,8 +544,7 @@ class EngineCaches:
         """(workspaces [W], [RowDests of buffer 0, buffer 1] at ubatch 0) for fmt's rows, as
         SymmetricCaches.staging_for (nothing is allocated: ValueError when the engine's workspace holds fewer
         than `rows` rows per rank or none holds fmt's rows)."""
-        self.row_dests(fmt)
-        ws, per_buffer = self._get("dests", "staging_for")[fmt.row_bytes]
+        ws, per_buffer = self._dests(fmt, "staging_for")
         if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= ws[0].shape[3]:
             raise ValueError(f"{_WHERE}.staging_for: rows = {rows!r} must be an integer in [1, {ws[0].shape[3]}] "
                              "(the staging workspace's rows per rank)")
@@ -575,3 +571,40 @@ class EngineCaches:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _block_runs(t: torch.Tensor) -> tuple:
+    """(start, step, count, length) in bytes: t's memory as `count` runs of `length` bytes, `step` apart (its
+    blocks along dim 0), or one run of its whole extent."""
+    size = t.element_size()
+    extent = lambda dims: (sum((n - 1) * st for n, st in dims) + 1) * size  # noqa: E731
+    if t.dim() >= 2 and t.shape[0] > 1 and t.stride(0) > 0:
+        return t.data_ptr(), t.stride(0) * size, t.shape[0], extent(zip(t.shape[1:], t.stride()[1:]))
+    return t.data_ptr(), 0, 1, extent(zip(t.shape, t.stride()))
+
+
+def _runs_overlap(a: tuple, b: tuple) -> bool:
+    """Whether two block-run sets share a byte: exact when they step alike (or one is a single run), else by
+    extent. vLLM's cross-layer layout (one [num_blocks, L, block_size, row] buffer, layer l = buf[:, l]) gives L
+    caches whose extents overlap while their bytes never do."""
+    (sa, pa, na, la), (sb, pb, nb, lb) = a, b
+    if sa + (na - 1) * pa + la <= sb or sb + (nb - 1) * pb + lb <= sa:
+        return False
+    step = pa if nb == 1 else pb
+    if (na > 1 and nb > 1 and pa != pb) or step == 0:
+        return True
+    # run i of a and run j of b meet iff -lb < (sb - sa) + k * step < la for k = j - i in [-(na - 1), nb - 1]
+    d = sb - sa
+    k_lo, k_hi = (-lb - d) // step + 1, -((d - la) // step) - 1
+    return max(k_lo, -(na - 1)) <= min(k_hi, nb - 1)
+
+
+def _first_interleaved_overlap(named: list):
+    """The first pair of (name, tensor) whose bytes overlap by _runs_overlap, or None (called only when
+    first_overlap, by byte extents, found one)."""
+    runs = [_block_runs(t) for _, t in named]
+    for i in range(len(named)):
+        for j in range(i + 1, len(named)):
+            if _runs_overlap(runs[i], runs[j]):
+                return named[i], named[j]
+    return None

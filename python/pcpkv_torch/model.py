@@ -46,8 +46,10 @@ def scale_problem(value) -> str | None:
 def transport_row_bytes(kv_format: str, has_indexer: bool = True) -> int:
     """Bytes of one transport row (SPEC section 3): 720 (fp8), 800 (fp8_ds_mla), 1296 (bf16) with an indexer;
     the MLA row alone (576 / 656 / 1152) without. Raises ValueError on an unknown format."""
-    if kv_format not in MLA_ROW_BYTES:
+    if not isinstance(kv_format, str) or kv_format not in MLA_ROW_BYTES:  # a list was a TypeError (unhashable)
         raise ValueError(f"kv_format = {kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
+    if not isinstance(has_indexer, bool):  # 'no' is truthy: it would have meant True (as CacheFormat refuses it)
+        raise ValueError(f"has_indexer = {has_indexer!r} must be True or False")
     mla = MLA_ROW_BYTES[kv_format]
     return mla + 128 + 4 + 12 if has_indexer else mla
 
@@ -63,7 +65,7 @@ class CacheFormat:
     has_indexer: bool = True
 
     def __post_init__(self):
-        if self.kv_format not in MLA_ROW_BYTES:
+        if not isinstance(self.kv_format, str) or self.kv_format not in MLA_ROW_BYTES:
             raise ValueError(f"kv_format = {self.kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
         if self.ds_mla_scale not in ("pow2", "raw"):
             raise ValueError(f"ds_mla_scale = {self.ds_mla_scale!r}; expected 'pow2' or 'raw'")

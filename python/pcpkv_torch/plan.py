@@ -72,6 +72,8 @@ def _check_types(pcp_world, requests, block_size, extra_blocks, seed, reserve_nu
                     ("seed", seed)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"make_plan: {name} = {v!r} must be an integer")
+    if not 0 <= seed < 2**64:  # pcpkv::PlanConfig::seed is a uint64 (the CLI's --seed range): -1 was 2^64 - 1
+        raise ValueError(f"make_plan: seed = {seed!r} is out of range [0, {2**64 - 1}]")
     for name, v in (("reserve_null_block", reserve_null_block), ("shuffle_blocks", shuffle_blocks)):
         if not isinstance(v, bool):
             raise ValueError(f"make_plan: {name} = {v!r} must be True or False")
@@ -88,6 +90,11 @@ def _check_types(pcp_world, requests, block_size, extra_blocks, seed, reserve_nu
         if not isinstance(q.decode, bool):
             raise ValueError(f"make_plan: requests[{i}].decode = {q.decode!r} must be True or False")
     return requests
+
+
+def _as_int64(seed: int) -> int:
+    """The op's int64 argument carrying a uint64 seed (two's complement; the op casts it back to uint64)."""
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 64, extra_blocks: int = 0,
@@ -111,7 +118,7 @@ def make_plan(pcp_world: int, requests: Sequence[Request], *, block_size: int = 
     check_plan_modes(local_order, decode_ownership)
     r = torch.ops.pcpkv.make_plan(int(pcp_world), int(block_size), [int(q.decode) for q in requests],
                                   [int(q.num_new_tokens) for q in requests], [int(q.context_len) for q in requests],
-                                  int(extra_blocks), reserve_null_block, shuffle_blocks, int(seed), local_order,
+                                  int(extra_blocks), reserve_null_block, shuffle_blocks, _as_int64(int(seed)), local_order,
                                   decode_ownership)
     positions, slots, gidx, counts, gathered, gpos, gslots, greq, tables, num_blocks, owner = r
     if max_position_embeddings is not None:

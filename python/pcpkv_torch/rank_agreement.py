@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
-__all__ = ["share_verdicts", "agree_on", "first_difference", "torch_gather"]
+__all__ = ["share_verdicts", "agree_on", "first_difference", "torch_gather", "arrival_check"]
 
 Gather = Callable[[str], Sequence[str]]
 
 
 def _wait_interruptibly(work) -> None:
     """work.wait(), polling: Python's signal handlers run between polls, so Ctrl-C raises KeyboardInterrupt at once
-    (work.wait() and all_gather_object block in C++ until every peer arrives, which a live peer that never calls
-    makes the group's timeout, 30 minutes by default)."""
+    (work.wait() and all_gather_object block in C++ until every peer arrives: Ctrl-C in SymmetricCaches' setup, a
+    live peer not calling, was not handled 10 s on)."""
     pause = 1e-4
     while not work.is_completed():
         time.sleep(pause)
@@ -31,33 +32,122 @@ def _wait_interruptibly(work) -> None:
     work.wait()
 
 
-def torch_gather(group, what: str) -> Gather:
-    """The exchange over a torch.distributed group (two all-gathers, lengths then bytes, as all_gather_object does;
-    before pcpkv's bootstrap exists, or where there is none). Its failure (a peer gone) is RuntimeError naming
-    `what` and this rank; Ctrl-C while a peer has not arrived is KeyboardInterrupt within 100 ms."""
+def torch_gather(group, what: str, timeout_s: Optional[float] = None) -> Gather:
+    """The exchange over a torch.distributed group (any picklable value, sent as all_gather_object sends it: two
+    all-gathers, lengths then bytes, each waited for interruptibly; before pcpkv's bootstrap exists, or where there
+    is none). Its failure (a peer gone) is RuntimeError naming `what` and this rank. With timeout_s, each exchange
+    first runs arrival_check: a peer that does not arrive within timeout_s is named, not waited for."""
     import torch
     import torch.distributed as dist
 
-    def gather(s: str) -> list:
+    def gather(s) -> list:
+        if timeout_s is not None:
+            arrival_check(group, timeout_s, what)
         world = dist.get_world_size(group)
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        raw = str(s).encode()
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(pickle.dumps(s)), dtype=torch.uint8)  # the ranks of one job: trusted
         try:
             n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
             sizes = [torch.empty_like(n) for _ in range(world)]
             _wait_interruptibly(dist.all_gather(sizes, n, group=group, async_op=True))
             lengths = [int(x) for x in sizes]
-            buf = torch.zeros(max(1, max(lengths)), dtype=torch.uint8, device=dev)
+            buf = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
             buf[:data.numel()] = data.to(dev)
             outs = [torch.empty_like(buf) for _ in range(world)]
             _wait_interruptibly(dist.all_gather(outs, buf, group=group, async_op=True))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL errors when a peer is gone
             raise RuntimeError(f"{what}: the torch.distributed group's all-gather failed on rank "
                                f"{dist.get_rank(group)} (a peer exited or was killed?): {e}") from e
-        return [bytes(o[:k].cpu().tolist()).decode() for o, k in zip(outs, lengths)]
+        return [pickle.loads(bytes(o[:k].cpu().clone().untyped_storage())) for o, k in zip(outs, lengths)]
 
     return gather
+
+
+_ARRIVAL_TAG = 0x70637076  # 'pcpv': keeps the check's tokens apart from the caller's own point-to-point traffic
+_STRANDED: list = []  # works of a failed check: a late peer may still complete them, so their buffers stay alive
+
+
+def _global(group, r: int) -> int:
+    """Rank r of group in the default group (what isend / irecv take in every torch 2.x)."""
+    import torch.distributed as dist
+
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _exchange(group, peers: list, value: int, timeout_s: float) -> tuple:
+    """Sends `value` to every peer and receives one from each, at most timeout_s in all: ({peer: value received},
+    {peer that sent nothing: why}, the works and buffers)."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    def why(r: int, e: Exception) -> str:  # gloo: our wait timed out, or the pair failed (closed, reset)
+        if "timed out" in str(e).lower():
+            return f"rank {r} did not arrive within timeout_s = {timeout_s} s"
+        # gloo closes a pair whose wait timed out, on both sides: a peer that gave up looks like one that exited
+        return (f"rank {r} left the group (it exited, was killed, or gave up waiting for this rank; gloo: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+    mine, got = torch.full((1,), value, dtype=torch.int64), {r: torch.zeros(1, dtype=torch.int64) for r in peers}
+    sends, recvs, missing = [], {}, {}
+    for r in peers:  # posting on a pair gloo already closed raises at once
+        try:
+            sends.append(dist.isend(mine, _global(group, r), group=group, tag=_ARRIVAL_TAG))
+            recvs[r] = dist.irecv(got[r], _global(group, r), group=group, tag=_ARRIVAL_TAG)
+        except RuntimeError as e:
+            missing[r] = why(r, e)
+    deadline = time.monotonic() + min(float(timeout_s), 1e6)  # timedelta cannot hold inf
+    for r, w in recvs.items():
+        try:
+            w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError as e:
+            missing[r] = why(r, e)
+    for w in sends:  # a send to a peer that is not there may never complete: bounded, its failure is the recv's
+        try:
+            w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError:
+            pass
+    return {r: int(got[r]) for r in peers if r not in missing}, missing, (mine, got, sends, recvs)
+
+
+_ARRIVED, _GAVE_UP = 1, 2
+
+
+def arrival_check(group, timeout_s: float, what: str) -> None:
+    """Every rank of a gloo group exchanges one token with every peer and waits at most timeout_s in all; a peer
+    whose token did not come is named in a RuntimeError on this rank ("rank 1 did not arrive within timeout_s =
+    3.0 s", or "left the group" when its connection closed). Each rank names the peers it misses itself: gloo's
+    monitored_barrier bounds only rank 0's wait, while the others wait for rank 0 the group's own timeout (30 min
+    by default) and learn no name. gloo closes a pair whose wait timed out, so a late rank finds its connection
+    to a peer that gave up closed; a second exchange carries each rank's verdict to the peers it did reach, so
+    no rank goes on into the collective that follows while another has given up.
+    Other backends: nothing (their collectives carry the group's timeout)."""
+    import torch
+    import torch.distributed as dist
+
+    if "gloo" not in str(dist.get_backend(group)) or dist.get_world_size(group) == 1:
+        return
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = [r for r in range(world) if r != me]
+    _, missing, works = _exchange(group, peers, 0, timeout_s)
+    if missing:
+        verdict, told = torch.full((1,), _GAVE_UP, dtype=torch.int64), []
+        for r in peers:  # gloo closed the pairs whose wait timed out (their peers see that); the others are told
+            try:
+                told.append(dist.isend(verdict, _global(group, r), group=group, tag=_ARRIVAL_TAG))
+            except RuntimeError:
+                pass
+        _STRANDED.append((works, verdict, told))
+        raise RuntimeError(f"{what}: " + "; ".join(missing.values()) + f" (seen from rank {me} of {world})")
+    verdicts, missing, works = _exchange(group, peers, _ARRIVED, timeout_s)
+    missing.update({r: f"rank {r} gave up waiting for a rank (its timeout_s ran out before every rank arrived)"
+                    for r, v in verdicts.items() if v == _GAVE_UP})
+    if missing:
+        _STRANDED.append(works)
+        raise RuntimeError(f"{what}: " + "; ".join(missing[r] for r in sorted(missing)) +
+                           f" (seen from rank {me} of {world})")
 
 
 def share_verdicts(gather: Gather, what: str, why: str) -> None:

@@ -298,6 +298,18 @@ class RowDests:
         return RowDests.from_pointers(ptrs, first.device, staging, row_bytes=first.shape[4], max_rows=first.shape[3])
 
 
+# A fence barrier is reused once its epoch has passed, so an engine needs one per layer it keeps in flight (a
+# model's layer count at most); the cap turns a mistyped count into a named refusal, not a huge pad allocation.
+MAX_FENCE_BARRIERS = 4096
+
+
+def check_num_barriers(num_barriers, who: str) -> None:
+    """Raises ValueError naming `num_barriers` unless it is an integer in [1, MAX_FENCE_BARRIERS]."""
+    if isinstance(num_barriers, bool) or not isinstance(num_barriers, int) or \
+            not 1 <= num_barriers <= MAX_FENCE_BARRIERS:
+        raise ValueError(f"{who}num_barriers = {num_barriers!r} must be an integer in [1, {MAX_FENCE_BARRIERS}]")
+
+
 def allocate_fence_pads(world: int, num_barriers: int = 1, device=None) -> list[torch.Tensor]:
     """One zeroed signal pad per rank, int64 [num_barriers, 2, world] (the SPEC section 5 pad of uint64),
     for W logical ranks of one process. Ranks in separate processes put their pad in symmetric memory."""
@@ -321,8 +333,8 @@ class FenceState:
         outside [0, world), a null or misaligned address, two pads that share memory (naming both: a rank's
         signal would land in another rank's slots), or a pad tensor that is not a contiguous int64
         [num_barriers, 2, world] on the fence's device type."""
-        for name, v, lo in (("world", world, 1), ("num_barriers", num_barriers, 1), ("first_rank", first_rank, 0),
-                            ("num_local_ranks", num_local_ranks, 1)):
+        check_num_barriers(num_barriers, "FenceState: ")
+        for name, v, lo in (("world", world, 1), ("first_rank", first_rank, 0), ("num_local_ranks", num_local_ranks, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"FenceState: {name} = {v!r} must be an integer >= {lo}")
         if world > 1024:

@@ -163,3 +163,15 @@ def captured_logs(logger="pcpkv_torch", level=logging.INFO):
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)
+
+
+def require_hf_models(*model_types):
+    """Skips the calling test module unless transformers is installed and has each HF model type (e.g.
+    "glm_moe_dsa", "deepseek_v32"; transformers >= 5.17)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    try:
+        from pcpkv_torch.models.hf import hf_modules
+        for model_type in model_types:
+            hf_modules(model_type)
+    except ImportError as e:
+        pytest.skip(f"transformers lacks {' / '.join(model_types)} (needs >= 5.17): {e}", allow_module_level=True)

@@ -224,3 +224,32 @@ def test_a_peer_killed_during_setup_is_a_runtime_error_naming_it():
     got, msg, secs = val
     assert got == "RuntimeError" and "rank 1" in msg, (got, msg)
     assert secs < PROMPT_S, (secs, msg)
+
+
+def _one_rank_late(rank, world, late):
+    """Rank `late` reaches SymmetricCaches LATE_S after the others (timeout_s 3 s); they stay in the group until
+    it has tried."""
+    if rank == late:
+        time.sleep(LATE_S)
+        return _outcome(lambda: _build_and_close(timeout_s=3.0))
+    out = _outcome(lambda: _build_and_close(timeout_s=3.0))
+    time.sleep(LATE_S + 4)
+    return out
+
+
+LATE_S = 8.0
+
+
+@pytest.mark.parametrize("late", [0, 1])
+def test_a_rank_that_never_arrives_is_named_within_timeout_s_not_waited_for(late):
+    # Was: the first exchange (the torch group's all-gather) had no bound, so the others waited for the late rank
+    # the group's own timeout (30 min by default; here until it arrived) and named nobody; the late rank then met
+    # peers that had given up.
+    out = run_ranks(_one_rank_late, W, late, timeout=90)
+    assert all(kind == "ok" for kind, _ in out.values()), out
+    got, msg, secs = out[1 - late][1]
+    assert got == "RuntimeError" and f"rank {late} did not arrive within timeout_s = 3.0 s" in msg, (got, msg)
+    assert secs < 6, (secs, msg)
+    got, msg, secs = out[late][1]
+    assert got == "RuntimeError" and f"rank {1 - late} left the group (it exited, was killed, or gave up waiting" in msg, (got, msg)
+    assert secs < 3, (secs, msg)

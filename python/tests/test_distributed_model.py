@@ -15,16 +15,11 @@ import time
 
 import pytest
 
-from helpers import torch
+from helpers import require_hf_models, torch
 from dist_ranks import run_ranks
 
-pytest.importorskip("transformers", reason="transformers is not installed")
-try:
-    from pcpkv_torch.models import build_hf_model, small_config
-    from pcpkv_torch.models.hf import hf_modules
-    hf_modules("glm_moe_dsa")
-except ImportError as e:
-    pytest.skip(f"transformers lacks GlmMoeDsa (needs >= 5.17): {e}", allow_module_level=True)
+require_hf_models("glm_moe_dsa")
+from pcpkv_torch.models import build_hf_model, small_config
 
 LAYERS, TOPK, BLOCK, NUM_BLOCKS = 4, 32, 16, 24
 FENCE_TIMEOUT_S = 3.0

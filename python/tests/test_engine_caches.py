@@ -160,9 +160,9 @@ def _refusals(rank, world):
     fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
     got = {}
 
-    def attempt(case, mla, idx, staging, **kw):
+    def attempt(case, mla, idx, staging, formats=None, **kw):
         try:
-            pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=30.0, **kw).close()
+            pk.EngineCaches(mla, idx, formats or fmts, staging=staging, timeout_s=30.0, **kw).close()
             got[case] = ("none", "")
         except (ValueError, RuntimeError) as e:
             got[case] = (type(e).__name__, str(e))
@@ -171,6 +171,11 @@ def _refusals(rank, world):
     attempt("shape", *_engine_caches(plan, fmts, "cpu", num_blocks=plan.num_blocks + (rank == 1)))
     # other strides on rank 1 (rows padded differently)
     attempt("strides", *_engine_caches(plan, fmts, "cpu", row_pad=16 if rank == 0 else 32))
+    # one fp8 k_scale written 2 on rank 0 and 2.0 on rank 1: one format (was refused as 'fmts differ')
+    fp8 = [pk.CacheFormat("fp8", k_scale=2 if rank == 0 else 2.0, has_indexer=i) for _, i in FMTS]
+    attempt("k_scale 2 and 2.0", *_engine_caches(plan, fp8, "cpu"), formats=fp8)
+    # another num_barriers on rank 1: its fence pads differ
+    attempt("num_barriers", *_engine_caches(plan, fmts, "cpu"), num_barriers=1 + rank)
     # rank 0 passes one MLA cache for both layers: they share memory
     mla, idx, staging = _engine_caches(plan, fmts, "cpu")
     attempt("overlap", [mla[0], mla[0]] if rank == 0 else mla, idx, staging)
@@ -215,7 +220,8 @@ def _refusals(rank, world):
     ec = pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=30.0)
     ec.close()
     for what, use in (("targets", lambda: ec.targets), ("fence_state", lambda: ec.fence_state),
-                      ("row_dests", lambda: ec.row_dests(fmts[0])), ("mla", lambda: ec.mla)):
+                      ("row_dests", lambda: ec.row_dests(fmts[0])), ("mla", lambda: ec.mla),
+                      ("staging_for", lambda: ec.staging_for(fmts[0], 1))):
         try:
             use()
             got[f"closed {what}"] = ("none", "")
@@ -227,6 +233,8 @@ def _refusals(rank, world):
 EXPECTED = {
     "shape": ("ValueError", ["rank 1: mla_caches[0] has shape", "rank 0's"]),
     "strides": ("ValueError", ["rank 1: mla_caches[0] has strides"]),
+    "num_barriers": ("ValueError", ["rank 1: fence pads [num_barriers, 2, W]", "shape [2, 2, 2] but rank 0's has "
+                                    "[1, 2, 2]"]),
     "overlap": ("ValueError", ["rank 0: mla_caches[0]", "shares memory with mla_caches[1]"]),
     "unshared": ("ValueError", ["rank 1: index_caches[0]", "not in shared memory", "share_memory_()"]),
     "host": ("RuntimeError", ["rank 1 is on host 'other-host'", "one host"]),
@@ -246,36 +254,154 @@ def test_every_refusal_is_raised_on_every_rank_naming_rank_tensor_and_reason():
             for p in parts:
                 assert p in msg, (r, case, p, msg)
         assert got["shape"][1] == out[0][1]["shape"][1]  # every rank says the same
+        assert got["k_scale 2 and 2.0"] == ("none", ""), got["k_scale 2 and 2.0"]
         assert got["open mappings left"] == 0, got["open mappings left"]
-        for what in ("targets", "fence_state", "row_dests", "mla"):
+        for what in ("targets", "fence_state", "row_dests", "mla", "staging_for"):
             name, msg = got[f"closed {what}"]
-            assert name == "RuntimeError" and "after close()" in msg, (r, what, got[f"closed {what}"])
+            assert name == "RuntimeError" and f"{what} used after close()" in msg, (r, what, got[f"closed {what}"])
 
 
-def _one_rank_late(rank, world):
+def _timed_refusal(world, timeout_s, die=None):
+    """(message, seconds) of this rank's EngineCaches RuntimeError, or None; die: exit (code 3) after the first
+    exchange, "export": instead of exporting, "all-gather": inside the second all-gather, after arriving."""
+    import os
     import time
+
+    import torch.distributed as dist
+
+    from pcpkv_torch import engine_caches
 
     plan = _plan(world)
     fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
     mla, idx, staging = _engine_caches(plan, fmts, "cpu")
-    if rank == 1:
-        time.sleep(12)  # never calls EngineCaches within rank 0's timeout_s
-        return None
+    if die == "export":
+        engine_caches.EngineCaches._export = lambda self, fails: os._exit(3)
+    elif die == "all-gather":
+        calls, real = [], dist.all_gather  # an exchange is two all-gathers (lengths, bytes): rank_agreement
+
+        def gather_then_die(*a, **kw):
+            calls.append(1)
+            if len(calls) == 3:  # the second exchange's first
+                os._exit(3)
+            return real(*a, **kw)
+
+        dist.all_gather = gather_then_die
     t0 = time.monotonic()
     try:
-        pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=3.0)
+        pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=timeout_s)
     except RuntimeError as e:
         return str(e), time.monotonic() - t0
     return None
 
 
-def test_a_rank_that_never_arrives_is_named_not_waited_for():
-    out = run_ranks(_one_rank_late, W, timeout=120)
+def _one_rank_late(rank, world, late):
+    """Rank `late` arrives 8 s after the others (timeout_s 3 s); they stay in the group until it has tried."""
+    import time
+
+    if rank == late:
+        time.sleep(8)
+        return _timed_refusal(world, 3.0)
+    out = _timed_refusal(world, 3.0)
+    time.sleep(12)
+    return out
+
+
+@pytest.mark.parametrize("late", [1, 0])
+def test_a_rank_that_never_arrives_is_named_not_waited_for(late):
+    # late = 0 was: gloo's monitored_barrier bounds only rank 0's wait; rank 1 waited for rank 0 the group's own
+    # timeout (30 min by default; here until rank 0 arrived) and said "a rank did not arrive". The late rank
+    # itself then passed the barrier on a stale message and waited in the all-gather until its peer exited.
+    # Now the late rank finds the pair its peer timed out on closed.
+    out = run_ranks(_one_rank_late, W, late, timeout=120)
+    assert all(kind == "ok" and val is not None for kind, val in out.values()), out
+    msg, seconds = out[1 - late][1]
+    assert f"rank {late} did not arrive within timeout_s = 3.0 s" in msg, msg
+    assert seconds < 6, (seconds, msg)
+    msg, seconds = out[late][1]
+    assert f"rank {1 - late} left the group (it exited, was killed, or gave up waiting" in msg, msg
+    assert seconds < 3, (seconds, msg)
+
+
+def _late_in_a_subgroup(rank, world):
+    """Global ranks 1 and 2 form the group (ranks 0 and 1 in it); global rank 2 arrives 8 s late."""
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    plan = _plan(2)
+    fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
+    mla, idx, staging = _engine_caches(plan, fmts, "cpu")
+    if rank == 2:
+        time.sleep(8)
+    try:
+        pk.EngineCaches(mla, idx, fmts, staging=staging, group=group, timeout_s=3.0)
+    except RuntimeError as e:
+        out = str(e)
+    if rank == 1:
+        time.sleep(8)
+    return out
+
+
+def test_a_late_rank_of_a_subgroup_is_named_by_its_rank_in_the_group():
+    out = run_ranks(_late_in_a_subgroup, 3, timeout=120)
+    assert all(kind == "ok" for kind, _ in out.values()), out
+    assert "rank 1 did not arrive within timeout_s = 3.0 s (seen from rank 0 of 2)" in out[1][1], out[1]
+    assert "rank 0 left the group" in out[2][1] and "(seen from rank 1 of 2)" in out[2][1], out[2]
+
+
+def _rank_1_killed_after_the_first_exchange(rank, world, where):
+    return _timed_refusal(world, 20.0, die=where if rank == 1 else None)
+
+
+@pytest.mark.parametrize("where, named", [
+    ("export", "exporting the caches: rank 1 left the group (it exited, was killed"),
+    # was: gloo's own error, raised as it came (no pcpkv_torch.EngineCaches, no step)
+    ("all-gather", "exporting the caches: the torch.distributed group's all-gather failed on rank 0")])
+def test_a_rank_killed_during_setup_is_named_promptly(where, named):
+    out = run_ranks(_rank_1_killed_after_the_first_exchange, W, where, timeout=120)
+    assert out[1] == ("exit", 3), out[1]
     kind, val = out[0]
     assert kind == "ok" and val is not None, out
     msg, seconds = val
-    assert "rank 1 did not arrive within timeout_s = 3.0 s" in msg, msg
-    assert seconds < 10, seconds
+    assert msg.startswith("pcpkv_torch.EngineCaches: ") and named in msg, msg
+    assert seconds < 10, (seconds, msg)
+
+
+def _outside_the_group(rank, world):
+    import torch.distributed as dist
+
+    plan = _plan(1)
+    fmts = [pk.CacheFormat(k, has_indexer=i) for k, i in FMTS]
+    mla, idx, staging = _engine_caches(plan, fmts, "cpu")
+    group = dist.new_group([0])  # collective: every rank creates it, rank 1 is left out
+    got = {}
+    for case, g in (("member", group), ("not a group", 42)):
+        if case == "member" and rank == 0:
+            pk.EngineCaches(mla, idx, fmts, staging=staging, group=g, timeout_s=10.0).close()
+            got[case] = ("ok", "")
+            continue
+        try:
+            pk.EngineCaches(mla, idx, fmts, staging=staging, group=g, timeout_s=10.0)
+            got[case] = ("ok", "")
+        except (ValueError, RuntimeError) as e:
+            got[case] = (type(e).__name__, str(e))
+    return got
+
+
+def test_a_process_outside_the_group_or_a_bad_group_is_a_value_error_naming_group():
+    # Was: torch's own "Invalid process group specified" / "Process group 42 is not initialized ..." (no
+    # 'group', no pcpkv_torch.EngineCaches), as SymmetricCaches already names it.
+    out = run_ranks(_outside_the_group, W, timeout=120)
+    assert all(kind == "ok" for kind, _ in out.values()), out
+    assert out[0][1]["member"] == ("ok", ""), out[0]
+    name, msg = out[1][1]["member"]
+    assert name == "ValueError" and "EngineCaches: group: this process" in msg and "not a member" in msg, msg
+    for r in range(W):
+        name, msg = out[r][1]["not a group"]
+        assert name == "ValueError" and "group = 42 is not a torch.distributed process group" in msg, msg
 
 
 def test_peer_access_between_distinct_gpus_is_checked_per_peer(monkeypatch):
@@ -407,3 +533,42 @@ def test_expandable_segments_are_exported_or_refused_with_what_to_do(monkeypatch
         for r in range(W):
             kind, msg = out[r]
             assert kind == "err" and "expandable_segments" in msg, out[r]
+
+
+# ---- the overlap check of a rank's own tensors: exact for interleaved layers ----------------------------------
+
+
+def test_interleaved_layer_views_are_not_taken_for_shared_memory():
+    # vLLM's cross-layer layout: one [num_blocks, L, block_size, row] buffer, layer l = buf[:, l]; the views'
+    # extents overlap but no byte is shared (the break test saw "mla_caches[0] ... shares memory with
+    # mla_caches[1]"); a view that does share bytes is still found
+    from pcpkv_torch.engine_caches import _first_interleaved_overlap
+
+    buf = torch.empty((5, 3, 4, 656), dtype=torch.uint8)
+    layers = [(f"mla_caches[{l}]", buf[:, l]) for l in range(3)]
+    assert _first_interleaved_overlap(layers) is None
+    shifted = buf.view(-1)[656:].as_strided((5, 4, 656), (3 * 4 * 656, 656, 1))  # layer 0 one row later
+    hit = _first_interleaved_overlap(layers + [("index_caches[0]", shifted)])
+    assert hit is not None and {hit[0][0], hit[1][0]} == {"mla_caches[0]", "index_caches[0]"}, hit
+
+
+def test_the_run_overlap_rule_matches_every_byte():
+    # _runs_overlap against the byte sets themselves, on seeded random run sets (same and different steps)
+    from pcpkv_torch.engine_caches import _runs_overlap
+
+    gen = torch.Generator().manual_seed(31)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=gen))  # noqa: E731
+    for _ in range(3000):
+        runs = []
+        for _ in range(2):
+            count = rnd(1, 5)
+            length = rnd(1, 12)
+            step = rnd(length, 3 * length + 1) if count > 1 else 0
+            if runs and runs[0][1] and count > 1 and rnd(0, 4):  # mostly the first set's step
+                step = runs[0][1]
+            runs.append((rnd(0, 60), step, count, length))
+        sets = [{s + i * p + k for i in range(n) for k in range(ln)} for s, p, n, ln in runs]
+        exact = bool(sets[0] & sets[1])
+        got = _runs_overlap(*runs)
+        same_step = runs[0][2] == 1 or runs[1][2] == 1 or runs[0][1] == runs[1][1]
+        assert got == exact if same_step else got >= exact, (runs, got, exact)

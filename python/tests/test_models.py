@@ -25,16 +25,11 @@ import functools
 
 import pytest
 
-from helpers import DEVICES, torch
+from helpers import DEVICES, require_hf_models, torch
 
-pytest.importorskip("transformers", reason="transformers is not installed")
-try:
-    from pcpkv_torch.models import PcpModel, StepRequest, build_hf_model, small_config
-    from pcpkv_torch.models.hf import hf_modules, hf_reference_forward
-    hf_modules("glm_moe_dsa")
-    hf_modules("deepseek_v32")
-except ImportError as e:
-    pytest.skip(f"transformers lacks GlmMoeDsa / DeepseekV32 (needs >= 5.17): {e}", allow_module_level=True)
+require_hf_models("glm_moe_dsa", "deepseek_v32")
+from pcpkv_torch.models import PcpModel, StepRequest, build_hf_model, small_config
+from pcpkv_torch.models.hf import hf_reference_forward
 
 MODELS = ["glm-5", "deepseek-v3.2"]
 TRANSPORTS = ["collect", "staging", "direct"]

@@ -4,15 +4,10 @@ import re
 
 import pytest
 
-from helpers import torch
+from helpers import require_hf_models, torch
 
-pytest.importorskip("transformers", reason="transformers is not installed")
-try:
-    from pcpkv_torch.models import PcpModel, StepRequest, build_hf_model, small_config
-    from pcpkv_torch.models.hf import hf_modules
-    hf_modules("glm_moe_dsa")
-except ImportError as e:
-    pytest.skip(f"transformers lacks GlmMoeDsa (needs >= 5.17): {e}", allow_module_level=True)
+require_hf_models("glm_moe_dsa")
+from pcpkv_torch.models import PcpModel, StepRequest, build_hf_model, small_config
 
 
 @pytest.fixture(scope="module")
