@@ -265,15 +265,21 @@ class SymmetricCaches:
         self._closed = False
         self._mla, self._index, self._targets, self._pads, self._fence_state = [], [], [], [], None
         self._staging: dict = {}
-        self._own_boot = bootstrap is None
         self.bootstrap = None
+        # Not a Bootstrap: a bad argument like any other, its verdict shared over the group as when none is given
+        # (raised here alone, the peers waited for it in their exchange, then paired it with this rank's next one).
+        bad_boot = ""
         if bootstrap is not None and not isinstance(bootstrap, Bootstrap):
-            raise ValueError(f"{what}: bootstrap = {bootstrap!r} must be a pcpkv_torch.distributed.Bootstrap or None")
+            bad_boot = f"bootstrap = {bootstrap!r} must be a pcpkv_torch.distributed.Bootstrap or None"
+            bootstrap = None
+        self._own_boot = bootstrap is None
         if bootstrap is not None and bootstrap.closed:
             raise RuntimeError(f"{what}: the bootstrap passed was used after close()")
         if bootstrap is None:
             _member_rank(group, what)
         try:  # every argument checked here, then the verdicts shared: no rank raises alone and leaves peers waiting
+            if bad_boot:
+                raise ValueError(bad_boot)
             self.fmts = self._check(num_layers, num_blocks, block_size, kv_format, ds_mla_scale, has_indexer,
                                     num_barriers, fill)
             self.device = _device_of(device)

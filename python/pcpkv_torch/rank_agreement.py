@@ -5,13 +5,15 @@ with a bad argument still takes part, so no peer waits for it), then a small dig
 on (agree_on: sha256 of a canonical description; the descriptions themselves travel only on a mismatch). Both
 raise ValueError on every rank with the same message, naming the rank(s), the field and the values, before
 anything shared is written. `gather` is the exchange: str -> [world] str in rank order (pcpkv's bootstrap, or
-the torch group's all_gather_object before the bootstrap exists); its own failure (a peer that exited, a
+the torch group's all-gather before the bootstrap exists); its own failure (a peer that exited, a
 timeout) propagates as RuntimeError."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pickle
+import time
 from typing import Callable, Optional, Sequence
 
 __all__ = ["share_verdicts", "agree_on", "first_difference", "torch_gather", "arrival_check"]
@@ -19,22 +21,44 @@ __all__ = ["share_verdicts", "agree_on", "first_difference", "torch_gather", "ar
 Gather = Callable[[str], Sequence[str]]
 
 
+def _wait_interruptibly(work) -> None:
+    """work.wait(), polling: Python's signal handlers run between polls, so Ctrl-C raises KeyboardInterrupt at once
+    (work.wait() and all_gather_object block in C++ until every peer arrives: Ctrl-C in SymmetricCaches' setup, a
+    live peer not calling, was not handled 10 s on)."""
+    pause = 1e-4
+    while not work.is_completed():
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    work.wait()
+
+
 def torch_gather(group, what: str, timeout_s: Optional[float] = None) -> Gather:
-    """The exchange over a torch.distributed group (all_gather_object, so any picklable value; before pcpkv's
-    bootstrap exists, or where there is none). Its failure (a peer gone) is RuntimeError naming `what` and this rank. With timeout_s, each
-    exchange first runs arrival_check: a peer that does not arrive within timeout_s is named, not waited for."""
+    """The exchange over a torch.distributed group (any picklable value, sent as all_gather_object sends it: two
+    all-gathers, lengths then bytes, each waited for interruptibly; before pcpkv's bootstrap exists, or where there
+    is none). Its failure (a peer gone) is RuntimeError naming `what` and this rank. With timeout_s, each exchange
+    first runs arrival_check: a peer that does not arrive within timeout_s is named, not waited for."""
+    import torch
     import torch.distributed as dist
 
-    def gather(s: str) -> list:
+    def gather(s) -> list:
         if timeout_s is not None:
             arrival_check(group, timeout_s, what)
-        out = [None] * dist.get_world_size(group)
+        world = dist.get_world_size(group)
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        data = torch.frombuffer(bytearray(pickle.dumps(s)), dtype=torch.uint8)  # the ranks of one job: trusted
         try:
-            dist.all_gather_object(out, s, group=group)
+            n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+            sizes = [torch.empty_like(n) for _ in range(world)]
+            _wait_interruptibly(dist.all_gather(sizes, n, group=group, async_op=True))
+            lengths = [int(x) for x in sizes]
+            buf = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
+            buf[:data.numel()] = data.to(dev)
+            outs = [torch.empty_like(buf) for _ in range(world)]
+            _wait_interruptibly(dist.all_gather(outs, buf, group=group, async_op=True))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL errors when a peer is gone
             raise RuntimeError(f"{what}: the torch.distributed group's all-gather failed on rank "
                                f"{dist.get_rank(group)} (a peer exited or was killed?): {e}") from e
-        return out
+        return [pickle.loads(bytes(o[:k].cpu().clone().untyped_storage())) for o, k in zip(outs, lengths)]
 
     return gather
 

@@ -47,6 +47,8 @@ BAD_ON_RANK_1 = {
     "num_blocks=4.5": (dict(num_blocks=4.5), "num_blocks = 4.5"),
     "kv_format=['fp8']": (dict(kv_format=["fp8"]), "kv_format = ['fp8']"),
     "num_barriers=True": (dict(num_barriers=True), "num_barriers = True"),
+    # issue 31's break test: raised on rank 1 alone, rank 0 paired its exchange with rank 1's next setup
+    "bootstrap='x'": (dict(bootstrap="x"), "bootstrap = 'x' must be a pcpkv_torch.distributed.Bootstrap"),
 }
 
 

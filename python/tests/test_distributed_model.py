@@ -6,8 +6,10 @@ every layer byte-identical; (b) a rank killed mid-run (os._exit in its layer-1 p
 naming it within the fence timeout; (c) one corrupted byte in one rank's replica makes the replica check raise on
 every rank naming the layer, the rank and the slot."""
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 import time
 
@@ -41,7 +43,9 @@ def _schedule():
 def model_file():
     """The seeded model, built once and loaded by every rank process (building it takes seconds per process)."""
     cfg = small_config("glm-5", num_layers=LAYERS, index_topk=TOPK, first_dense=1, hidden_size=256)
-    path = os.path.join(tempfile.mkdtemp(prefix="pcpkv-test-model-"), "model.pt")
+    d = tempfile.mkdtemp(prefix="pcpkv-test-model-")
+    atexit.register(shutil.rmtree, d, True)  # each run left its 15 MB model in /tmp (43 found)
+    path = os.path.join(d, "model.pt")
     torch.save(build_hf_model(cfg, seed=7), path)
     return path
 

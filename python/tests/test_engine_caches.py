@@ -277,15 +277,15 @@ def _timed_refusal(world, timeout_s, die=None):
     if die == "export":
         engine_caches.EngineCaches._export = lambda self, fails: os._exit(3)
     elif die == "all-gather":
-        calls, real = [], dist.all_gather_object
+        calls, real = [], dist.all_gather  # an exchange is two all-gathers (lengths, bytes): rank_agreement
 
         def gather_then_die(*a, **kw):
             calls.append(1)
-            if len(calls) == 2:
+            if len(calls) == 3:  # the second exchange's first
                 os._exit(3)
             return real(*a, **kw)
 
-        dist.all_gather_object = gather_then_die
+        dist.all_gather = gather_then_die
     t0 = time.monotonic()
     try:
         pk.EngineCaches(mla, idx, fmts, staging=staging, timeout_s=timeout_s)

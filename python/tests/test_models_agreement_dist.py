@@ -4,8 +4,10 @@ ranks' values; a step whose requests differ on one rank is refused on every rank
 request and the field (the caches are untouched: the same step then runs); an argument one rank refuses is named
 on the other; a step failing part-way on every rank rolls back and its retry gives the clean run's logits."""
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 import traceback
 
@@ -22,7 +24,9 @@ from pcpkv_torch.models import build_hf_model, small_config
 def model_file():
     cfg = small_config("glm-5", num_layers=3, hidden_size=128, num_heads=2, index_n_heads=2, index_topk=16,
                        vocab_size=64)
-    path = os.path.join(tempfile.mkdtemp(prefix="pcpkv-test-agree-"), "model.pt")
+    d = tempfile.mkdtemp(prefix="pcpkv-test-agree-")
+    atexit.register(shutil.rmtree, d, True)  # each run left its 15 MB model in /tmp (43 found)
+    path = os.path.join(d, "model.pt")
     torch.save(build_hf_model(cfg, seed=5), path)
     return path
 
@@ -63,7 +67,7 @@ def _scenarios(rank, world, path):
     model = torch.load(path, weights_only=False)
     out = {}
     # _refused last: before the fix rank 0 hung in it
-    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _refused):
+    for part in (_seed, _weights, _steps, _rollback, _diverged, _apart, _after_close, _fence_timeout, _refused):
         try:
             part(out, model, rank, world)
         except Exception as e:  # noqa: BLE001 - reported to the test
@@ -86,6 +90,33 @@ def _weights(out, model, rank, world):
     finally:
         with torch.no_grad():
             w[3, 5] = keep
+
+
+def _after_close(out, model, rank, world):
+    # issue 31 item 9 after its fix (break test): a step after model.world.close() was an IndexError from the
+    # released caches (a Disagreement on fence epochs on its peer), replica_bytes an IndexError
+    from pcpkv_torch.models import StepRequest
+
+    first, _ = _steps_of()
+    pcp = _make(model)
+    try:
+        pcp.step(first)
+        if rank == 1:
+            pcp.world.close()
+        out["step after close"] = _error(lambda: pcp.step([StepRequest("c", _ids(5, 4))]))
+    finally:
+        pcp.restore()
+        pcp.world.close()
+    pcp.world.close()  # twice is fine
+    out["replica_bytes after close"] = _error(lambda: pcp.world.replica_bytes(0, 0))
+
+
+def _fence_timeout(out, model, rank, world):
+    # rank 1 refuses fence_timeout_s after the setup exchange (issue 31's break test): rank 0 waited in the caches'
+    # setup, then paired it with rank 1's next exchange (a garbled 'bad argument on rank 1' and every later
+    # collective off by one); group=5 was an AttributeError
+    out["fence_timeout_s"] = _setup_error(model, fence_timeout_s=0 if rank == 1 else 5.0)
+    out["group"] = _setup_error(model, group=5)
 
 
 def _refused(out, model, rank, world):
@@ -222,6 +253,28 @@ def test_an_argument_one_rank_refuses_is_named_on_every_rank(scenarios):
     e = scenarios[0].get("refused") or ""
     assert e.startswith("Disagreement: DistPcpModel setup: rank 1 refused it: ValueError: row_chunk = 0"), \
         scenarios[0]
+
+
+def test_use_after_world_close_is_a_runtime_error_named_on_every_rank(scenarios):
+    used = "DistPcpModel.step used after world.close() (its symmetric memory is released; build a new DistPcpModel)"
+    assert scenarios[1].get("step after close") == f"RuntimeError: {used}", scenarios[1]
+    assert scenarios[0].get("step after close") == \
+        f"Disagreement: DistPcpModel.step: rank 1 refused it: RuntimeError: {used}", scenarios[0]
+    for r in range(2):
+        assert (scenarios[r].get("replica_bytes after close") or "").startswith(
+            "RuntimeError: DistPcpWorld.replica_bytes used after world.close()"), scenarios[r]
+        assert "_after_close error" not in scenarios[r], scenarios[r]
+
+
+def test_a_fence_timeout_one_rank_refuses_is_named_on_every_rank(scenarios):
+    assert (scenarios[1].get("fence_timeout_s") or "").startswith("ValueError: fence_timeout_s = 0 must be"), \
+        scenarios[1]
+    e = scenarios[0].get("fence_timeout_s") or ""
+    assert e.startswith("Disagreement: DistPcpModel setup: rank 1 refused it: ValueError: fence_timeout_s = 0"), \
+        scenarios[0]
+    for r in range(2):
+        assert (scenarios[r].get("group") or "").startswith(
+            "ValueError: DistPcpModel: group = 5 is not a torch.distributed process group"), scenarios[r]
 
 
 def test_a_step_with_other_requests_on_one_rank_is_refused_before_any_work(scenarios):

@@ -41,6 +41,28 @@ def test_constructor_refuses_what_no_kernel_runs(model, field, value):
     assert not any(type(layer.self_attn).__name__ == "PcpAttention" for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("num_blocks", 2.5, r"num_blocks = 2.5 must be an int >= 2"),  # was a TypeError from torch.randperm
+    ("max_positions", 0, r"max_positions = 0 must be an int >= 1 or None"),  # was rope_table's num_positions
+    ("max_positions", 64.0, r"max_positions = 64.0 must be an int >= 1 or None")])
+def test_constructor_names_a_bad_size_argument(model, field, value, message):
+    # issue 31's break test (item 9's num_blocks=4.5 for PcpModel): a ValueError naming the caller's argument
+    kw = {"num_blocks": NUM_BLOCKS, "block_size": BLOCK, field: value}
+    with pytest.raises(ValueError, match=message):
+        PcpModel(model, 2, **kw).restore()
+    assert not any(type(layer.self_attn).__name__ == "PcpAttention" for layer in model.model.layers)
+
+
+def test_an_unhashable_request_id_is_named(model):
+    pcp = pcp_of(model)  # issue 31's break test: a list request_id was a TypeError from set()
+    try:
+        with pytest.raises(ValueError, match=r"requests\[0\].request_id = \['x'\] must be hashable"):
+            pcp.step([StepRequest(["x"], ids(3))])
+        assert pcp.blocks.num_free == NUM_BLOCKS - 1 and pcp.blocks.lengths == {}
+    finally:
+        pcp.restore()
+
+
 def test_prompt_past_max_position_embeddings_reserves_nothing(model):
     # The issue's case: 15 -> 12 free blocks and "a" recorded as 40 tokens cached; the next step with
     # context_len = 40 was accepted and attended to slots never written.

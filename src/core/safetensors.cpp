@@ -19,6 +19,7 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
+#include "core/fatal_signals.h"
 
 namespace pcpkv {
 namespace {
@@ -71,21 +72,18 @@ std::string file_offset(int64_t data_start, int64_t rel) {
 }
 
 // While the writer's temporary file exists, a signal whose default action ends the process (Ctrl-C, kill, a lost
-// terminal, ulimit -f or -t, SIGUSR1/2, an alarm, a profiling timer) removes it first, then takes its previous course:
-// a killed save leaves no FILE.tmp.<pid>. (SIGKILL cannot be caught; a power cut leaves the file too.) One write at a
-// time per process.
-constexpr int kCleanupSignals[] = {SIGINT, SIGTERM, SIGHUP,    SIGQUIT, SIGXFSZ, SIGXCPU,
-                                   SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM, SIGPROF, SIGPIPE};
-constexpr size_t kNumCleanupSignals = sizeof(kCleanupSignals) / sizeof(kCleanupSignals[0]);
+// terminal, ulimit -f or -t, SIGUSR1/2, an alarm, a profiling timer, SIGPWR, SIGIO, a real-time signal, kill -ABRT)
+// removes it first, then takes its previous course: a killed save leaves no FILE.tmp.<pid>. (SIGKILL cannot be
+// caught; a power cut leaves the file too.) One write at a time per process.
+using signals::default_action_ends_process;
 char g_temp_path[PATH_MAX + 1];
 volatile sig_atomic_t g_temp_armed = 0;
-struct sigaction g_old_actions[kNumCleanupSignals];
+struct sigaction g_old_actions[_NSIG];
+bool g_hooked[_NSIG];
 
 extern "C" void remove_temp_on_signal(int sig) {
   if (g_temp_armed) ::unlink(g_temp_path);  // async-signal-safe
-  for (size_t i = 0; i < kNumCleanupSignals; ++i) {
-    if (kCleanupSignals[i] == sig) ::sigaction(sig, &g_old_actions[i], nullptr);
-  }
+  if (sig > 0 && sig < _NSIG) ::sigaction(sig, &g_old_actions[sig], nullptr);
   ::raise(sig);  // delivered with the previous action once this handler returns
 }
 
@@ -97,21 +95,24 @@ class TempFileGuard {
     struct sigaction sa {};
     sa.sa_handler = remove_temp_on_signal;
     sigemptyset(&sa.sa_mask);
-    for (int sig : kCleanupSignals) sigaddset(&sa.sa_mask, sig);  // one handler run at a time
-    for (size_t i = 0; i < kNumCleanupSignals; ++i) {
-      ::sigaction(kCleanupSignals[i], nullptr, &g_old_actions[i]);
+    for (int sig = 1; sig < _NSIG; ++sig)
+      if (default_action_ends_process(sig)) sigaddset(&sa.sa_mask, sig);  // one handler run at a time
+    for (int sig = 1; sig < _NSIG; ++sig) {
+      g_hooked[sig] = false;
+      if (!default_action_ends_process(sig) || ::sigaction(sig, nullptr, &g_old_actions[sig]) != 0) continue;
       // Only a signal left at its default action would end the process. An ignored one stays ignored (cmd_run
       // ignores SIGXFSZ so that the write fails with EFBIG); one with a handler (Python's SIGINT, a program's
       // SIGALRM timer) does not end it here, and removing the file under a handler that returns would fail the save.
-      if (g_old_actions[i].sa_handler != SIG_DFL || (g_old_actions[i].sa_flags & SA_SIGINFO)) continue;
-      ::sigaction(kCleanupSignals[i], &sa, nullptr);
+      if (g_old_actions[sig].sa_handler != SIG_DFL || (g_old_actions[sig].sa_flags & SA_SIGINFO)) continue;
+      g_hooked[sig] = ::sigaction(sig, &sa, nullptr) == 0;
     }
     g_temp_armed = 1;
     armed_ = true;
   }
   ~TempFileGuard() {
     if (!armed_) return;
-    for (size_t i = 0; i < kNumCleanupSignals; ++i) ::sigaction(kCleanupSignals[i], &g_old_actions[i], nullptr);
+    for (int sig = 1; sig < _NSIG; ++sig)
+      if (g_hooked[sig]) ::sigaction(sig, &g_old_actions[sig], nullptr);
     g_temp_armed = 0;
   }
   TempFileGuard(const TempFileGuard&) = delete;

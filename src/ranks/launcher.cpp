@@ -29,6 +29,7 @@
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
+#include "core/fatal_signals.h"
 #include "ranks/fd_limit.h"
 
 extern char** environ;
@@ -39,11 +40,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Signals that stop the job: SIGINT and SIGTERM end the launch with the ranks' exit code (they are stopped);
-// the others (a lost terminal, SIGQUIT, SIGUSR1/2, SIGALRM) would have ended the launcher at once, leaving its
-// directory and the ranks behind: they stop the ranks too, and once the directory is gone the launcher ends by
-// the same signal (its default action), as it would have without pcpkv.
-constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM};
-constexpr size_t kNumStopSignals = sizeof(kStopSignals) / sizeof(kStopSignals[0]);
+// the others whose default action ends a process (a lost terminal, SIGQUIT, SIGUSR1/2, SIGALRM, SIGPWR, SIGIO, a
+// real-time signal, ...) would have ended the launcher at once, leaving its directory and the ranks behind: they
+// stop the ranks too, and once the directory is gone the launcher ends by the same signal (its default action), as
+// it would have without pcpkv. Not the launcher's own faults (a handler that returns would re-run them), nor
+// SIGPIPE, which it ignores while it runs.
+bool is_stop_signal(int sig) {
+  return signals::default_action_ends_process(sig) && !signals::is_fault_signal(sig) && sig != SIGPIPE;
+}
 std::atomic<int> g_signals{0};  // stop signals received by the launcher
 std::atomic<int> g_reraise{0};  // the first of them other than SIGINT / SIGTERM, raised again at the end
 void on_signal(int sig) {
@@ -64,32 +68,43 @@ class SignalScope {
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
-    for (size_t i = 0; i < kNumStopSignals; ++i) {
-      ::sigaction(kStopSignals[i], nullptr, &old_[i]);
-      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kStopSignals[i], &sa, nullptr);
+    for (int sig = 1; sig < _NSIG; ++sig) {
+      hooked_[sig] = false;
+      if (!is_stop_signal(sig) || ::sigaction(sig, nullptr, &old_[sig]) != 0) continue;
+      if (old_[sig].sa_handler != SIG_IGN) hooked_[sig] = ::sigaction(sig, &sa, nullptr) == 0;
     }
     struct sigaction ign {};
     ign.sa_handler = SIG_IGN;
     ::sigaction(SIGPIPE, &ign, &old_pipe_);
   }
   ~SignalScope() {
-    for (size_t i = 0; i < kNumStopSignals; ++i) ::sigaction(kStopSignals[i], &old_[i], nullptr);
+    for (int sig = 1; sig < _NSIG; ++sig)
+      if (hooked_[sig]) ::sigaction(sig, &old_[sig], nullptr);
     ::sigaction(SIGPIPE, &old_pipe_, nullptr);
   }
   SignalScope(const SignalScope&) = delete;
   SignalScope& operator=(const SignalScope&) = delete;
 
  private:
-  struct sigaction old_[kNumStopSignals] {};
+  struct sigaction old_[_NSIG] {};
+  bool hooked_[_NSIG] {};
   struct sigaction old_pipe_ {};
 };
+
+// The ranks' relayed stdout and the first error writing to it (ENOSPC, EPIPE): a report that never reached stdout
+// must not pass for success (the launch exited 0 with its stdout on /dev/full). One launch at a time per process.
+int g_relay_out_fd = -1;
+int g_relay_out_errno = 0;
 
 void write_all(int fd, const std::string& s) {
   size_t done = 0;
   while (done < s.size()) {
     const ssize_t n = ::write(fd, s.data() + done, s.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
+    if (n <= 0) {
+      if (fd == g_relay_out_fd && g_relay_out_errno == 0) g_relay_out_errno = n < 0 ? errno : EIO;
+      return;
+    }
     done += static_cast<size_t>(n);
   }
 }
@@ -192,6 +207,8 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
   PCPKV_CHECK(opts.grace_s >= 0, "--grace must be >= 0, got {}", opts.grace_s);
   // nan and -1 meant "no limit" silently (the test is max_time_s > 0); 0 is the one spelling of that.
   PCPKV_CHECK(opts.max_time_s >= 0, "--max-time must be >= 0 seconds (0: no limit), got {}", opts.max_time_s);
+  g_relay_out_fd = out_fd;
+  g_relay_out_errno = 0;
 
   // Private rendezvous directory and job token.
   std::string parent = opts.socket_dir;
@@ -220,7 +237,7 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
                                           opts.nproc, need, why));
   }
   remove_stale_launch_dirs(parent);
-  // Before the directory exists: a signal from here on stops the ranks and removes it (kStopSignals).
+  // Before the directory exists: a signal from here on stops the ranks and removes it (every stop signal).
   std::optional<SignalScope> signals;
   signals.emplace();
   std::string tmpl = parent + "/" + kLaunchDirPrefix + "XXXXXX";
@@ -479,7 +496,12 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     if (result.exit_code == 0) result.exit_code = 1;
     write_all(err_fd, fmt::format("pcpkv launch: {} of {} rank(s) failed; the first was rank {}\n", num_failed, n,
                                   first->rank));
+  } else if (g_relay_out_errno != 0) {
+    write_all(err_fd, fmt::format("pcpkv: error: launch: cannot write the ranks' output to stdout: {}\n",
+                                  std::strerror(g_relay_out_errno)));
+    result.exit_code = 3;  // as any command whose report never reached stdout
   }
+  g_relay_out_fd = -1;
   return result;
 }
 

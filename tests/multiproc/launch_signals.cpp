@@ -71,9 +71,11 @@ int wait_status(pid_t pid, double limit_s) {
   return status;
 }
 
+// The break test after the fix: SIGPWR, SIGIO, a real-time signal still ended the launcher at once (its directory
+// left), as any signal whose default action ends a process would.
 TEST(LaunchSignals, SighupOrSigusr1StopsTheRanksAndRemovesTheDirectory) {
-  for (int sig : {SIGHUP, SIGUSR1}) {
-    SCOPED_TRACE(sigabbrev_np(sig));
+  for (int sig : {SIGHUP, SIGUSR1, SIGPWR, SIGIO, SIGRTMIN, SIGRTMAX, SIGXCPU}) {
+    SCOPED_TRACE("signal " + std::to_string(sig));  // sigabbrev_np has no name for a real-time signal
     test::TempDir parent, logs;
     const pid_t pid = start_launch(
         {"--nproc", "2", "--socket-dir", parent.path, "--program", "/bin/sleep", "--", "30"}, logs);
@@ -86,6 +88,36 @@ TEST(LaunchSignals, SighupOrSigusr1StopsTheRanksAndRemovesTheDirectory) {
     EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
     EXPECT_TRUE(launch_dirs(parent.path).empty()) << "the launcher's directory was left";
   }
+}
+
+// The ranks' output relayed to a full stdout (/dev/full) was dropped and the launch exited 0 (issue 31's break test);
+// a report that never reached stdout exits 3, as every pcpkv command's does.
+TEST(LaunchSignals, ARelayedStdoutThatCannotBeWrittenExitsThree) {
+  test::TempDir parent, logs;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int full = ::open("/dev/full", O_WRONLY);
+    const int log = ::open((logs.path + "/err.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ::dup2(full, 1);
+    ::dup2(log, 2);
+    std::string self = PCPKV_CLI_PATH;
+    std::vector<std::string> all{self, "launch", "--nproc", "2", "--socket-dir", parent.path, "--program",
+                                 "/bin/echo", "--", "hello"};
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(PCPKV_CLI_PATH, argv.data());
+    ::_exit(127);
+  }
+  const int status = wait_status(pid, 30);
+  std::ifstream in(logs.path + "/err.log");
+  const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << err;
+  EXPECT_EQ(WEXITSTATUS(status), 3) << err;
+  EXPECT_NE(err.find("pcpkv: error: launch: cannot write the ranks' output to stdout: No space left on device"),
+            std::string::npos)
+      << err;
+  EXPECT_TRUE(launch_dirs(parent.path).empty()) << "the launcher's directory was left";
 }
 
 // `ulimit -n 24` (soft and hard) and 16 relayed ranks: "launch: pipe failed" exited 2 part-way, with ranks

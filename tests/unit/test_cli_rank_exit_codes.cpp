@@ -56,6 +56,21 @@ TEST_F(RankExitCodes, EachFailureKeepsItsCode) {
   EXPECT_EQ(o.err, "pcpkv: error: mp-publish rank 1: internal: vector::reserve\n");
 }
 
+// A rank of `pcpkv launch` has PCPKV_RANK, not torchrun's RANK: its errors before the rendezvous (24 ranks under
+// ulimit -n 20) read "mp-publish rank ?" on every rank (issue 31's break test). A hostile value is quoted clipped.
+TEST(RankName, PcpkvLaunchsRankNamesTheRankBeforeTheRendezvous) {
+  ::unsetenv("RANK");
+  ::setenv(kEnvRank, "3", 1);
+  Outcome o = run(nullptr, []() -> int { throw Error("bootstrap: x"); });
+  EXPECT_EQ(o.err, "pcpkv: error: mp-publish rank 3: bootstrap: x\n");
+  ::setenv(kEnvRank, std::string(300, '7').c_str(), 1);
+  o = run(nullptr, []() -> int { throw Error("bootstrap: x"); });
+  EXPECT_NE(o.err.find("(300 characters)"), std::string::npos) << o.err;
+  ::unsetenv(kEnvRank);
+  o = run(nullptr, []() -> int { throw Error("bootstrap: x"); });
+  EXPECT_EQ(o.err, "pcpkv: error: mp-publish rank ?: bootstrap: x\n");
+}
+
 TEST_F(RankExitCodes, ACliRuntimeErrorKeepsItsCodeAndMessage) {
   Outcome o = run(nullptr, []() -> int { throw CLI::RuntimeError(5); });
   EXPECT_EQ(o.code, 5);

@@ -240,11 +240,12 @@ SignalledSave signal_save_with(int sig, bool handled) {
   return k;
 }
 
-// SIGTERM while --save writes left FILE.tmp.<pid> behind; so did SIGUSR1 and SIGALRM (issue 31), whose default
-// action ends the process too.
+// SIGTERM while --save writes left FILE.tmp.<pid> behind; so did SIGUSR1 and SIGALRM (issue 31), and, after
+// those were listed, SIGPWR, SIGIO, SIGSTKFLT, a real-time signal and kill -ABRT (issue 31's break test): every
+// signal whose default action ends the process.
 TEST(InputLimits, SignalDuringSaveLeavesNoTemporaryFile) {
-  for (int sig : {SIGTERM, SIGUSR1, SIGALRM, SIGHUP}) {
-    SCOPED_TRACE(sigabbrev_np(sig));
+  for (int sig : {SIGTERM, SIGUSR1, SIGALRM, SIGHUP, SIGPWR, SIGIO, SIGSTKFLT, SIGRTMIN, SIGRTMAX, SIGABRT, SIGSYS}) {
+    SCOPED_TRACE(fmt::format("signal {}", sig));  // sigabbrev_np has no name for a real-time signal
     const SignalledSave k = signal_save_with(sig, false);
     ASSERT_TRUE(WIFSIGNALED(k.status)) << "the child was not killed by the signal";
     EXPECT_EQ(WTERMSIG(k.status), sig);

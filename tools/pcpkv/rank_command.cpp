@@ -58,10 +58,12 @@ RankPublisherFactory rank_publisher_factory(const std::string& backend, std::str
 
 int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn) {
   // "pcpkv: error: mp-publish rank 1: ...", the one-line form of every CLI error.
-  // Before the rendezvous there is no world yet: the launcher's RANK names the rank (checked when it is read).
-  const char* env_rank = std::getenv("RANK");
+  // Before the rendezvous there is no world yet: the launcher's rank variable names the rank, pcpkv launch's
+  // PCPKV_RANK first, as the bootstrap reads them (checked when it is read; clipped here, since it is not yet).
+  const char* env_rank = std::getenv(kEnvRank);
+  if (!env_rank || !*env_rank) env_rank = std::getenv("RANK");
   const std::string who = world ? fmt::format("{} rank {}", cmd, world->rank())
-                                : fmt::format("{} rank {}", cmd, env_rank && *env_rank ? env_rank : "?");
+                                : fmt::format("{} rank {}", cmd, env_rank && *env_rank ? clip(env_rank) : "?");
   try {
     return fn();
   } catch (const FenceTimeout& e) {

@@ -31,8 +31,9 @@ class BlockTables:
             raise ValueError(f"block_size = {block_size!r} must be a power of two >= 4")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
             raise ValueError(f"seed = {seed!r} must be an int in [0, 2^64)")
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks = {num_blocks} must be >= 2 (block 0 is the null block)")
+        # an int: 2.5 was a TypeError from torch.randperm (issue 31's break test)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_blocks = {num_blocks!r} must be an int >= 2 (block 0 is the null block)")
         self.num_blocks, self.block_size = num_blocks, block_size
         gen = torch.Generator().manual_seed(seed)
         self._free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -130,6 +131,11 @@ class StepBatch:
         if not requests:
             raise ValueError("requests: a step needs at least one request")
         ids = [q.request_id for q in requests]
+        for i, rid in enumerate(ids):  # the block tables are keyed by it: a list id was set()'s TypeError
+            try:
+                hash(rid)
+            except TypeError:
+                raise ValueError(f"requests[{i}].request_id = {rid!r} must be hashable (a str or an int)") from None
         if len(set(ids)) != len(ids):
             raise ValueError(f"requests: a request_id appears twice in one step ({ids})")
         need = 0

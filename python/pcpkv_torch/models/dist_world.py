@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..distributed import SymmetricCaches
+from ..distributed import SymmetricCaches, _member_rank
 from ..ops import rope_table
 from ..rank_agreement import torch_gather
 from . import agreement
@@ -37,6 +37,15 @@ from .world import PcpWorld
 __all__ = ["DistPcpWorld", "DistPcpModel", "MAX_FENCE_TIMEOUT_S"]
 
 MAX_FENCE_TIMEOUT_S = 86400.0  # one day
+
+
+def _check_fence_timeout(fence_timeout_s) -> None:
+    # The fence op takes whole microseconds: a bound under 1 us would reach it as 0 (refused there, at the first
+    # layer, without this argument's name), inf would not convert; one day is mp-publish's bound too.
+    if isinstance(fence_timeout_s, bool) or not isinstance(fence_timeout_s, (int, float)) or not (
+            1e-6 <= fence_timeout_s <= MAX_FENCE_TIMEOUT_S):
+        raise ValueError(f"fence_timeout_s = {fence_timeout_s!r} must be a number of seconds in [1e-06, "
+                         f"{MAX_FENCE_TIMEOUT_S}] (1 us to one day)")
 
 
 class DistPcpWorld(PcpWorld):
@@ -53,18 +62,14 @@ class DistPcpWorld(PcpWorld):
                  fence_timeout_s: float = 30.0):
         import torch.distributed as dist
 
-        # The fence op takes whole microseconds: a bound under 1 us would reach it as 0 (refused there, at the first
-        # layer, without this argument's name), inf would not convert; one day is mp-publish's bound too.
-        if isinstance(fence_timeout_s, bool) or not isinstance(fence_timeout_s, (int, float)) or not (
-                1e-6 <= fence_timeout_s <= MAX_FENCE_TIMEOUT_S):
-            raise ValueError(f"fence_timeout_s = {fence_timeout_s!r} must be a number of seconds in [1e-06, "
-                             f"{MAX_FENCE_TIMEOUT_S}] (1 us to one day)")
+        _check_fence_timeout(fence_timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistPcpWorld: torch.distributed is not initialized (run under torchrun and call "
                                "torch.distributed.init_process_group)")
         W = dist.get_world_size(group)
         if pcp_world != W:
             raise ValueError(f"pcp_world = {pcp_world}, but the torch.distributed group has {W} ranks (one per rank)")
+        self._closed = False
         self.group, self.W, self.spec, self.num_layers = group, W, spec, num_layers
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -108,6 +113,9 @@ class DistPcpWorld(PcpWorld):
         Disagreement (ValueError) on every rank naming the first differing request and field and the ranks'
         values."""
         def entries():
+            # raised here, inside the exchange, so that a peer which did not close is told too (a step after
+            # world.close() ran into the released caches: IndexError)
+            self._check_open("DistPcpModel.step")
             # the fence epochs too: a step that failed on one rank before a fence leaves the ranks' epochs apart,
             # and a fence passed on a stale epoch would read rows a peer has not written yet
             epochs = () if self.fence_state is None else tuple(self.fence_state.epochs.reshape(-1).tolist())
@@ -133,6 +141,8 @@ class DistPcpWorld(PcpWorld):
             raise RuntimeError(f"{what} on rank {self.rank}: {who} exited or was killed ({e})") from e
 
     def publish(self, layer_idx, transport, local, step, weights, q_c_out):
+        self._check_open("DistPcpWorld.publish")
+
         def run():
             super(DistPcpWorld, self).publish(layer_idx, transport, local, step, weights, q_c_out)
             if self.device.type == "cuda":  # the device fence reports a timeout in memory; raise it here
@@ -160,9 +170,20 @@ class DistPcpWorld(PcpWorld):
         self.replica_check.record(t0)
 
     def close(self):
-        """Releases this rank's symmetric memory and bootstrap (local; the peers need not be alive)."""
+        """Releases this rank's symmetric memory and bootstrap (local; the peers need not be alive). Twice is fine;
+        a step or replica read afterwards raises RuntimeError '... used after world.close()'."""
+        self._closed = True
         self.mla, self.index, self.targets, self.pads, self.fence_state = [], [], [], [], None
         self.caches.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} used after world.close() (its symmetric memory is released; build a new "
+                               "DistPcpModel)")
+
+    def replica_bytes(self, layer_idx: int, rank: int):
+        self._check_open("DistPcpWorld.replica_bytes")
+        return super().replica_bytes(layer_idx, rank)
 
 
 #: PcpModel arguments that only observe this rank's run (no collective, cache byte or logit depends on them): not
@@ -210,6 +231,7 @@ def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("DistPcpModel: torch.distributed is not initialized (run under torchrun and call "
                            "torch.distributed.init_process_group)")
+    _member_rank(group, "DistPcpModel")  # group=5 was an AttributeError from dist.get_world_size
     W = dist.get_world_size(group)
     gather = torch_gather(group, "DistPcpModel setup agreement")
     shared = {"done": False}
@@ -224,6 +246,10 @@ def DistPcpModel(hf_model, *, group=None, timeout_s: float = 60.0, fence_timeout
             bound.apply_defaults()
             return _setup_entries(hf_model, dict(bound.arguments), kwargs)
 
+        # Checked before the exchange, so that a refusal is shared: checked only in DistPcpWorld, after it, one
+        # rank's fence_timeout_s = 0 raised there alone while its peers waited in the caches' setup, then paired
+        # their exchange with that rank's next one (garbled messages, every later collective off by one).
+        _check_fence_timeout(fence_timeout_s)
         agree(entries)
         return DistPcpWorld(*args, group=group, timeout_s=timeout_s, fence_timeout_s=fence_timeout_s, **kwargs)
 

@@ -91,6 +91,9 @@ class PcpModel:
         self.spec = ModelSpec.from_hf_config(cfg.to_dict() | {"model_type": cfg.model_type})
         _check_kernel_limits(cfg)
         device = next(hf_model.parameters()).device
+        if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
+                                          or max_positions < 1):  # 0 was refused as rope_table's num_positions
+            raise ValueError(f"max_positions = {max_positions!r} must be an int >= 1 or None")
         if max_positions is None:
             max_positions = min(int(cfg.max_position_embeddings), num_blocks * block_size)
         # A step reaching past either bound is refused before a block is reserved (it failed in the first layer's
