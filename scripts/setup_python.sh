@@ -63,7 +63,11 @@ chmod +x "$venv/bin/pcpkv-python"
 # by hand: cd python && PCPKV_TORCH_CUDA=0 ../build/python-venv/bin/pcpkv-python setup.py build_ext --inplace).
 # Not `pip install -e`: that compiles the extension again, in a temporary build folder, on every install.
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
-echo "$root/python" > "$site/pcpkv-source.pth"
+if [ -d "$site" ]; then
+  echo "$root/python" > "$site/pcpkv-source.pth"
+else  # a venv python that names no site folder (a stand-in): the import check below decides
+  echo "setup_python: $venv's site-packages '$site' is not a folder; python/ is not put on its path" >&2
+fi
 if ! "$venv/bin/pcpkv-python" -c 'import torch' ; then
   echo "setup_python: 'import torch' fails in $venv (above); loader path added: ${cuda_lib:-none}" >&2
   exit 1
