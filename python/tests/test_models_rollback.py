@@ -135,3 +135,27 @@ def test_a_step_failing_in_the_forward_rolls_back_and_retries_clean(model):
             assert torch.equal(pcp.topk_positions(layer), want_topk[layer])
     finally:
         pcp.restore()
+
+
+def test_staging_buffers_alternate_per_call_across_steps(model, monkeypatch):
+    # layer % 2 chose the buffer: with 3 layers, layer 2 of one step and layer 0 of the next both used buffer 0
+    # back to back, so a rank one layer ahead could overwrite rows a peer was still combining (found by review)
+    from pcpkv_torch.models import world as world_mod
+
+    used = []
+    real = world_mod.combine
+
+    def record(workspace, *args, **kw):
+        used.append(workspace.data_ptr())
+        return real(workspace, *args, **kw)
+
+    monkeypatch.setattr(world_mod, "combine", record)
+    pcp = pcp_of(model, transport="staging")
+    try:
+        pcp.step([StepRequest("a", ids(12))])
+        pcp.step([StepRequest("b", ids(9, seed=1))])
+    finally:
+        pcp.restore()
+    per_call = used[::2]  # two logical ranks combine per layer; rank 0's workspace names the buffer
+    assert len(per_call) == 6, used
+    assert all(a != b for a, b in zip(per_call, per_call[1:])), per_call

@@ -120,7 +120,8 @@ class DistPcpWorld(PcpWorld):
             # and a fence passed on a stale epoch would read rows a peer has not written yet
             epochs = () if self.fence_state is None else tuple(self.fence_state.epochs.reshape(-1).tolist())
             why = "apart after a step failed on some ranks only: build a new DistPcpModel"
-            return agreement.step_entries(requests, transport, blocks) + [(f"fence epochs ({why})", epochs)]
+            return agreement.step_entries(requests, transport, blocks) + [
+                (f"fence epochs ({why})", epochs), (f"staging calls ({why})", self._staging_calls)]
 
         self._named("the step agreement", lambda: agreement.check(self._agree_gather, "DistPcpModel.step", entries))
 

@@ -47,6 +47,8 @@ class PcpWorld:
 
     fence_timeout_us = 10_000_000  # bound of a fence wait (a missing rank is named past it)
 
+    _staging_calls = 0  # staging publications so far: picks the workspace buffer (every rank makes the same calls)
+
     def __init__(self, spec: ModelSpec, pcp_world: int, num_layers: int, num_blocks: int, block_size: int, *,
                  kv_format: str = "fp8_ds_mla", ds_mla_scale: str = "pow2", max_positions: int, device=None,
                  fill: int = 0xA5, check_replicas: Optional[bool] = None):
@@ -116,7 +118,9 @@ class PcpWorld:
             fence(self.fence_state, 0, timeout_us=self.fence_timeout_us, written=mla + (index or []))
         elif transport == "staging":
             _, ws, dests = self._staging_for(fmt, M)
-            buf = layer_idx % 2  # alternate buffers: a rank may run one layer ahead of a peer's combine
+            # alternate buffers per call, not by layer parity: a rank may run one layer ahead of a peer's combine,
+            # and with an odd layer count the last layer and the next step's first would share buffer 0
+            buf, self._staging_calls = self._staging_calls % 2, self._staging_calls + 1
             for r in self.local_ranks:
                 run(r, slot_mapping=step.slot_mapping[r], row_dests=dests[buf][r])
             fence(self.fence_state, 0, timeout_us=self.fence_timeout_us, written=ws)
