@@ -556,6 +556,15 @@ void Bootstrap::Impl::rendezvous_follower() {
     bootstrap_tombstone::mark_reported(t);
     return t.reason;
   };
+  // A connected rank whose connection rank 0 closed: rank 0 may close first and write its tombstone just after (a
+  // failing accept frees the listener's descriptor for it), so the reason is awaited up to 1 s before it is given up.
+  auto rank0_reason_after_close = [&]() {
+    const Deadline until = Clock::now() + std::chrono::seconds(1);
+    for (;;) {
+      if (std::string why = rank0_gave_up(true); !why.empty() || Clock::now() >= until) return why;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  };
   int last_err = 0;
   for (;;) {
     UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -603,7 +612,7 @@ void Bootstrap::Impl::rendezvous_follower() {
   std::memcpy(hello.data() + sizeof(h), cfg.token.data(), cfg.token.size());
   std::memcpy(hello.data() + sizeof(h) + cfg.token.size(), job.data(), job.size());
   if (send_frame(conns[0].get(), FrameType::kHello, hello.data(), hello.size(), dl) != IoStatus::kOk) {
-    if (const std::string why = rank0_gave_up(true); !why.empty())
+    if (const std::string why = rank0_reason_after_close(); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
     PCPKV_FAIL("bootstrap: rank {} could not send its hello to rank 0 (pid {})", cfg.rank, pid);
   }
@@ -617,7 +626,7 @@ void Bootstrap::Impl::rendezvous_follower() {
   if (st != IoStatus::kOk) {
     // Rank 0 may have failed the job while our hello was still unread (it then never told us): its
     // tombstone says why.
-    if (const std::string why = rank0_gave_up(true); !why.empty())
+    if (const std::string why = rank0_reason_after_close(); !why.empty())
       PCPKV_FAIL("bootstrap: rank 0 (pid {}) gave up the rendezvous: {}", pid, why);
     PCPKV_FAIL("bootstrap: rank 0 (pid {}) closed the connection during rendezvous", pid);
   }
