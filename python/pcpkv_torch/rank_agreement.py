@@ -16,7 +16,7 @@ import pickle
 import time
 from typing import Callable, Optional, Sequence
 
-__all__ = ["share_verdicts", "agree_on", "first_difference", "torch_gather", "arrival_check"]
+__all__ = ["share_verdicts", "agree_on", "share_verdicts_and_agree_on", "first_difference", "torch_gather", "arrival_check"]
 
 Gather = Callable[[str], Sequence[str]]
 
@@ -164,7 +164,21 @@ def _canonical(fields: Sequence[tuple]) -> str:
 def agree_on(gather: Gather, what: str, fields: Sequence[tuple]) -> None:
     """fields: ordered (name, JSON-able value) pairs this rank holds; every rank must hold the same."""
     text = _canonical(fields)
-    digests = list(gather(hashlib.sha256(text.encode()).hexdigest()))
+    _refuse_differing(gather, what, text, list(gather(hashlib.sha256(text.encode()).hexdigest())))
+
+
+def share_verdicts_and_agree_on(gather: Gather, what: str, why: str,
+                                fields: Callable[[], Sequence[tuple]]) -> None:
+    """share_verdicts, then agree_on, in one exchange: each rank sends its digest (64 hex characters) followed by
+    its verdict, so a check made on every call costs one gather, not two. fields() is called only where this
+    rank's verdict is good."""
+    text = "" if why else _canonical(fields())
+    got = list(gather(hashlib.sha256(text.encode()).hexdigest() + why))
+    share_verdicts(lambda _: [g[64:] for g in got], what, why)
+    _refuse_differing(gather, what, text, [g[:64] for g in got])
+
+
+def _refuse_differing(gather: Gather, what: str, text: str, digests: list) -> None:
     if len(set(digests)) == 1:
         return
     # every rank receives every description, so every rank raises the same message

@@ -59,7 +59,7 @@ from .engine_caches import EngineCaches
 from .layout import allocate_staging
 from .model import CacheFormat, scale_problem
 from .ops import combine, dispatch, fence, insert
-from .rank_agreement import agree_on, share_verdicts, torch_gather
+from .rank_agreement import share_verdicts_and_agree_on, torch_gather
 from .transport import TRANSPORTS, choose_transport
 
 __all__ = ["VllmPcpPublisher", "VLLM_SOURCES"]
@@ -140,8 +140,8 @@ class VllmPcpPublisher:
                                      ds_mla_scale, mla_k_scale, check, fence_timeout_s)
         except ValueError as e:
             why = str(e)
-        share_verdicts(self._gather, f"{_WHERE} setup", why)  # a bad argument anywhere: ValueError everywhere
-        agree_on(self._gather, f"{_WHERE} setup", fields)
+        # a bad argument anywhere: ValueError everywhere; then one layout on every rank
+        share_verdicts_and_agree_on(self._gather, f"{_WHERE} setup", why, lambda: fields)
         self.transport, self.transport_reason = self._resolve(transport)
         logger.info("%s: transport %s%s", _WHERE, self.transport,
                     f" ({self.transport_reason})" if self.transport_reason else "")
@@ -295,10 +295,9 @@ class VllmPcpPublisher:
         T = positions.shape[0] if not why else 0
         if self.check:
             what = f"{_WHERE}.publish (layer {layer_idx})"
-            share_verdicts(self._gather, what, why)
-            agree_on(self._gather, what, self._step_fields(layer_idx, T, num_decode_tokens, slot_mapping,
-                                                           index_rope_interleave, q_rms_eps, kv_rms_eps,
-                                                           index_k_layer_norm_eps))
+            share_verdicts_and_agree_on(self._gather, what, why, lambda: self._step_fields(
+                layer_idx, T, num_decode_tokens, slot_mapping, index_rope_interleave, q_rms_eps, kv_rms_eps,
+                index_k_layer_norm_eps))
         elif why:
             raise ValueError(f"{_WHERE}.publish (layer {layer_idx}) on rank {self.rank}: {why}")
         fmt = self.fmts[layer_idx]
