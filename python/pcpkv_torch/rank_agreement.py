@@ -16,7 +16,8 @@ import pickle
 import time
 from typing import Callable, Optional, Sequence
 
-__all__ = ["share_verdicts", "agree_on", "share_verdicts_and_agree_on", "first_difference", "torch_gather", "arrival_check"]
+__all__ = ["share_verdicts", "agree_on", "share_verdicts_and_agree_on", "first_difference", "torch_gather",
+           "arrival_check"]
 
 Gather = Callable[[str], Sequence[str]]
 
