@@ -142,15 +142,16 @@ void send_frame_quiet(int fd, FrameType type, const std::string& text, Deadline 
 // A rank's bootstrap holds at most a connection per peer (rank 0) and, while all_gather_fds shares buffers, a
 // descriptor per rank, besides what the process has open: "" when the job fits (after raising the soft limit,
 // fd_limit::fit), else why not.
-std::string fit_descriptor_limit(int world, bool root) {
+std::string fit_descriptor_limit(int world, int rank) {
   const int64_t open = fd_limit::open_now();
-  const int64_t need = open + (root ? 2 : 1) * int64_t{world} + 32;  // 32: listener, lock, tombstone, sockets, slack
+  // 32: listener, lock, tombstone, sockets, slack
+  const int64_t need = open + (rank == 0 ? 2 : 1) * int64_t{world} + 32;
   const std::string limit = fd_limit::fit(need);
   if (limit.empty()) return "";
   return fmt::format("a job of {} ranks needs about {} open files at rank {} ({} open now, a connection per rank and "
                      "a descriptor per rank while buffers are shared), but {}: raise the hard limit (ulimit -Hn, "
                      "/etc/security/limits.conf, the container's nofile) or run fewer ranks",
-                     world, need, root ? 0 : 1, open, limit);
+                     world, need, rank, open, limit);
 }
 
 std::string dir_of(const std::string& path) {
@@ -387,7 +388,7 @@ void Bootstrap::Impl::rendezvous_root() {
   in_rendezvous = true;
   // Before any rank is accepted: a job that cannot fit says so now, on every rank (the tombstone), instead of
   // failing part-way with EMFILE.
-  if (const std::string why = fit_descriptor_limit(world, true); !why.empty()) fail_job(why);
+  if (const std::string why = fit_descriptor_limit(world, 0); !why.empty()) fail_job(why);
   struct stat st {};
   if (::lstat(cfg.address.c_str(), &st) == 0) {
     // A socket left by an earlier job with this address; anything else is not ours to delete.
@@ -538,7 +539,7 @@ void Bootstrap::Impl::rendezvous_root() {
 
 void Bootstrap::Impl::rendezvous_follower() {
   const sockaddr_un addr = make_addr(cfg.address);
-  (void)fit_descriptor_limit(cfg.world_size, false);  // raises the soft limit when it must; rank 0 judges the job
+  (void)fit_descriptor_limit(cfg.world_size, cfg.rank);  // raises the soft limit when it must; judged in connect()
   const Deadline dl = deadline();
   conns.resize(1);
   pids.assign(cfg.world_size, 0);
@@ -661,7 +662,13 @@ std::unique_ptr<Bootstrap> Bootstrap::connect(const BootstrapConfig& config) {
     impl->rendezvous_root();
   else
     impl->rendezvous_follower();
-  return std::unique_ptr<Bootstrap>(new Bootstrap(std::move(impl)));
+  auto b = std::unique_ptr<Bootstrap>(new Bootstrap(std::move(impl)));
+  // Each follower's own limit, shared (rank 0 judged the job by its own before accepting): one too low passed and
+  // later failed alone, sharing descriptors ("receiving from rank 0 failed: Success"), its peers told nothing.
+  const std::string mine = config.rank == 0 ? "" : fit_descriptor_limit(config.world_size, config.rank);
+  for (const auto& why : b->all_gather_v(mine.data(), mine.size()))
+    PCPKV_CHECK(why.empty(), "bootstrap: {}", std::string(why.begin(), why.end()));
+  return b;
 }
 
 int32_t Bootstrap::rank() const { return impl_->cfg.rank; }

@@ -115,6 +115,34 @@ TEST(BootstrapFiles, AJobOverTheOpenFileLimitSaysSoOnEveryRank) {
   }
 }
 
+// A follower whose own limit is too low (rank 0's is fine: it judges the job by its own before accepting): its
+// check's verdict was dropped, the rendezvous passed, and sharing descriptors then failed without naming the limit.
+TEST(BootstrapFiles, AFollowerOverTheOpenFileLimitIsNamedOnEveryRank) {
+  const auto out = run_ranks(
+      24,
+      [](const BootstrapConfig& c) {
+        if (c.rank == 5) {
+          const rlimit low{20, 20};
+          RANK_CHECK(::setrlimit(RLIMIT_NOFILE, &low) == 0, "setrlimit");
+        }
+        auto b = Bootstrap::connect(c);
+        const int fd = ::memfd_create("limit", MFD_CLOEXEC);
+        auto fds = b->all_gather_fds(fd);
+        ::close(fd);
+        return 0;
+      },
+      20.0, 60.0);
+  for (int r = 0; r < 24; ++r) {
+    EXPECT_EQ(out[r].exit_code, 3) << test::describe(out);
+    EXPECT_NE(out[r].output.find("bootstrap: a job of 24 ranks needs about"), std::string::npos) << test::describe(out);
+    EXPECT_NE(out[r].output.find("open files at rank 5 "), std::string::npos) << test::describe(out);
+    EXPECT_NE(out[r].output.find("the open-file limit (RLIMIT_NOFILE) is 20 with a hard limit of 20"),
+              std::string::npos)
+        << test::describe(out);
+    EXPECT_LT(out[r].seconds, 10.0) << "rank " << r << "\n" << out[r].output;
+  }
+}
+
 // `world` ranks whose soft open-file limit is `soft` (the hard one unchanged) meet and, with share_fds, share a
 // descriptor with every rank; each checks that its soft limit was raised to the hard one.
 std::vector<test::RankOutcome> ranks_under_soft_limit(int world, rlim_t soft, bool share_fds) {
