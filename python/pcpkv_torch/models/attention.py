@@ -119,7 +119,6 @@ class PcpAttention(torch.nn.Module):
         layer, W, chunk = self.layer_idx, self.runtime.world.W, self.runtime.row_chunk
         x = hidden_states[0]
         fmt = world.fmts[layer]
-        H = self.num_heads
         ranks = world.local_ranks  # every rank (PcpWorld) or this process's one (DistPcpWorld); others stay None
         t = rt.tick()
         # 1. projections of every rank's own rows
