@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The all-reduce on the GPU (pcpkv/serving/allreduce.h, SPEC section 7) against the CPU oracle, byte for byte:
 // W logical ranks in one launch over world sizes, algorithms, block counts and consecutive calls; the
 // fused residual-add + RMSNorm; CUDA-graph capture replayed 100 times with fresh inputs; the per-process

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The hardware conversions the kernels use (pcpkv/device/codec_hw.h: cvt.rn.satfinite.e4m3x2.f32 and
 // cvt.rn.bf16x2.f32) against the software oracle of pcpkv/device/codec.h, for every one of the 2^32 float
 // bit patterns, in both lanes of each x2 instruction (lane 0 sees pattern u, lane 1 sees u ^ kLaneMix, so

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // CUDA consumers against the CPU reference: indexer scores bit-identical and top-k identical (both logit
 // rules: kExact on fp64 tensor cores, kFp32Tree on CUDA cores); sparse MLA within SparseMlaBound for both
 // kernels (kMma: bf16 tensor cores, kSimt: fp32 CUDA cores) and bit-reproducible across batch layouts; LSE

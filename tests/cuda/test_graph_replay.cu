@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // CUDA-graph capture of one layer's publication and >= 100 replays on re-poisoned caches: every replay
 // reproduces the CPU reference's bytes, and the device-resident fence epochs advance by one per replay
 // (SPEC section 5: the epoch lives on the device, so a replayed graph never reuses an epoch).

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // PDL chains (pcpkv/core/pdl.h, SPEC section 7): the same chains of pcpkv kernels launched with and without
 // programmatic stream serialization, captured into CUDA graphs whose intermediates are poisoned before
 // every replay, give identical bytes, equal to the CPU references. A dependent kernel that read before its

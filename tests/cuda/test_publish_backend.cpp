@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The CUDA backend (cuda::make_backend) against the CPU reference backend (make_cpu_backend), byte for byte:
 // every replica's whole allocations (guards, base offset, row / block padding, unwritten slots), q_c_out and
 // the top-k fill, for every transport, kv format and scale rule, indexer and shared layers, PCP 1/2/3/4/8,

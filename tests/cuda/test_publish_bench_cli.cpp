@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // `pcpkv bench --quick` end to end on the GPU: exits 0, prints the summary table last, and writes JSON with
 // the copy bandwidth, the single-rank dispatch of every kernel variant, every transport's stages for every
 // layer variant, graph replay times, the speedups over collect measured in the same run, PDL off / on, and the

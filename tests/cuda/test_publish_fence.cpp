@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The SPEC section 5 fence kernel for ranks that share a GPU (src/publish/cuda/local_fence.h over
 // pcpkv/device/fence_kernel.h): epochs advance per call and per barrier index, ranks arriving from separate
 // launches on separate streams meet, and a rank that never arrives ends the wait with pcpkv::FenceTimeout

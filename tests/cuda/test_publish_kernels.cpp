@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The CUDA kernels of the publication (pcpkv/publish/kernels.h) against the CPU oracle (pcpkv/publish/cpu.h), byte for
 // byte, on whole buffers (guards included): the fused dispatch in every mode (materialize, cache targets with
 // different padded geometries and misaligned bases, transport rows, top-k fill) and every kernel variant

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // Every publication variant of the CUDA publisher (cuda_detail::PublishVariant: dispatch kernel simple /
 // prefetch / warp, top-k fill fused or separate, combine 1 / 2 / 4 rows per warp, PDL off / on) against the
 // CPU reference backend, byte for byte: every replica's whole allocations (guards, padding, unwritten slots),

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The replica check's kernels (pcpkv/publish/kernels.h launch_slot_hashes, launch_compare_replica_hashes) against
 // their CPU oracles (pcpkv/publish/replica_hash.h) on the same bytes: seeded random caches of every format, with and
 // without an indexer, dense and padded geometries, slots in any order (grid-stride over many); the comparison with

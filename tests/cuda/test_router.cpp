@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The router on the GPU (pcpkv/serving/router.h, SPEC section 7) against the fp64 CPU oracle:
 //  * logits of every path (both small-T kernels with each experts-per-CTA, cuBLASLt, the dispatch) within
 //    the stated bound factor * 2^-24 * sum|x w| for both presets and both weight dtypes, T = 1..64, padded

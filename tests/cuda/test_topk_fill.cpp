@@ -1,3 +1,4 @@
+// pcpkv-test-labels: cuda
 // The top-k fill modes (pcpkv/publish/dispatch.h TopkFill) in every CUDA dispatch kernel (CTA simple / prefetch, warp,
 // warp_pf) followed by the CUDA indexer top-k: byte-identical to the CPU oracle's full fill + indexer, on a
 // poisoned buffer (the case: tests/support/topk_fill_case.h). The publisher's fused and separate fills are in

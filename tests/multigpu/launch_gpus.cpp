@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multigpu
 // Rank processes on DISTINCT GPUs: `pcpkv launch --gpus 0,1,..` with one process per GPU, so every
 // P2P store, fence signal and all-gather crosses NVLink. Byte oracle of every transport against the
 // single-process CPU reference (collect through NCCL and through P2P reads), staging == direct, CUDA-graph

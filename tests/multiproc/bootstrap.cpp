@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multiproc
 // Rendezvous and collectives of the bootstrap with N forked CPU processes: data, descriptors, splits,
 // and every way a rendezvous goes wrong (wrong token, world-size mismatch, a missing or dying rank).
 #include <gtest/gtest.h>

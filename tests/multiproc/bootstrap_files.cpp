@@ -1,4 +1,4 @@
-// pcpkv-test-labels: serial
+// pcpkv-test-labels: multiproc serial
 // Issue 31, items 4 and 8: what the bootstrap leaves in its directory (a lock file per Bootstrap, a tombstone per
 // failed rendezvous) and how it meets the open-file limit (a job that cannot fit under RLIMIT_NOFILE says so before
 // it starts, on every rank; a failing accept() is an error, not a spin past the timeout). Serial: up to 1024

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multiproc
 // `pcpkv launch` with CPU rank processes (CI): the launcher, mp-publish with 2, 4 and 8 processes byte for
 // byte against the single-process CPU reference, TP2 x PCP2, a rank killed mid-run, the leak check,
 // torchrun-style variables, bad rendezvous, and bench-fence.

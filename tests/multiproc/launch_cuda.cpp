@@ -1,4 +1,4 @@
-// pcpkv-test-labels: serial gpu
+// pcpkv-test-labels: multiproc serial gpu
 // `pcpkv launch` with CUDA rank processes on ONE GPU (the device machine): 2, 4 and 8 processes, byte
 // oracle against the single-process CPU reference with 13 tokens per rank, guard bytes, CUDA-graph capture
 // and >= 100 replays (the fence epochs advance on every replay), TP2 x PCP2, a rank killed mid-run, the leak

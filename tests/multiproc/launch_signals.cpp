@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multiproc
 // Issue 31 item 11: what `pcpkv launch` leaves when a signal or the descriptor limit ends it. SIGHUP (a lost
 // terminal) ended the launcher at once, leaving its private directory (and the ranks); EMFILE while it made the
 // ranks' pipes exited 2 (bad input) instead of 3 and left the directory. Now: the ranks are stopped, the directory

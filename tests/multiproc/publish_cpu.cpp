@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multiproc
 // One process per PCP rank on the CPU backend: every transport with 2, 4 and 8 processes, byte for byte
 // against the single-process CPU reference (uneven ranks, guard bytes, padded strides, a nonzero offset),
 // TP2 x PCP2 subgroups, a rank killed or stuck mid-run, and no leaked descriptor or mapping.

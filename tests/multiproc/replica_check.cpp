@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multiproc
 // The replica check's exchange between rank processes (check_replica_hashes_across, pcpkv/publish/replica_hash.h)
 // with N forked CPU processes: equal hashes pass on every rank after one digest exchange; differing hashes give
 // every rank the same failed Check naming the ranks and the first differing slot; ranks that hashed different

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multiproc
 // Host symmetric memory (POSIX shm) with N forked processes: every rank reads and writes every peer's
 // buffer, the setup is all-or-nothing, and teardown leaks no descriptor or mapping.
 #include <gtest/gtest.h>

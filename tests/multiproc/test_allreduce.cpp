@@ -1,3 +1,4 @@
+// pcpkv-test-labels: multiproc
 // The all-reduce protocol (pcpkv/serving/allreduce.h) with one CPU process per rank over POSIX shared memory
 // (pcpkv/ranks/symmetric.h): byte-exact against the oracle for one-shot, two-shot and the fused variant over
 // consecutive calls; the capability agreement over the bootstrap; a rank that never arrives is named by

@@ -1,4 +1,4 @@
-// pcpkv-test-labels: serial gpu
+// pcpkv-test-labels: multiproc serial gpu
 // The all-reduce on the GPU with one process per rank, N processes sharing one GPU (pcpkv/serving/allreduce.h):
 // workspaces in pcpkv's device symmetric memory (pcpkv/publish/cuda_multiproc.h: CUDA VMM, FDs over the
 // bootstrap), capability agreed by all ranks, byte-exact against the CPU oracle for one-shot, two-shot and

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The all-reduce (pcpkv/serving/allreduce.h, SPEC section 7) on the CPU: the oracle against independent math, and
 // the protocol (ranks as threads over shared host memory, same barriers/epochs/work split as the GPU)
 // against the oracle byte for byte, over world sizes, algorithms, block counts and consecutive calls.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // pcpkv/core/byte_range.h: the one overlap rule of the kernel parameter checks and of python/csrc's torch ops.
 #include <gtest/gtest.h>
 

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `pcpkv run` with bad input: exit code 2, a message "pcpkv: error: ..." naming the field
 // and the value, and nothing written (the --save file does not appear, no temporary is left).
 #include <gtest/gtest.h>

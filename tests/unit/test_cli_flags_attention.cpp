@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `pcpkv attention` checks its flags before anything runs or is printed: exit code 2, a message naming the
 // flag (not the library's internal field: "dcp_world", "fmt.k_scale") and the value, no header line on
 // stdout, nothing written. A comma list with an empty entry is refused, not silently shortened.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `pcpkv bench` checks every flag before it looks for a GPU: on a machine without one a typo is named
 // (exit code 2, the flag and the value), not reported as "needs a CUDA GPU"; nothing is printed on stdout
 // and neither --json nor --markdown is written. Safe on a GPU machine too: a refused flag starts no GPU work.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Flags of the launched subcommands (`mp-publish`, `bench-fence`) that make no sense are refused before the
 // rendezvous: exit code 2, "pcpkv: error: --flag: ..." naming the flag and the value (from every rank under
 // `pcpkv launch`), nothing on stdout and nothing left in the launcher's socket directory.

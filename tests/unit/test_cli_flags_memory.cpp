@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `attention` and `mp-publish` estimate their memory from the flags and refuse a batch that cannot fit
 // before anything is allocated: exit code 2, a message naming the sizing flags and their values, the
 // estimate and the memory available, nothing on stdout, and (the point) no multi-gigabyte climb first: each

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `pcpkv` with hostile files, as a user meets it: one bounded "pcpkv: error:" line and exit 2
 // for a deeply nested or oversized config, a FIFO or device as --config; notes for what an inputs file
 // holds that pcpkv does not read; `pcpkv info` that survives one broken preset file.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Issue 31 item 10: a --save, --inputs or --config path of 300 characters was quoted whole, though the README
 // promises that a message quotes at most 200 characters of any value (then "... (N characters)").
 #include <gtest/gtest.h>

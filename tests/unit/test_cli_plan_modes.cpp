@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The CLI's plan modes (--local-order, --decode-ownership; SPEC section 4.1) and --transport auto (section 5.1)
 // on `pcpkv run` and `pcpkv launch -- mp-publish` (CPU backend): accepted, reported in the text and --json,
 // the verdict PASS; bad names refused with the flag and the value.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // run_as_rank (tools/pcpkv/rank_command.cpp, compiled into this test): the exit code and the one error line of
 // each way a rank's work can fail. A CLI::RuntimeError (how a command picks its exit code, e.g. 3 for a failed
 // --save) was caught as a std::exception and became exit 3 "internal: ...".

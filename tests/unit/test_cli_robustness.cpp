@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `pcpkv` misuse found by driving the CLI as a new user would (regressions of the fixes): a mistyped
 // command, batches too large to exist, out-of-range integers CLI11 would wrap or clamp, empty paths,
 // --save targets that are not plain files, a stdout that cannot be written. Every refusal: exit code 2

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `pcpkv run` / `pcpkv info` on good input: exit codes, the printed plan, stage tables and verdict,
 // --json on stdout, and --save files that load back through --inputs with byte-identical caches.
 #include <gtest/gtest.h>

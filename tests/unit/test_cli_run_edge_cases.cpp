@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `pcpkv run` after a new user's reports: the memory pre-check covers the measured peak, --save after
 // --inputs keeps block tables and slots consistent, a failed --save keeps the report (exit 3), float32
 // limits of --k-scale, the saturation note, and messages that name the flag, file and value.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Issue 31 item 5: a refused input aborted with SIGABRT (exit 134) when stderr was closed (2>&-) or full
 // (2>/dev/full): printing the error threw inside the top-level handler. The documented exit code must come out
 // whatever happens to stderr.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // `--topk-fill full|tail|none` (pcpkv/publish/dispatch.h TopkFill) on run, bench and launch: run checks every row of
 // every rank's buffer against the mode (-1 where it fills, the poison byte elsewhere); the flag alone keeps the
 // old meaning (full); a bad value is refused naming the flag, before any work.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Codecs (SPEC section 3) against independent oracles: brute-force nearest-value search for E4M3,
 // a long double model for bf16, and exact ceil-log2 by repeated doubling.
 #include <cmath>

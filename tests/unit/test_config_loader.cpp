@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The HF config loader on configs a new user wrote: "rope_scaling": null (no scaling), numbers nlohmann
 // refuses (1e999), RoPE parameters whose tables overflow, and values of the wrong JSON type or range.
 // Every refusal is a pcpkv::Error naming the file, the key and the value as written.

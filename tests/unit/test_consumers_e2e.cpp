@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // End to end on the CPU (attention_check.h): PCP-P publication, every rank serves its local tokens on its
 // own replica, gathered outputs == one-rank outputs byte for byte; DCP shards + LSE merge within the
 // bound. Small batches: prefill + decode mixed, uneven ranks, context already cached.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The CPU indexer (pcpkv/consumers/indexer.h) against an independent fp64 statement of SPEC section 6 and the
 // top-k contract: k = min(topk, len), score descending, ties to the lower position, -1 padded, causal.
 #include <algorithm>

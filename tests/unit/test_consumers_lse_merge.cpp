@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The CPU LSE merge (pcpkv/consumers/lse_merge.h): partial attention over split key sets merges back to the
 // whole; NaN / +inf / -inf shards contribute nothing; one shard is the identity.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The CPU sparse MLA reference (pcpkv/consumers/sparse_mla.h) against a naive long-double softmax over rows
 // decoded by pcpkv/publish/checks.h's decode_slot (an independent decoder), for every cache format.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The CPU reference backend end to end (SPEC sections 4, 5): every replica byte-identical with its guards,
 // padding and unwritten slots untouched; staging == direct; each transport == its PCP-1 reference; collect
 // within the bf16-first bound; bad input rejected before anything is written.

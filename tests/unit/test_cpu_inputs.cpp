@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Generated inputs (pcpkv/core/inputs.h): seeded, LLM-like, independent of threads, validated; per-rank views.
 #include <algorithm>
 #include <cmath>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // CPU reference kernels (pcpkv/publish/cpu.h) against hand checks: tokens whose bytes are computed here step by step
 // with codec.h, and an independent re-statement of SPEC section 2 for random tokens.
 #include <cmath>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // PCPKV_DISPATCH_VARIANT (src/publish/dispatch_variant.h): the rule the CUDA launcher applies to kAuto, tested on
 // the CPU. An unknown value ("wrap") used to run the default kernel without a word.
 #include <gtest/gtest.h>

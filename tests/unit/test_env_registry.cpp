@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The registry of the PCPKV_* environment variables (pcpkv/core/env.h): every name a source reads is in it
 // (checked on the sources themselves), read_env refuses an unregistered PCPKV_* name, and `pcpkv info`
 // lists the registry as text and JSON.

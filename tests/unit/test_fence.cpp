@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The host fence (pcpkv/ranks/fence.h, SPEC section 5): visibility across many epochs, parity-slot reuse,
 // more ranks than cores, processes sharing memory, and a bounded wait that names the missing rank.
 #include <sys/mman.h>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Hostile files: deeply nested JSON, huge values quoted in messages, duplicate tensor names,
 // files that are not regular files, a shadowed rope_theta, and a save killed by a signal. Each refusal
 // names the file and what is wrong, in a bounded message, and never crashes.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Issue 31 item 7: Ctrl-C 1 s into a CPU fence wait or rank 0's rendezvous was handled at the timeout (20 s), where a
 // signal handler only records the signal (Python). Every long wait runs the interrupt check (pcpkv/core/interrupt.h)
 // at least every kInterruptPollMs; a check that throws ends the wait at once with its exception.

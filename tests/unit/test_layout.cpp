@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Byte layouts (SPEC section 3): row sizes, offsets in 64 bits, strides, staging geometry.
 #include <gtest/gtest.h>
 

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Model presets (SPEC section 1) and the HF config loader: values, overrides, and bad configs.
 #include <cmath>
 #include <string>

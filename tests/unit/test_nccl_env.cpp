@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // keep_nccl_nvls_off (src/ranks/nccl_env.h): pcpkv's NCCL communicator never gets NVLink multicast.
 #include <gtest/gtest.h>
 

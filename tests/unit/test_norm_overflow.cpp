@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Rows whose norms overflow fp32 (SPEC 2.1, 2.2, 2.4): finite bf16 activations up to the
 // bf16 maximum (~2^128) are normalized from x * 2^-72 (the overflow guard of pcpkv/device/token_math.h)
 // instead of being published as zeros. The published rows must equal the fp64 math of SPEC section 2 within

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // PCP batch plan (SPEC section 4).
 #include <algorithm>
 #include <set>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Plan modes (SPEC section 4.1): the local order (request | local, vLLM's PCPManager) and decode ownership
 // (replicated | round_robin, vLLM #52162): exact rows per rank, and cache bytes that do not depend on either.
 #include <algorithm>

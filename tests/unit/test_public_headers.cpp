@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The public kernel entry points compile in a plain C++ translation unit without any CUDA header: the
 // publication launchers (pcpkv/publish/kernels.h), the consumer and serving entry points, the device
 // headers shared with the CPU oracles. A CUDA include among them fails this file (CUDART_VERSION below,

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The publication checks as `pcpkv run` and `pcpkv mp-publish` apply them (pcpkv/publish/checks.h): each
 // passes on a correct CPU publication, each fails on the corruption it is for, naming the place, and the
 // JSON shape keeps the keys readers use.

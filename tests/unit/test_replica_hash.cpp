@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The run-time replica check (pcpkv/publish/replica_hash.h, docs/spec.md section 5.2) on the CPU: the hash's fixed
 // values (the same in python/tests/test_replica_check.py), that any single-byte change of a hashed row changes its
 // hash (and the digest), that a clean publication passes with every transport, that a corrupted byte in one replica

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // RoPE tables (SPEC section 1) against long double evaluations of the SPEC formulas.
 #include <algorithm>
 #include <cmath>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The MoE router's CPU reference (pcpkv/serving/router.h, SPEC section 7): presets, validation, the fp64 logits,
 // grouped top-k on hand-built cases whose answer is worked out in the comments, the near-tie gaps, the
 // dispatch table, and FP8 per-token-group quantization against independent bounds.

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // safetensors reader/writer (include/pcpkv/safetensors.h): round trips of every dtype, the exact byte
 // layout of the format, and every malformed-file error (each names the tensor and the offset).
 #include <gtest/gtest.h>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // Inputs files (inputs_io.h, load_inputs of inputs.h): save_run -> load_inputs round trips bit for bit,
 // BF16 or F32 norm weights, the optional requests / slot_mapping tensors, apply_slot_mapping, and the
 // cache regions save_run cuts out of an allocation (dense and padded geometries).

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The dispatch's top-k fill modes (pcpkv/publish/dispatch.h TopkFill) on the CPU oracle: after the dispatch and pcpkv's
 // indexer top-k the buffer is byte-identical under full and tail (the case: tests/support/topk_fill_case.h), each
 // mode writes exactly its rows, bad parameters are refused before anything is written, and the CPU backend

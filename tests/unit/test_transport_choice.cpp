@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // transport "auto" (SPEC section 5.1) on faked topologies: direct within a host with peer access, collect over
 // NCCL otherwise, a clear error when nothing reaches every replica.
 #include <string>

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The transport tables (src/publish/transport_table.h): each transport's steps and stage names, which steps a
 // publication runs, and that the CPU backend reports exactly the table's stage names and byte model for every
 // transport on indexer layers (with and without a top-k buffer) and shared layers. The per-process CPU

@@ -1,3 +1,4 @@
+// pcpkv-test-labels: unit
 // The verification checks (pcpkv/publish/checks.h) must catch what they claim to: a changed guard, padding or
 // unwritten byte; a wrong cache value or scale; a wrong RoPE style. And pass on a correct publication.
 #include <cstring>
