@@ -164,7 +164,7 @@ ModelConfig load_hf_config(const std::string& path, const std::string& base_pres
 
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& base_preset, ConfigNotes* notes,
                             bool strict, const std::string& origin) {
-  // nlohmann reads a std::string only up to its first NUL: '{...}\0garbage' passed as '{...}'.
+  // nlohmann reads a std::string only up to its first NUL: '{...}\0garbage' would pass as '{...}'.
   if (const size_t nul = json_text.find('\0'); nul != std::string::npos)
     PCPKV_FAIL("{}: a NUL byte at offset {}; a config.json is text (a binary or truncated file?)", origin, nul);
   check_json_depth(json_text, origin);  // before any parse: no walk below may recurse past it

@@ -50,8 +50,8 @@ void ModelConfig::validate() const {
               "{}: index_norm_eps = {} must be in (0, 1)", o, index_norm_eps);
   validate_rope(rope, o, "rope.");
   PCPKV_CHECK(num_hidden_layers >= 1, "{}: num_hidden_layers = {} must be >= 1", o, num_hidden_layers);
-  // One entry per layer (HF's GlmMoeDsa reads indexer_types[layer_idx]): a shorter list failed only when a layer past
-  // its end was looked up, a longer one never (pcpkv_torch.ModelSpec refuses both).
+  // One entry per layer (HF's GlmMoeDsa reads indexer_types[layer_idx]), checked here: a shorter list would fail only
+  // when a layer past its end is looked up, a longer one never (pcpkv_torch.ModelSpec refuses both).
   PCPKV_CHECK(indexer_types.empty() || static_cast<int64_t>(indexer_types.size()) == num_hidden_layers,
               "{}: indexer_types has {} entries but num_hidden_layers = {}", o, indexer_types.size(),
               num_hidden_layers);
