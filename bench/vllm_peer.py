@@ -111,36 +111,36 @@ def graph_us(torch, fn) -> float:
     return median_us(torch, g.replay, 10) / GRAPH_CALLS
 
 
-def inputs(torch, pk, spec, T: int, seed: int, kv_out: bool):
+def inputs(torch, pk, spec, T: int, seed: int, kv_out: bool, device="cuda"):
     """vLLM's argument set for T tokens (as its DSV32 attention builds them: q_c / kv_c / k_pe split from one
     projection output), seeded, with distinct slots and a few padding tokens; outputs poisoned."""
     gen = torch.Generator().manual_seed(seed)
     q_rank = spec.q_lora_rank
-    qkv = (torch.randn(T, q_rank + 512 + 64, generator=gen) * 2).to(torch.bfloat16).cuda()
+    qkv = (torch.randn(T, q_rank + 512 + 64, generator=gen) * 2).to(torch.bfloat16).to(device)
     q_c, kv_c, k_pe = qkv.split([q_rank, 512, 64], dim=-1)
-    index_k = (torch.randn(T, 128, generator=gen) * 2).to(torch.bfloat16).cuda()
+    index_k = (torch.randn(T, 128, generator=gen) * 2).to(torch.bfloat16).to(device)
     num_pos = T + 64
-    table = pk.rope_table(spec.rope, num_pos, "cuda")
+    table = pk.rope_table(spec.rope, num_pos, device)
     num_blocks = (T + BLOCK_SIZE - 1) // BLOCK_SIZE + 2
     slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:T]
     slots[torch.randperm(T, generator=gen)[:7]] = -1
-    w = lambda n: (1.0 + 0.1 * torch.randn(n, generator=gen)).cuda()  # noqa: E731
-    a = dict(positions=torch.randperm(num_pos, generator=gen)[:T].cuda(), q_c=q_c,
+    w = lambda n: (1.0 + 0.1 * torch.randn(n, generator=gen)).to(device)  # noqa: E731
+    a = dict(positions=torch.randperm(num_pos, generator=gen)[:T].to(device), q_c=q_c,
              q_rms_norm_w=w(q_rank).to(torch.bfloat16), q_rms_eps=spec.rms_norm_eps, kv_c=kv_c,
              kv_rms_norm_w=w(512).to(torch.bfloat16), kv_rms_eps=spec.rms_norm_eps, k_pe=k_pe,
              k_rope_cos_sin_cache=table, index_k=index_k, index_k_layer_norm_w=w(128),
              index_k_layer_norm_bias=0.1 * w(128), index_k_layer_norm_eps=spec.index_norm_eps,
              index_k_rope_cos_sin_cache=table.clone(),
-             topk_indices_buffer=torch.zeros(T, TOPK, dtype=torch.int32, device="cuda"),
-             slot_mapping=slots.cuda(),
-             indexer_k_cache=torch.full((num_blocks, BLOCK_SIZE, 132), 0xA5, dtype=torch.uint8, device="cuda"),
-             mla_kv_cache=torch.full((num_blocks, BLOCK_SIZE, 656), 0xA5, dtype=torch.uint8, device="cuda"),
+             topk_indices_buffer=torch.zeros(T, TOPK, dtype=torch.int32, device=device),
+             slot_mapping=slots.to(device),
+             indexer_k_cache=torch.full((num_blocks, BLOCK_SIZE, 132), 0xA5, dtype=torch.uint8, device=device),
+             mla_kv_cache=torch.full((num_blocks, BLOCK_SIZE, 656), 0xA5, dtype=torch.uint8, device=device),
              mla_kv_cache_dtype="fp8_ds_mla", mla_k_scale=None, has_indexer=True,
              index_rope_interleave=spec.indexer_rope_interleave,
-             q_c_out=torch.full((T, q_rank), 7, dtype=torch.bfloat16, device="cuda"))
+             q_c_out=torch.full((T, q_rank), 7, dtype=torch.bfloat16, device=device))
     if kv_out:
-        a["kv_c_out"] = torch.full((T, 512), 7, dtype=torch.bfloat16, device="cuda")
-        a["k_pe_out"] = torch.full((T, 64), 7, dtype=torch.bfloat16, device="cuda")
+        a["kv_c_out"] = torch.full((T, 512), 7, dtype=torch.bfloat16, device=device)
+        a["k_pe_out"] = torch.full((T, 64), 7, dtype=torch.bfloat16, device=device)
     return a
 
 
