@@ -135,7 +135,10 @@ def inputs(torch, pk, spec, T: int, seed: int, kv_out: bool, device="cuda"):
              slot_mapping=slots.to(device),
              indexer_k_cache=torch.full((num_blocks, BLOCK_SIZE, 132), 0xA5, dtype=torch.uint8, device=device),
              mla_kv_cache=torch.full((num_blocks, BLOCK_SIZE, 656), 0xA5, dtype=torch.uint8, device=device),
-             mla_kv_cache_dtype="fp8_ds_mla", mla_k_scale=None, has_indexer=True,
+             mla_kv_cache_dtype="fp8_ds_mla", has_indexer=True,
+             # a tensor, as vLLM's attention passes its _k_scale: None would make vLLM allocate and fill one per
+             # call (a memset in every captured call); unused by fp8_ds_mla on both sides
+             mla_k_scale=torch.ones(1, dtype=torch.float32, device=device),
              index_rope_interleave=spec.indexer_rope_interleave,
              q_c_out=torch.full((T, q_rank), 7, dtype=torch.bfloat16, device=device))
     if kv_out:
@@ -241,7 +244,8 @@ def main(argv=None) -> int:
         return skip(str(e))
     print(f"vLLM's fused_norm_rope: {how}")
     rule = ds_mla_rule(kernels) if args.ds_mla_scale == "auto" else args.ds_mla_scale
-    print(f"fp8_ds_mla tile scales: pcpkv writes {rule!r} ({'the loaded kernel' if args.ds_mla_scale == 'auto' else 'given'})")
+    source = "the loaded kernel's" if args.ds_mla_scale == "auto" else "--ds-mla-scale"
+    print(f"fp8_ds_mla tile scales: pcpkv writes {rule!r} ({source})")
     if not torch.cuda.is_available():
         return skip("no CUDA device (vLLM's kernel is Triton on CUDA)")
     sys.path.insert(0, os.path.join(ROOT, "python"))
