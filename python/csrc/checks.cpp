@@ -110,7 +110,7 @@ pcpkv::CacheFormat make_format(const std::string& kv_format, const std::string& 
     pcpkv::CacheFormat f;
     f.kv_format = pcpkv::parse_kv_format(kv_format, "kv_format");
     f.ds_mla_scale = pcpkv::parse_ds_mla_scale(ds_mla_scale, "ds_mla_scale");
-    // pcpkv::scale_problem, the rule pcpkv_torch.model.scale_problem mirrors; checked before the float32 cast.
+    // pcpkv::scale_problem, the rule pcpkv_torch.model_spec.scale_problem mirrors; checked before the float32 cast.
     if (const auto why = pcpkv::scale_problem(k_scale)) PCPKV_FAIL("k_scale = {} {}", k_scale, *why);
     f.k_scale = static_cast<float>(k_scale);
     f.has_indexer = has_indexer;
