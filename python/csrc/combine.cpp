@@ -28,14 +28,14 @@ struct CombineArgs {
 };
 
 constexpr Binding kCombine{"pcpkv::combine",
-                                  PCPKV_ARG(CombineArgs, rows),
-                                  PCPKV_ARG(CombineArgs, slot_mapping),
-                                  PCPKV_ARG(CombineArgs, mla_cache),
-                                  PCPKV_ARG(CombineArgs, index_cache),
-                                  PCPKV_ARG(CombineArgs, kv_format),
-                                  PCPKV_ARG(CombineArgs, ds_mla_scale),
-                                  PCPKV_ARG(CombineArgs, k_scale),
-                                  PCPKV_ARG(CombineArgs, has_indexer)};
+                           PCPKV_ARG(CombineArgs, rows),
+                           PCPKV_ARG(CombineArgs, slot_mapping),
+                           PCPKV_ARG(CombineArgs, mla_cache),
+                           PCPKV_ARG(CombineArgs, index_cache),
+                           PCPKV_ARG(CombineArgs, kv_format),
+                           PCPKV_ARG(CombineArgs, ds_mla_scale),
+                           PCPKV_ARG(CombineArgs, k_scale),
+                           PCPKV_ARG(CombineArgs, has_indexer)};
 
 /// Checks the tensors of a combine (staging rows -> local caches) and fills the contract.
 pcpkv::CombineParams make_combine_params(const CombineArgs& a) {

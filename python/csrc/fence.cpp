@@ -78,7 +78,8 @@ void fence_cpu(const FenceArgs& a) {
   for (int64_t b = 0; b < n; ++b) {
     e[b] = static_cast<uint64_t>(ep[b * a.num_barriers + a.barrier_idx]) + 1;
     ep[b * a.num_barriers + a.barrier_idx] = static_cast<int64_t>(e[b]);
-    for (int64_t peer = 0; peer < a.world; ++peer) slot(peer, e[b] & 1, a.first_rank + b).store(e[b], std::memory_order_release);
+    for (int64_t peer = 0; peer < a.world; ++peer)
+      slot(peer, e[b] & 1, a.first_rank + b).store(e[b], std::memory_order_release);
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(a.timeout_us);
   auto next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(pcpkv::kInterruptPollMs);
@@ -127,8 +128,8 @@ void fence_cuda(const FenceArgs& a) {
                     describe(a.pad_table));
   TORCH_CHECK_VALUE(a.epochs.scalar_type() == at::kLong && a.epochs.dim() == 2 && a.epochs.size(1) == a.num_barriers &&
                         a.epochs.is_contiguous(),
-                    "fence: epochs: expected contiguous int64 [num_local_ranks, num_barriers=", a.num_barriers, "], got ",
-                    describe(a.epochs));
+                    "fence: epochs: expected contiguous int64 [num_local_ranks, num_barriers=", a.num_barriers,
+                    "], got ", describe(a.epochs));
   const int64_t n = a.epochs.size(0);
   TORCH_CHECK_VALUE(a.first_rank >= 0 && n >= 1 && a.first_rank + n <= a.world, "fence: ranks [", a.first_rank, ", ",
                     a.first_rank + n, ") are not inside [0, world=", a.world, ")");

@@ -33,18 +33,18 @@ struct IndexerArgs {
 };
 
 constexpr Binding kIndexerTopk{"pcpkv::indexer_topk",
-                             PCPKV_ARG(IndexerArgs, q_fp8),
-                             PCPKV_ARG(IndexerArgs, q_scale),
-                             PCPKV_ARG(IndexerArgs, weights),
-                             PCPKV_ARG(IndexerArgs, positions),
-                             PCPKV_ARG(IndexerArgs, request_idx),
-                             PCPKV_ARG(IndexerArgs, block_tables),
-                             PCPKV_ARG(IndexerArgs, index_cache),
-                             PCPKV_ARG(IndexerArgs, out),
-                             PCPKV_ARG(IndexerArgs, positions_out),
-                             PCPKV_ARG(IndexerArgs, topk),
-                             PCPKV_ARG(IndexerArgs, max_keys),
-                             PCPKV_ARG(IndexerArgs, logit)};
+                               PCPKV_ARG(IndexerArgs, q_fp8),
+                               PCPKV_ARG(IndexerArgs, q_scale),
+                               PCPKV_ARG(IndexerArgs, weights),
+                               PCPKV_ARG(IndexerArgs, positions),
+                               PCPKV_ARG(IndexerArgs, request_idx),
+                               PCPKV_ARG(IndexerArgs, block_tables),
+                               PCPKV_ARG(IndexerArgs, index_cache),
+                               PCPKV_ARG(IndexerArgs, out),
+                               PCPKV_ARG(IndexerArgs, positions_out),
+                               PCPKV_ARG(IndexerArgs, topk),
+                               PCPKV_ARG(IndexerArgs, max_keys),
+                               PCPKV_ARG(IndexerArgs, logit)};
 
 /// The indexer's contract over the tensors (no max_keys yet: each implementation sets it).
 pcpkv::IndexerParams make_indexer_params(const IndexerArgs& a) {
@@ -119,7 +119,8 @@ void indexer_topk_cuda(const IndexerArgs& a) {
   const c10::cuda::CUDAGuard guard(dev);
   pcpkv::IndexerParams p = make_indexer_params(a);
   // Without max_keys: the most keys any token can address through its block table row (no host sync).
-  p.max_keys = a.max_keys.has_value() ? *a.max_keys : std::max<int64_t>(1, p.block_table_stride * p.geometry.block_size);
+  p.max_keys =
+      a.max_keys.has_value() ? *a.max_keys : std::max<int64_t>(1, p.block_table_stride * p.geometry.block_size);
   TORCH_CHECK_VALUE(p.max_keys >= 1 && p.max_keys < (int64_t{1} << 31), "indexer_topk: max_keys = ", p.max_keys,
                     " must be in [1, 2^31)", a.max_keys.has_value() ? "" : " (block_tables.size(1) * block_size)");
   if (p.num_tokens == 0) return;

@@ -30,15 +30,15 @@ struct InsertArgs {
 };
 
 constexpr Binding kInsert{"pcpkv::insert",
-                                 PCPKV_ARG(InsertArgs, kv_c),
-                                 PCPKV_ARG(InsertArgs, k_pe),
-                                 PCPKV_ARG(InsertArgs, index_k),
-                                 PCPKV_ARG(InsertArgs, slot_mapping),
-                                 PCPKV_ARG(InsertArgs, mla_cache),
-                                 PCPKV_ARG(InsertArgs, index_cache),
-                                 PCPKV_ARG(InsertArgs, kv_format),
-                                 PCPKV_ARG(InsertArgs, ds_mla_scale),
-                                 PCPKV_ARG(InsertArgs, k_scale)};
+                          PCPKV_ARG(InsertArgs, kv_c),
+                          PCPKV_ARG(InsertArgs, k_pe),
+                          PCPKV_ARG(InsertArgs, index_k),
+                          PCPKV_ARG(InsertArgs, slot_mapping),
+                          PCPKV_ARG(InsertArgs, mla_cache),
+                          PCPKV_ARG(InsertArgs, index_cache),
+                          PCPKV_ARG(InsertArgs, kv_format),
+                          PCPKV_ARG(InsertArgs, ds_mla_scale),
+                          PCPKV_ARG(InsertArgs, k_scale)};
 
 /// Checks the tensors of an insert and fills the contract; has_indexer = index_k given.
 pcpkv::InsertParams make_insert_params(const InsertArgs& a) {
@@ -60,7 +60,10 @@ pcpkv::InsertParams make_insert_params(const InsertArgs& a) {
   }
   // As in combine: rows are quantized and stored in any order, so no cache may overlap an input or the other cache.
   refuse_overlap("insert", written_caches(a.mla_cache, a.index_cache, p.fmt),
-                 {{"kv_c", &a.kv_c}, {"k_pe", &a.k_pe}, {"index_k", maybe(a.index_k)}, {"slot_mapping", &a.slot_mapping}},
+                 {{"kv_c", &a.kv_c},
+                  {"k_pe", &a.k_pe},
+                  {"index_k", maybe(a.index_k)},
+                  {"slot_mapping", &a.slot_mapping}},
                  true);
   return p;
 }

@@ -22,10 +22,10 @@ struct LseMergeArgs {
 };
 
 constexpr Binding kLseMerge{"pcpkv::lse_merge",
-                          PCPKV_ARG(LseMergeArgs, outs),
-                          PCPKV_ARG(LseMergeArgs, lses),
-                          PCPKV_ARG(LseMergeArgs, out),
-                          PCPKV_ARG(LseMergeArgs, lse)};
+                            PCPKV_ARG(LseMergeArgs, outs),
+                            PCPKV_ARG(LseMergeArgs, lses),
+                            PCPKV_ARG(LseMergeArgs, out),
+                            PCPKV_ARG(LseMergeArgs, lse)};
 
 pcpkv::LseMergeParams make_lse_merge_params(const LseMergeArgs& a) {
   TORCH_CHECK_VALUE(a.outs.defined(), "lse_merge: outs: missing");

@@ -28,17 +28,17 @@ struct SparseMlaArgs {
 };
 
 constexpr Binding kSparseMla{"pcpkv::sparse_mla",
-                           PCPKV_ARG(SparseMlaArgs, q),
-                           PCPKV_ARG(SparseMlaArgs, mla_cache),
-                           PCPKV_ARG(SparseMlaArgs, indices),
-                           PCPKV_ARG(SparseMlaArgs, out),
-                           PCPKV_ARG(SparseMlaArgs, lse),
-                           PCPKV_ARG(SparseMlaArgs, kv_format),
-                           PCPKV_ARG(SparseMlaArgs, ds_mla_scale),
-                           PCPKV_ARG(SparseMlaArgs, k_scale),
-                           PCPKV_ARG(SparseMlaArgs, softmax_scale),
-                           PCPKV_ARG(SparseMlaArgs, scale_read),
-                           PCPKV_ARG(SparseMlaArgs, kernel)};
+                             PCPKV_ARG(SparseMlaArgs, q),
+                             PCPKV_ARG(SparseMlaArgs, mla_cache),
+                             PCPKV_ARG(SparseMlaArgs, indices),
+                             PCPKV_ARG(SparseMlaArgs, out),
+                             PCPKV_ARG(SparseMlaArgs, lse),
+                             PCPKV_ARG(SparseMlaArgs, kv_format),
+                             PCPKV_ARG(SparseMlaArgs, ds_mla_scale),
+                             PCPKV_ARG(SparseMlaArgs, k_scale),
+                             PCPKV_ARG(SparseMlaArgs, softmax_scale),
+                             PCPKV_ARG(SparseMlaArgs, scale_read),
+                             PCPKV_ARG(SparseMlaArgs, kernel)};
 
 pcpkv::SparseMlaParams make_sparse_mla_params(const SparseMlaArgs& a) {
   TORCH_CHECK_VALUE(a.q.defined(), "sparse_mla: q: missing");
@@ -53,8 +53,8 @@ pcpkv::SparseMlaParams make_sparse_mla_params(const SparseMlaArgs& a) {
                     "sparse_mla: indices: expected int32 [num_tokens=", T, ", topk >= 1], got ", describe(a.indices));
   check_dense(a.out, "sparse_mla: out", {T, H, 512}, at::kFloat, dev);
   check_dense(a.lse, "sparse_mla: lse", {T, H}, at::kFloat, dev);
-  TORCH_CHECK_VALUE(a.mla_cache.defined() && a.mla_cache.device() == dev, "sparse_mla: mla_cache: expected a tensor on ",
-                    dev, ", got ", describe(a.mla_cache));
+  TORCH_CHECK_VALUE(a.mla_cache.defined() && a.mla_cache.device() == dev,
+                    "sparse_mla: mla_cache: expected a tensor on ", dev, ", got ", describe(a.mla_cache));
   // As the indexer: out and lse are written per (token, head) in any order, so neither may hold an input or the
   // other (lse a view into out).
   refuse_overlap("sparse_mla", {{"out", &a.out}, {"lse", &a.lse}},
