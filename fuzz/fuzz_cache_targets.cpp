@@ -1,5 +1,5 @@
 // libFuzzer target: the C++ validation behind pcpkv_torch's table constructors (make_cache_targets,
-// the dispatch's target tables). The Python-side checks in python/csrc/common.cpp read torch tensors
+// the dispatch's target tables). The Python-side checks in python/csrc/checks.cpp read torch tensors
 // (sizes, strides, dtypes) and then call these pcpkv checks; torch is not linked here, so the target feeds
 // the same values (format strings, k_scale, geometry a tensor's sizes/strides would give) straight in.
 // Property: a target that passes validation addresses every slot inside its geometry's bytes() without

@@ -37,6 +37,7 @@ def _sources():
     core += [os.path.join(src, "publish", f"{n}.cpp") for n in ("transport_choice", "transport_names")]
     cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
     cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
+    # The ops (csrc/registry.cpp: every schema; one file per op, whose CUDA half compiles with PCPKV_TORCH_CUDA).
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     # pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp)
     ranks = [os.path.join(src, f) for f in ("core/input_limits.cpp", "core/interrupt.cpp", "ranks/bootstrap.cpp",
@@ -44,7 +45,7 @@ def _sources():
                                             "ranks/bootstrap_socket.cpp", "ranks/bootstrap_wire.cpp",
                                             "ranks/tombstone.cpp",
                                             "ranks/symmetric_shm.cpp", "ranks/fd_limit.cpp")]
-    return core + cpu + ranks + [s for s in own if not s.endswith("_cuda.cpp")]
+    return core + cpu + ranks + own
 
 
 # pcpkv's CUDA sources behind the launchers of pcpkv/publish/kernels.h that the ops call (launch_dispatch,
@@ -52,11 +53,12 @@ def _sources():
 # device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch; read_env of core/env.cpp, in the
 # core list above). run_device_tests.sh refuses a build with an undefined pcpkv symbol, which is what a
 # source missing here looks like.
-# The consumer ops (csrc/consumers_cuda.cpp) call cuda::indexer, cuda::sparse_mla and cuda::lse_merge.
+# The consumer ops (csrc/indexer_topk.cpp, sparse_mla.cpp, lse_merge.cpp) call cuda::indexer, cuda::sparse_mla and
+# cuda::lse_merge.
 CUDA_SOURCES = ("publish/cuda/combine.cu", "publish/cuda/insert.cu", "publish/cuda/fence.cu", "core/cuda/device.cpp",
                 "consumers/cuda/indexer_kernels.cu", "consumers/cuda/sparse_mla_kernels.cu",
                 "consumers/cuda/sparse_mla_mma.cu", "consumers/cuda/lse_merge_kernels.cu")
-# Device symmetric memory of pcpkv_torch.distributed (csrc/symmetric_cuda.cpp): ranks/cuda/symmetric_vmm.cpp.
+# Device symmetric memory of pcpkv_torch.distributed (csrc/symmetric.cpp): ranks/cuda/symmetric_vmm.cpp.
 CUDA_SOURCES += ("ranks/cuda/symmetric_vmm.cpp",)
 # dispatch*.cu's CUDA-free half: the variant names and the PCPKV_DISPATCH_VARIANT rule (dispatch_variant.h).
 CUDA_SOURCES += ("publish/dispatch_variant.cpp",)
@@ -93,7 +95,6 @@ def _extensions():
     if not _want_cuda():
         return [CppExtension("pcpkv_torch._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    sources += sorted(glob.glob(os.path.join(HERE, "csrc", "*_cuda.cpp")))
     sources += _cuda_sources()
     defines = ["-DPCPKV_TORCH_CUDA=1"]
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-Xcompiler=-ffp-contract=off", "-DFMT_HEADER_ONLY=1",

@@ -1,5 +1,5 @@
 // python/csrc/bootstrap.cpp: torch.classes.pcpkv.Bootstrap and the host ops around it (make_job_token,
-// resource_counts). Docs: pcpkv_torch/distributed.py.
+// resource_counts; schemas: registry.cpp). Docs: pcpkv_torch/distributed.py.
 #include "bootstrap.h"
 
 #include <Python.h>
@@ -97,8 +97,11 @@ TORCH_LIBRARY_FRAGMENT(pcpkv, m) {
            })
       .def("close", [](const c10::intrusive_ptr<BootstrapHolder>& self) { self->boot.reset(); })
       .def("closed", [](const c10::intrusive_ptr<BootstrapHolder>& self) { return self->boot == nullptr; });
-  m.def("make_job_token() -> str", &make_job_token);
-  m.def("resource_counts() -> int[]", &resource_counts);
+}
+
+TORCH_LIBRARY_IMPL(pcpkv, CompositeImplicitAutograd, m) {
+  m.impl("make_job_token", &make_job_token);
+  m.impl("resource_counts", &resource_counts);
 }
 
 }  // namespace pcpkv_torch

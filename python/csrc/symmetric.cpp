@@ -1,19 +1,37 @@
-// python/csrc/symmetric.cpp: torch.classes.pcpkv.SymmetricBuffer and its test hook. Docs:
-// pcpkv_torch/distributed.py.
+// python/csrc/symmetric.cpp: torch.classes.pcpkv.SymmetricBuffer and its test hook set_symmetric_failure_for_test
+// (schema: registry.cpp). Host memory on every build; device memory (pcpkv's VMM symmetric memory) in CUDA builds.
+// Docs: pcpkv_torch/distributed.py.
 #include "symmetric.h"
 
 #include <ATen/Functions.h>
 #include <torch/library.h>
 
-namespace pcpkv_torch {
+#ifdef PCPKV_TORCH_CUDA
+#include "pcpkv/ranks/cuda.h"
+#endif
 
-#ifndef PCPKV_TORCH_CUDA
+namespace pcpkv_torch {
+namespace {
+
+// Device symmetric memory on the current CUDA device: pcpkv's VMM symmetric memory (src/ranks/cuda/symmetric_vmm.cpp);
+// RuntimeError in CPU-only builds. set_device_symmetric_failure: its test hook.
+#ifdef PCPKV_TORCH_CUDA
+std::unique_ptr<pcpkv::SymmetricMemory> make_device_symmetric(pcpkv::Bootstrap& group, int64_t bytes,
+                                                              const std::string& name, uint8_t fill) {
+  return pcpkv::cuda::make_device_symmetric(group, bytes, name, fill);
+}
+void set_device_symmetric_failure(int64_t group_rank, const std::string& why) {
+  pcpkv::cuda::set_device_symmetric_failure_for_test(static_cast<int32_t>(group_rank), why);
+}
+#else
 std::unique_ptr<pcpkv::SymmetricMemory> make_device_symmetric(pcpkv::Bootstrap&, int64_t, const std::string&,
                                                               uint8_t) {
   throw pcpkv::Error("device symmetric memory needs a CUDA build of pcpkv_torch (PCPKV_TORCH_CUDA=1)");
 }
 void set_device_symmetric_failure(int64_t, const std::string&) {}
 #endif
+
+}  // namespace
 
 SymmetricHolder::SymmetricHolder(const c10::intrusive_ptr<BootstrapHolder>& boot, int64_t bytes, std::string name,
                                  int64_t fill, std::string device_type, int64_t device_index)
@@ -71,9 +89,10 @@ TORCH_LIBRARY_FRAGMENT(pcpkv, m) {
       .def("buffer", [](const c10::intrusive_ptr<SymmetricHolder>& self, int64_t r) { return self->buffer(r); })
       .def("close", [](const c10::intrusive_ptr<SymmetricHolder>& self) { self->mem.reset(); })
       .def("closed", [](const c10::intrusive_ptr<SymmetricHolder>& self) { return self->mem == nullptr; });
-  // Test hook: the allocation on group rank `group_rank` fails to map its peers with reason `why` (-1: off).
-  m.def("set_symmetric_failure_for_test(int group_rank, str why, str device_type) -> ()",
-        &set_symmetric_failure_for_test);
+}
+
+TORCH_LIBRARY_IMPL(pcpkv, CompositeImplicitAutograd, m) {
+  m.impl("set_symmetric_failure_for_test", &set_symmetric_failure_for_test);
 }
 
 }  // namespace pcpkv_torch

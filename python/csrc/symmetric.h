@@ -1,7 +1,7 @@
 // python/csrc/symmetric.h: pcpkv symmetric memory (pcpkv/ranks/symmetric.h) as a torch custom class,
 // torch.classes.pcpkv.SymmetricBuffer: every rank's buffer of a Bootstrap group mapped here, handed out as
 // uint8 tensors. Host memory: POSIX shared memory (make_host_symmetric); CUDA: VMM handles passed as file
-// descriptors (cuda::make_device_symmetric, symmetric_cuda.cpp).
+// descriptors (cuda::make_device_symmetric, CUDA builds).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,12 +15,6 @@
 #include "pcpkv/ranks/symmetric.h"
 
 namespace pcpkv_torch {
-
-/// Device symmetric memory on the current CUDA device (symmetric_cuda.cpp; RuntimeError in CPU-only builds).
-std::unique_ptr<pcpkv::SymmetricMemory> make_device_symmetric(pcpkv::Bootstrap& group, int64_t bytes,
-                                                              const std::string& name, uint8_t fill);
-/// Test hook of the device allocation (pcpkv::cuda::set_device_symmetric_failure_for_test).
-void set_device_symmetric_failure(int64_t group_rank, const std::string& why);
 
 struct SymmetricHolder : torch::CustomClassHolder {
   // Shared with every tensor handed out (their deleters hold a reference): the mappings go when close() was

@@ -4,7 +4,8 @@
 // the arguments with the same messages (tests/test_vllm_dropin.py holds them), converts the cos/sin tables and norm
 // weights and reads a k_scale tensor once per source tensor, builds the one-replica cache table once per cache, and
 // calls pcpkv::dispatch through the dispatcher's typed handle (its CPU or CUDA kernel: the same host code for both
-// builds). The fake kernel is registered in Python (pcpkv_torch/vllm.py).
+// builds), its arguments by name (DispatchArgs, dispatch.h). Schema: registry.cpp. The fake kernel is registered in
+// Python (pcpkv_torch/vllm.py).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/intrusive_ptr.h>
@@ -19,7 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "common.h"
+#include "checks.h"
+#include "dispatch.h"
 #include "pcpkv/core/layout.h"
 #include "pcpkv/publish/cpu.h"
 
@@ -322,17 +324,6 @@ std::pair<at::Tensor, at::Tensor> cache_targets(const at::Tensor& mla, const at:
   return {host, table};
 }
 
-using DispatchOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, at::TensorList, c10::string_view, c10::string_view, double,
-                        bool, double, double, double, bool, bool, bool, c10::string_view, int64_t);
-
 std::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
 at::Tensor get(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
@@ -494,30 +485,44 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
     if (writes_idx) written.push_back(indexer_k_cache);
   }
 
-  static const auto dispatch =
-      c10::Dispatcher::singleton().findSchemaOrThrow("pcpkv::dispatch", "").typed<DispatchOp>();
+  // pcpkv::dispatch through the dispatcher (its CPU or CUDA kernel), its arguments by name (dispatch.h).
+  static const auto dispatch = typed_op(kDispatch);
   const bool idx = cf.has_indexer;
-  dispatch.call(kv_c, k_pe, positions, f32(kv_rms_norm_w), rope, q_c, f32(q_rms_norm_w),
-                idx ? opt(index_k) : std::nullopt,
-                idx ? opt(f32(index_ln_w)) : std::nullopt, idx ? opt(f32(index_ln_b)) : std::nullopt, opt(slot_mapping),
-                targets, targets_host, std::nullopt, std::nullopt, q_c_out, opt(kv_c_out), opt(k_pe_out),
-                opt(index_k_out), opt(topk), written, cd.format_name, ds_mla_scale,
-                cf.k_scale, cf.has_indexer, q_rms_eps, kv_rms_eps, index_k_layer_norm_eps,
-                /*mla_rope_interleaved=*/true, index_rope_interleave, /*index_hadamard=*/false, "full", 0);
+  call(dispatch, kDispatch,
+       DispatchArgs{.kv = kv_c,
+                    .k_pe = k_pe,
+                    .positions = positions,
+                    .kv_norm_w = f32(kv_rms_norm_w),
+                    .rope_cos_sin = rope,
+                    .q_c = q_c,
+                    .q_norm_w = f32(q_rms_norm_w),
+                    .index_k = idx ? opt(index_k) : std::nullopt,
+                    .index_ln_w = idx ? opt(f32(index_ln_w)) : std::nullopt,
+                    .index_ln_b = idx ? opt(f32(index_ln_b)) : std::nullopt,
+                    .slot_mapping = opt(slot_mapping),
+                    .targets = targets,
+                    .targets_host = targets_host,
+                    .q_c_out = q_c_out,
+                    .kv_c_out = opt(kv_c_out),
+                    .k_pe_out = opt(k_pe_out),
+                    .index_k_out = opt(index_k_out),
+                    .topk_fill = opt(topk),
+                    .written = std::move(written),
+                    .kv_format = cd.format_name,
+                    .ds_mla_scale = std::string(ds_mla_scale),
+                    .k_scale = cf.k_scale,
+                    .has_indexer = cf.has_indexer,
+                    .q_eps = q_rms_eps,
+                    .kv_eps = kv_rms_eps,
+                    .index_eps = index_k_layer_norm_eps,
+                    .mla_rope_interleaved = true,
+                    .index_rope_interleaved = index_rope_interleave,
+                    .index_hadamard = false,
+                    .topk_fill_mode = "full",
+                    .topk_indexer_rows = 0});
 }
 
 }  // namespace
-
-TORCH_LIBRARY(pcpkv_vllm, m) {
-  m.def("fused_norm_rope(Tensor positions, Tensor q_c, Tensor q_rms_norm_w, float q_rms_eps, Tensor kv_c, "
-        "Tensor kv_rms_norm_w, float kv_rms_eps, Tensor k_pe, Tensor k_rope_cos_sin_cache, Tensor? index_k, "
-        "Tensor? index_k_layer_norm_w, Tensor? index_k_layer_norm_bias, float index_k_layer_norm_eps, "
-        "Tensor? index_k_rope_cos_sin_cache, Tensor(a!) topk_indices_buffer, Tensor? slot_mapping, "
-        "Tensor(b!)? indexer_k_cache, Tensor(c!)? mla_kv_cache, str mla_kv_cache_dtype, Tensor? mla_k_scale, "
-        "float mla_k_scale_value, bool has_indexer, bool index_rope_interleave, Tensor(d!) q_c_out, "
-        "Tensor(e!)? kv_c_out, Tensor(f!)? k_pe_out, Tensor(g!)? index_k_out, Tensor? indexer_slot_mapping, "
-        "str ds_mla_scale) -> ()");
-}
 
 // Every backend (CPU and CUDA builds alike: host code; the dispatch it calls picks the kernel). The Meta kernel is
 // the Python fake (pcpkv_torch/vllm.py), which sends a call mixing meta and real tensors back here to be refused.

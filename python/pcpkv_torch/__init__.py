@@ -1,10 +1,11 @@
 """pcpkv_torch: PyTorch custom ops (namespace ``torch.ops.pcpkv``) for pcpkv's PCP KV-cache publication.
 
 Importing the package loads the compiled library (pcpkv_torch._C, built by python/setup.py) and registers
-the fake kernels. Without torch only the pure-Python model helpers (pcpkv_torch.model) import.
+the fake kernels. Without torch only the pure-Python model spec (pcpkv_torch.model_spec) imports.
 """
 
-from .model import MLA_ROW_BYTES, CacheFormat, ModelSpec, RopeSpec, transport_row_bytes
+from . import model  # noqa: F401  (model_spec's former name: pcpkv_torch.model keeps working)
+from .model_spec import MLA_ROW_BYTES, CacheFormat, ModelSpec, RopeSpec, transport_row_bytes
 
 try:
     import torch as _torch

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .model import CacheFormat, check_cache_format, scale_problem
+from .model_spec import CacheFormat, check_cache_format, scale_problem
 
 __all__ = ["quantize_index_q", "indexer_topk", "sparse_mla", "lse_merge", "INDEXER_MAX_TOPK", "INDEXER_MAX_HEADS"]
 

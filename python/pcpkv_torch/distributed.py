@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .model import MLA_ROW_BYTES, CacheFormat, check_cache_format
+from .model_spec import MLA_ROW_BYTES, CacheFormat, check_cache_format
 from .rank_agreement import agree_on, share_verdicts, torch_gather
 from .tables import CacheTargets, FenceState, RowDests, check_num_barriers
 

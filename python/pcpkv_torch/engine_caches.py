@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .model import CacheFormat, check_cache_format
+from .model_spec import CacheFormat, check_cache_format
 from .rank_agreement import torch_gather
 from .tables import (CacheTargets, FenceState, RowDests, _describe, _index_geometry, _mla_geometry, check_num_barriers,
                      first_overlap)

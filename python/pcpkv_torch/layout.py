@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from .model import MLA_ROW_BYTES, CacheFormat, scale_problem
+from .model_spec import MLA_ROW_BYTES, CacheFormat, scale_problem
 
 __all__ = [
     "allocate_mla_cache",

@@ -17,13 +17,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .model import CacheFormat, RopeSpec, check_cache_format
+from .model_spec import CacheFormat, RopeSpec, check_cache_format
 from .tables import CacheTargets, FenceState, RowDests
 
 __all__ = ["rope_table", "dispatch", "combine", "insert", "fence", "validate_slots", "cuda_dispatch_impl"]
 
 Tensor = torch.Tensor
-#: The most positions rope_table() builds (python/csrc/ops.cpp kMaxRopeTablePositions): a 64 GiB table.
+#: The most positions rope_table() builds (python/csrc/rope_table.cpp kMaxRopeTablePositions): a 64 GiB table.
 MAX_ROPE_POSITIONS = 1 << 28
 
 

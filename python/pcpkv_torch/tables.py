@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .model import CacheFormat, check_cache_format
+from .model_spec import CacheFormat, check_cache_format
 
 __all__ = ["CacheTargets", "RowDests", "FenceState", "allocate_fence_pads", "peer_pointers", "pointer_table"]
 

@@ -75,7 +75,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _C  # noqa: F401  registers torch.ops.pcpkv_vllm.fused_norm_rope
-from .model import FLT_MAX
+from .model_spec import FLT_MAX
 
 __all__ = ["fused_norm_rope", "KV_CACHE_DTYPES", "SIGNATURE_SOURCE"]
 

@@ -57,7 +57,7 @@ import torch
 
 from .engine_caches import EngineCaches
 from .layout import allocate_staging
-from .model import CacheFormat, scale_problem
+from .model_spec import CacheFormat, scale_problem
 from .ops import combine, dispatch, fence, insert
 from .rank_agreement import share_verdicts_and_agree_on, torch_gather
 from .transport import TRANSPORTS, choose_transport

@@ -227,7 +227,7 @@ def hf_check(model, make, ids, args, device) -> bool:
 def run_cli(entry, who: str = "") -> int:
     """Runs entry(); refused input (ValueError, exit 2) or a failed run (RuntimeError, MemoryError, exit 3) is
     one line "pcpkv: error: <who><message>" on stderr, no traceback. Shared by the examples. The "pcpkv: " the
-    extension puts before a library error (csrc/common.h translate_errors) is dropped: the line has one prefix
+    extension puts before a library error (csrc/checks.h translate_errors) is dropped: the line has one prefix
     ("pcpkv: error: rank 0: rope: ...", not "pcpkv: error: rank 0: pcpkv: rope: ...")."""
     try:
         return entry()

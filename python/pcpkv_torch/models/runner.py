@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..consumers import INDEXER_MAX_HEADS, INDEXER_MAX_TOPK
-from ..model import ModelSpec
+from ..model_spec import ModelSpec
 from ..plan import check_plan_modes
 from .attention import PcpAttention, PcpRuntime
 from .batch import BlockTables, StepBatch, StepRequest

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..layout import allocate_indexer_cache, allocate_mla_cache, allocate_staging
-from ..model import CacheFormat, ModelSpec
+from ..model_spec import CacheFormat, ModelSpec
 from ..ops import combine, dispatch, fence, insert, rope_table
 from ..tables import CacheTargets, FenceState, RowDests, allocate_fence_pads
 from ..transport import TRANSPORTS, one_process_topology, resolve_transport

@@ -1,14 +1,16 @@
-// python/csrc/common.h: tensor -> pcpkv contract helpers shared by the CPU and CUDA op implementations.
+// python/csrc/checks.h: the tensor checks every op shares (its file maps the op's arguments onto pcpkv's
+// parameter structs with them), on the CPU and CUDA alike.
 //
 // Every check raises a Python ValueError (TORCH_CHECK_VALUE) naming the argument, its expected and its
 // actual dtype/shape/device, before anything is launched or written. pcpkv::Error from the library is
 // translated the same way (translate_errors).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
-#include <array>
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -36,6 +38,9 @@ auto translate_errors(Fn&& fn) -> decltype(fn()) {
 
 std::string describe(const at::Tensor& t);
 
+/// Threads of the CPU reference kernels: torch's intra-op count, at most 16.
+inline int cpu_threads() { return std::max(1, std::min(at::get_num_threads(), 16)); }
+
 /// A [rows, cols] bf16 tensor with unit inner stride on `device`; returns its row stride in elements.
 int64_t check_bf16_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t cols, const c10::Device& device);
 /// A contiguous tensor of exactly `sizes` and `dtype` on `device` (an output the kernel writes densely).
@@ -43,6 +48,10 @@ void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, a
                  const c10::Device& device);
 /// A 1-d contiguous tensor of n elements of `dtype` on `device`.
 void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device);
+/// A contiguous tensor of `dtype` with `dim` dimensions on `dev`; the message names the expected shape (e.g.
+/// "[num_tokens, num_heads, 128]").
+void check_nd(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const char* shape,
+              const c10::Device& dev);
 
 /// The one overlap contract of the ops, the Python tables (torch.ops.pcpkv.first_overlap / first_range_overlap) and
 /// the library's own parameter checks: pcpkv::ByteRange and pcpkv::first_overlap (pcpkv/core/byte_range.h).
@@ -77,6 +86,10 @@ inline const at::Tensor* maybe(const std::optional<at::Tensor>& t) { return t ? 
 /// one of `reads`, and that tensor (first_overlap): "op: a (...) shares memory with b (...): an output must not
 /// overlap an input or another output ...". Every op checks its outputs with it before anything is written.
 void refuse_overlap(const char* op, const Named& writes, const Named& reads, bool writes_pairwise);
+/// The caches a combine / insert writes, for refuse_overlap (target_of checked them; the index cache only on a layer
+/// with an indexer).
+Named written_caches(const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
+                     const pcpkv::CacheFormat& fmt);
 
 /// Every tensor of `written` (an op's list of tensors declared as mutated) on the device type of `dev`, the device of
 /// the op's argument `ref` (another index is fine: a peer's replica): ValueError naming written[i] and its device.
@@ -116,36 +129,5 @@ T* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? static_cast<T*>(t->data_ptr()) : nullptr;
 }
 inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
-/// The dispatch parameters the CPU and CUDA implementations share; tables are filled by the caller.
-struct DispatchArgs {
-  at::Tensor kv, k_pe, positions, kv_norm_w, rope_cos_sin;
-  std::optional<at::Tensor> q_c, q_norm_w, index_k, index_ln_w, index_ln_b, slot_mapping;
-  std::optional<at::Tensor> q_c_out, kv_c_out, k_pe_out, index_k_out, topk_fill;
-  std::string kv_format, ds_mla_scale;
-  double k_scale = 1.0;
-  bool has_indexer = true;
-  double q_eps = 1e-6, kv_eps = 1e-6, index_eps = 1e-6;
-  bool mla_rope_interleaved = true, index_rope_interleaved = false, index_hadamard = false;
-  std::string topk_fill_mode = "full";  // pcpkv::TopkFill: full | tail | none
-  int64_t topk_indexer_rows = 0;        // tail: rows [0, n) the indexer top-k writes
-  std::array<at::Tensor, 4> tables;     // targets, targets_host, row_dests, row_dests_host (undefined: not given)
-  std::vector<at::Tensor> written;      // the op's `written`: the tensors behind the tables (may repeat each other)
-};
-/// Checks every tensor of a dispatch (dtype, shape, device; no output sharing memory with an input, a table, a
-/// written tensor or another output; no written tensor with an input or a table) and fills the contract (no
-/// tables yet).
-pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a);
-
-/// Checks the tensors of a combine (staging rows -> local caches) and fills the contract.
-pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tensor& slot_mapping,
-                                         const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
-                                         c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
-                                         bool has_indexer);
-/// Checks the tensors of an insert (collect path) and fills the contract; has_indexer = index_k given.
-pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor& k_pe,
-                                       const std::optional<at::Tensor>& index_k, const at::Tensor& slot_mapping,
-                                       const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
-                                       c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale);
 
 }  // namespace pcpkv_torch
