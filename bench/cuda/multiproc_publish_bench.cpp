@@ -18,7 +18,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/multiproc_fence.h"
+#include "publish/drivers/cuda/multiproc_fence.h"
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/publish/cuda_multiproc.h"
 #include "pcpkv/core/error.h"

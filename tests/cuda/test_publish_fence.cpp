@@ -12,7 +12,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/local_fence.h"
+#include "publish/drivers/cuda/local_fence.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"
 #include "support/gpu.h"

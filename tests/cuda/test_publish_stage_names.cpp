@@ -9,9 +9,9 @@
 
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/cuda.h"
-#include "publish/cuda/publisher.h"
-#include "publish/publish_layout.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/cuda/publisher.h"
+#include "publish/drivers/publish_layout.h"
+#include "publish/drivers/transport_table.h"
 #include "support/gpu.h"
 #include "support/publish_case.h"
 #include "support/stage_cases.h"

@@ -16,7 +16,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/publisher.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"

@@ -18,8 +18,8 @@
 #include "core/cuda/buffers.h"
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/replica_hash.h"
-#include "publish/cuda/device_replica_check.h"
-#include "publish/cuda/publisher.h"
+#include "publish/checks/cuda/device_replica_check.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "support/gpu.h"
 #include "support/publish_case.h"
 

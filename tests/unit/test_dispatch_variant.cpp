@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "pcpkv/core/error.h"
-#include "publish/dispatch_variant.h"
+#include "publish/contract/dispatch_variant.h"
 #include "support/error_of.h"
 
 namespace pcpkv::cuda_detail {

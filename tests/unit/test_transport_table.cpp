@@ -10,8 +10,8 @@
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/backend.h"
-#include "publish/publish_layout.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/publish_layout.h"
+#include "publish/drivers/transport_table.h"
 #include "support/publish_case.h"
 #include "support/stage_cases.h"
 

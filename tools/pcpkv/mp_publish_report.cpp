@@ -9,7 +9,7 @@
 
 #include "mp_publish.h"
 #include "pcpkv/flag_checks.h"
-#include "publish/publish_layout.h"
+#include "publish/drivers/publish_layout.h"
 
 namespace pcpkv::cli {
 namespace {

@@ -1,5 +1,5 @@
 // LocalFence: see local_fence.h.
-#include "publish/cuda/local_fence.h"
+#include "publish/drivers/cuda/local_fence.h"
 
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/ranks/fence.h"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "pcpkv/publish/backend.h"
-#include "publish/publish_layout.h"
+#include "publish/drivers/publish_layout.h"
 
 namespace pcpkv::mp {
 

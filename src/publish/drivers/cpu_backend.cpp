@@ -21,8 +21,8 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/ranks/fence.h"
 #include "pcpkv/core/rope.h"
-#include "publish/publish_layout.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/publish_layout.h"
+#include "publish/drivers/transport_table.h"
 
 namespace pcpkv {
 namespace {

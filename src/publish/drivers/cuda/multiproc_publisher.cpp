@@ -12,8 +12,8 @@
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
 #include "pcpkv/publish/kernels.h"
-#include "publish/cuda/multiproc_fence.h"
-#include "publish/cuda/publisher.h"
+#include "publish/drivers/cuda/multiproc_fence.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/publish/cuda_multiproc.h"
@@ -22,8 +22,8 @@
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/ranks/launch.h"
 #include "pcpkv/core/rope.h"
-#include "publish/publish_layout.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/publish_layout.h"
+#include "publish/drivers/transport_table.h"
 
 namespace pcpkv::cuda {
 

@@ -12,7 +12,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/publisher.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "pcpkv/publish/cuda.h"
 
 namespace pcpkv {

@@ -1,5 +1,5 @@
 // Publisher: see publisher.h.
-#include "publish/cuda/publisher.h"
+#include "publish/drivers/cuda/publisher.h"
 
 #include <algorithm>
 
@@ -7,7 +7,7 @@
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/pdl.h"
 #include "pcpkv/core/rope.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/transport_table.h"
 
 namespace pcpkv::cuda_detail {
 

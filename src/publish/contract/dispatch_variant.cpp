@@ -1,6 +1,6 @@
 // Names of the dispatch kernel variants (pcpkv/publish/kernels.h) and the PCPKV_DISPATCH_VARIANT rule
 // (dispatch_variant.h). CUDA-free: in pcpkv_core, so the CPU build tests them too.
-#include "publish/dispatch_variant.h"
+#include "publish/contract/dispatch_variant.h"
 
 #include <string>
 

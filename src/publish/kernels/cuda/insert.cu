@@ -9,7 +9,7 @@
 
 #include "core/cuda/check.h"
 #include "core/cuda/device.h"
-#include "publish/cuda/kernel_util.cuh"
+#include "publish/kernels/cuda/kernel_util.cuh"
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 

@@ -19,8 +19,8 @@
 #include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/core/rope.h"
 #include "pcpkv/ranks/symmetric.h"
-#include "publish/publish_layout.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/publish_layout.h"
+#include "publish/drivers/transport_table.h"
 
 namespace pcpkv {
 

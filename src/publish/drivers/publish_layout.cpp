@@ -1,5 +1,5 @@
 // Shared layout and checks of the per-process publication drivers (see publish_layout.h).
-#include "publish/publish_layout.h"
+#include "publish/drivers/publish_layout.h"
 
 #include <algorithm>
 

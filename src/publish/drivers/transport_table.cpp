@@ -1,5 +1,5 @@
 // The transport tables and their byte model (see transport_table.h; docs/perf.md section 1).
-#include "publish/transport_table.h"
+#include "publish/drivers/transport_table.h"
 
 #include <algorithm>
 #include <array>

@@ -27,8 +27,8 @@
 #include <unordered_map>
 
 #include "core/cuda/check.h"
-#include "publish/cuda/dispatch_args.cuh"
-#include "publish/cuda/kernel_util.cuh"
+#include "publish/kernels/cuda/dispatch_args.cuh"
+#include "publish/kernels/cuda/kernel_util.cuh"
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/pdl.h"

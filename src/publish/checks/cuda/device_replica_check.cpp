@@ -1,5 +1,5 @@
 // DeviceReplicaCheck (src/publish/cuda/device_replica_check.h): W replicas of one GPU hashed and compared there.
-#include "publish/cuda/device_replica_check.h"
+#include "publish/checks/cuda/device_replica_check.h"
 
 #include <algorithm>
 #include <utility>

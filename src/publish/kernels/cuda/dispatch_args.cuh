@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "publish/cuda/kernel_util.cuh"
+#include "publish/kernels/cuda/kernel_util.cuh"
 #include "pcpkv/publish/dispatch.h"
 #include "pcpkv/core/layout.h"
 

@@ -24,9 +24,9 @@
 #include <unordered_map>
 
 #include "core/cuda/check.h"
-#include "publish/cuda/dispatch_args.cuh"
-#include "publish/cuda/kernel_util.cuh"
-#include "publish/dispatch_variant.h"
+#include "publish/kernels/cuda/dispatch_args.cuh"
+#include "publish/kernels/cuda/kernel_util.cuh"
+#include "publish/contract/dispatch_variant.h"
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/core/env.h"

@@ -1,6 +1,6 @@
 // CPU reference of the staging combine and the collect insert (SPEC section 5).
 #include "core/parallel.h"
-#include "publish/cpu/rows.h"
+#include "publish/kernels/cpu/rows.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/device/codec.h"
 

@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "core/parallel.h"
-#include "publish/cpu/rows.h"
+#include "publish/kernels/cpu/rows.h"
 #include "pcpkv/publish/cpu.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/device/codec.h"

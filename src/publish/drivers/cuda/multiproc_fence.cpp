@@ -1,5 +1,5 @@
 // RankFence: see multiproc_fence.h.
-#include "publish/cuda/multiproc_fence.h"
+#include "publish/drivers/cuda/multiproc_fence.h"
 
 #include <chrono>
 #include <thread>
@@ -12,7 +12,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/ranks/fence.h"
 #include "pcpkv/publish/multiproc.h"
-#include "publish/publish_layout.h"
+#include "publish/drivers/publish_layout.h"
 
 namespace pcpkv::cuda_detail {
 

@@ -16,10 +16,10 @@
 
 #include "core/cuda/buffers.h"
 #include "pcpkv/publish/kernels.h"
-#include "publish/cuda/local_fence.h"
+#include "publish/drivers/cuda/local_fence.h"
 #include "pcpkv/publish/backend.h"
-#include "publish/publish_layout.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/publish_layout.h"
+#include "publish/drivers/transport_table.h"
 
 namespace pcpkv::cuda_detail {
 
