@@ -37,7 +37,8 @@ def _sources():
     core += [os.path.join(src, "publish", f) for f in ("drivers/transport_choice.cpp", "contract/transport_names.cpp")]
     cpu = [os.path.join(src, "publish", "kernels", "cpu", f"{n}.cpp") for n in ("dispatch", "combine")]
     cpu += [os.path.join(src, "publish", "contract", "validate_params.cpp")]
-    cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
+    cpu += [os.path.join(src, "consumers", "kernels", "cpu", f"{n}.cpp")
+            for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     # pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp)
     ranks = [os.path.join(src, f) for f in ("core/input_limits.cpp", "core/interrupt.cpp", "ranks/bootstrap.cpp",
@@ -54,8 +55,8 @@ def _sources():
 # The consumer ops (csrc/consumers_cuda.cpp) call cuda::indexer, cuda::sparse_mla and cuda::lse_merge.
 CUDA_SOURCES = ("publish/kernels/cuda/combine.cu", "publish/kernels/cuda/insert.cu", "publish/kernels/cuda/fence.cu",
                 "core/cuda/device.cpp",
-                "consumers/cuda/indexer_kernels.cu", "consumers/cuda/sparse_mla_kernels.cu",
-                "consumers/cuda/sparse_mla_mma.cu", "consumers/cuda/lse_merge_kernels.cu")
+                "consumers/kernels/cuda/indexer_kernels.cu", "consumers/kernels/cuda/sparse_mla_kernels.cu",
+                "consumers/kernels/cuda/sparse_mla_mma.cu", "consumers/kernels/cuda/lse_merge_kernels.cu")
 # Device symmetric memory of pcpkv_torch.distributed (csrc/symmetric_cuda.cpp): ranks/cuda/symmetric_vmm.cpp.
 CUDA_SOURCES += ("ranks/cuda/symmetric_vmm.cpp",)
 # dispatch*.cu's CUDA-free half: the variant names and the PCPKV_DISPATCH_VARIANT rule (dispatch_variant.h).

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "consumers/attention_check_internal.h"
+#include "consumers/checks/attention_check_internal.h"
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"

@@ -22,7 +22,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "consumers/cuda/sparse_mla_mma.h"
+#include "consumers/kernels/cuda/sparse_mla_mma.h"
 #include "pcpkv/device/consumers.h"
 #include "pcpkv/device/fp32.h"
 #include "pcpkv/core/error.h"

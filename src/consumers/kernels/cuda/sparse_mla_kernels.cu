@@ -11,7 +11,7 @@
 #include "pcpkv/device/consumers.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/consumers/sparse_mla.h"
-#include "consumers/cuda/sparse_mla_mma.h"
+#include "consumers/kernels/cuda/sparse_mla_mma.h"
 
 namespace pcpkv::cuda {
 

@@ -25,7 +25,7 @@
 #include <utility>
 
 #include "core/cuda/check.h"
-#include "serving/cuda/router_small.h"
+#include "serving/kernels/cuda/router_small.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/pdl.h"
 

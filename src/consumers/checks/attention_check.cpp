@@ -6,7 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#include "consumers/attention_check_internal.h"
+#include "consumers/checks/attention_check_internal.h"
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/inputs.h"
