@@ -1,5 +1,6 @@
 // The run-time replica check (pcpkv/publish/replica_hash.h; docs/spec.md section 5.2): which slots it hashes, the
-// Check it reports, the one-process and the one-process-per-rank comparisons, and its switch PCPKV_CHECK_REPLICAS.
+// Check it reports, the one-process comparison and its switch PCPKV_CHECK_REPLICAS (the one-process-per-rank
+// comparison exchanges hashes between ranks: src/publish/drivers/replica_check_across.cpp).
 #include <algorithm>
 #include <chrono>
 #include <string>
@@ -10,20 +11,22 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/device/replica_hash.h"
 #include "pcpkv/publish/replica_hash.h"
-#include "pcpkv/ranks/bootstrap.h"
+#include "publish/checks/replica_check.h"
 
 namespace pcpkv {
-namespace {
 
-std::string rank_name(int32_t q, const std::vector<int32_t>& rank_names) {
+std::string replica_rank_name(int32_t q, const std::vector<int32_t>& rank_names) {
   return rank_names.size() > static_cast<size_t>(q) ? fmt::format("{}", rank_names[static_cast<size_t>(q)])
                                                     : fmt::format("{}", q);
 }
 
+namespace {
+
 // "rank 7" / "ranks 3, 7" (at most 20 named, then "and N more").
 std::string ranks_phrase(const std::vector<int32_t>& ranks, const std::vector<int32_t>& rank_names) {
   std::string list;
-  for (size_t k = 0; k < ranks.size() && k < 20; ++k) list += (k ? ", " : "") + rank_name(ranks[k], rank_names);
+  for (size_t k = 0; k < ranks.size() && k < 20; ++k)
+    list += (k ? ", " : "") + replica_rank_name(ranks[k], rank_names);
   if (ranks.size() > 20) list += fmt::format(" and {} more", ranks.size() - 20);
   return fmt::format("rank{} {}", ranks.size() == 1 ? "" : "s", list);
 }
@@ -77,7 +80,7 @@ Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::v
   const std::string where = site_text(site);
   if (c.pass) {
     c.detail = fmt::format("{} replicas x {} written slots ({} B hashed per slot) equal rank {}'s hashes, {}", W, n,
-                           bytes_per_slot, rank_name(0, rank_names), where);
+                           bytes_per_slot, replica_rank_name(0, rank_names), where);
     return c;
   }
   // A rank that differs at some slot has its first difference there or earlier; so the ranks differing at the
@@ -86,7 +89,7 @@ Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::v
     if (diffs[static_cast<size_t>(q)].first == first) at_first.push_back(q);
   std::string per_rank;
   for (size_t k = 0; k < differing.size() && k < 20; ++k)
-    per_rank += fmt::format("{}{}: {}", k ? ", " : "", rank_name(differing[k], rank_names),
+    per_rank += fmt::format("{}{}: {}", k ? ", " : "", replica_rank_name(differing[k], rank_names),
                             diffs[static_cast<size_t>(differing[k])].num_diff);
   if (differing.size() > 20) per_rank += fmt::format(" and {} more ranks", differing.size() - 20);
   std::string others;
@@ -101,7 +104,7 @@ Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::v
       "{}: {} {} from rank {} at slot {} (the first differing slot of the {} written in this layer; differing slots "
       "per rank: {}){}; replicas diverged",
       where, ranks_phrase(at_first, rank_names), at_first.size() == 1 ? "differs" : "differ",
-      rank_name(0, rank_names), slots[static_cast<size_t>(first)], n, per_rank, others);
+      replica_rank_name(0, rank_names), slots[static_cast<size_t>(first)], n, per_rank, others);
   return c;
 }
 
@@ -146,33 +149,6 @@ uint64_t replica_hashes_digest(const std::vector<uint64_t>& hashes) {
   uint64_t d = 0;
   for (size_t i = 0; i < hashes.size(); ++i) d += hash::replica_hash_weight(i) * hashes[i];
   return d;
-}
-
-Check check_replica_hashes_across(Bootstrap& group, const std::vector<uint64_t>& mine,
-                                  const std::vector<int64_t>& slots, int64_t bytes_per_slot,
-                                  const ReplicaCheckSite& site, const std::vector<int32_t>& rank_names) {
-  const int32_t W = group.world_size();
-  PCPKV_CHECK(mine.size() == slots.size(), "replica check: {} hashes for {} slots", mine.size(), slots.size());
-  const uint64_t summary[2] = {replica_hashes_digest(mine), static_cast<uint64_t>(mine.size())};
-  std::vector<uint64_t> all(2 * static_cast<size_t>(W));
-  group.all_gather(summary, sizeof(summary), all.data());
-  bool same = true;
-  for (int32_t q = 0; q < W; ++q) {  // the same message on every rank
-    PCPKV_CHECK(all[2 * q + 1] == all[1], "replica check: rank {} hashed {} slots, rank {} {}: the ranks' plans differ",
-                rank_name(q, rank_names), all[2 * q + 1], rank_name(0, rank_names), all[1]);
-    same = same && all[2 * q] == all[0];
-  }
-  std::vector<ReplicaHashDiff> diffs(static_cast<size_t>(W));
-  if (!same) {  // every rank saw the same digests, so every rank takes this branch
-    std::vector<uint64_t> flat(static_cast<size_t>(W) * mine.size());
-    group.all_gather(mine.data(), mine.size() * sizeof(uint64_t), flat.data());
-    std::vector<std::vector<uint64_t>> hashes(static_cast<size_t>(W));
-    for (int32_t q = 0; q < W; ++q)
-      hashes[static_cast<size_t>(q)].assign(flat.begin() + static_cast<ptrdiff_t>(q * mine.size()),
-                                            flat.begin() + static_cast<ptrdiff_t>((q + 1) * mine.size()));
-    diffs = compare_replica_hashes_reference(hashes);
-  }
-  return replica_hash_check(diffs, slots, bytes_per_slot, site, rank_names);
 }
 
 }  // namespace pcpkv

@@ -1,12 +1,12 @@
 // src/serving/cpu/allreduce_reference.cpp: the oracle of the all-reduce and its fused residual-add + RMSNorm
-// (pcpkv/serving/allreduce.h, SPEC section 7), validation, the work split, and the capability agreement.
+// (pcpkv/serving/allreduce.h, SPEC section 7), validation and the work split (the capability agreement across
+// ranks: src/serving/drivers/allreduce_agreement.cpp).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "pcpkv/serving/allreduce.h"
-#include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/device/fp32.h"
 #include "pcpkv/device/token_math.h"
@@ -91,20 +91,6 @@ void allreduce_rmsnorm_reference(const std::vector<const uint16_t*>& inputs, int
     const float inv = math::rms_inv(math::pairwise_sum(leaves.data(), m), static_cast<int>(H), norm.eps);
     for (int64_t k = 0; k < H; ++k) y[t * H + k] = codec::float_to_bf16(math::rms_apply(r[k], inv, norm.weight[k]));
   }
-}
-
-AllRanksAnd all_ranks_and(Bootstrap& group) {
-  return [&group](bool local_ok) {
-    const uint8_t mine = local_ok ? 1 : 0;
-    std::vector<uint8_t> all(static_cast<size_t>(group.world_size()));
-    group.all_gather(&mine, 1, all.data());
-    return std::all_of(all.begin(), all.end(), [](uint8_t v) { return v == 1; });
-  };
-}
-
-bool agree_capability(bool local_ok, const AllRanksAnd& all_ranks) {
-  PCPKV_CHECK(static_cast<bool>(all_ranks), "all-reduce: no all-ranks agreement function");
-  return all_ranks(local_ok);
 }
 
 }  // namespace pcpkv
