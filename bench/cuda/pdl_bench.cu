@@ -29,7 +29,7 @@ namespace {
 
 constexpr int kChainsPerGraph = 10;
 
-using cuda_detail::graph_median_us_per_call;
+using cuda::graph_median_us_per_call;
 
 std::vector<uint16_t> filler(int64_t n, uint32_t seed, float scale) {
   std::vector<uint16_t> v(static_cast<size_t>(n));

@@ -70,7 +70,7 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
   a.tables = {targets.value_or(at::Tensor()), targets_host.value_or(at::Tensor()), row_dests.value_or(at::Tensor()),
               row_dests_host.value_or(at::Tensor())};
   a.written = written.vec();
-  pcpkv::cuda_detail::DispatchJob job;
+  pcpkv::cuda::DispatchJob job;
   job.params = make_dispatch_params(a);
   pcpkv::DispatchParams& p = job.params;
   // Pointer tables: the kernel reads the device copy; validation reads the host copy (same records).
@@ -94,7 +94,7 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
   TORCH_CHECK_VALUE(p.num_targets == 0 || p.slot_mapping != nullptr, "dispatch: slot_mapping is required with targets");
   // launch_dispatch validates the whole job (host tables standing in for the device ones) and throws
   // before it enqueues anything.
-  translate_errors([&] { pcpkv::cuda_detail::launch_dispatch(&job, 1, current_stream(dev)); });
+  translate_errors([&] { pcpkv::cuda::launch_dispatch(&job, 1, current_stream(dev)); });
 }
 
 void combine_cuda(const at::Tensor& rows, const at::Tensor& slot_mapping, const at::Tensor& mla_cache,
@@ -107,7 +107,7 @@ void combine_cuda(const at::Tensor& rows, const at::Tensor& slot_mapping, const 
                                                      ds_mla_scale, k_scale, has_indexer);
   TORCH_CHECK_VALUE(addr(p.rows) % 16 == 0, "combine: rows must be 16-byte aligned, got ", describe(rows),
                     " at offset ", rows.storage_offset());
-  translate_errors([&] { pcpkv::cuda_detail::launch_combine(&p, 1, current_stream(mla_cache.device())); });
+  translate_errors([&] { pcpkv::cuda::launch_combine(&p, 1, current_stream(mla_cache.device())); });
 }
 
 void insert_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::optional<at::Tensor>& index_k,
@@ -127,8 +127,8 @@ void insert_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::opti
   translate_errors([&] { pcpkv::validate_insert_shape(p); });
   const cudaStream_t stream = current_stream(mla_cache.device());
   translate_errors([&] {
-    pcpkv::cuda_detail::launch_insert_mla(&p, 1, stream);
-    if (p.fmt.has_indexer) pcpkv::cuda_detail::launch_insert_indexer(&p, 1, stream);
+    pcpkv::cuda::launch_insert_mla(&p, 1, stream);
+    if (p.fmt.has_indexer) pcpkv::cuda::launch_insert_indexer(&p, 1, stream);
   });
 }
 
@@ -175,7 +175,7 @@ void fence_cuda(const at::Tensor& pad_table, const at::Tensor& epochs, const at:
   a.barrier_idx = static_cast<int32_t>(barrier_idx);
   a.num_barriers = static_cast<int32_t>(num_barriers);
   a.timeout_ns = static_cast<uint64_t>(timeout_us) * 1000u;
-  translate_errors([&] { pcpkv::cuda_detail::launch_fence(a, static_cast<int>(n), current_stream(dev)); });
+  translate_errors([&] { pcpkv::cuda::launch_fence(a, static_cast<int>(n), current_stream(dev)); });
 }
 
 }  // namespace

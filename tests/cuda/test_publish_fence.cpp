@@ -20,8 +20,8 @@
 namespace pcpkv {
 namespace {
 
-using cuda_detail::LocalFence;
-using cuda_detail::Stream;
+using cuda::LocalFence;
+using cuda::Stream;
 
 TEST(GpuFence, EpochsAdvancePerCallAndPerBarrier) {
   REQUIRE_GPU();

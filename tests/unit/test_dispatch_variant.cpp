@@ -14,7 +14,7 @@
 #include "publish/contract/dispatch_variant.h"
 #include "support/error_of.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 TEST(DispatchVariantEnv, NamesPickTheirKernelAndUnsetOrEmptyIsTheDefault) {
@@ -79,4 +79,4 @@ TEST(DispatchVariantEnv, EveryDocumentedListIsExactlyTheAcceptedValues) {
 }
 
 }  // namespace
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -25,7 +25,7 @@ struct P2pBytes {
 };
 P2pBytes p2p_bytes(const PublishSetup& s, Transport t) {
   const PcpPlan& plan = *s.plan;
-  const mp::PublishLayout l = mp::make_publish_layout(s);
+  const PublishLayout l = make_publish_layout(s);
   const int32_t W = plan.pcp_world;
   const int64_t cache_row_bytes = l.row.mla_bytes + (s.fmt.has_indexer ? kIndexerSlotBytes : 0);
   std::vector<int64_t> sent_per_peer(static_cast<size_t>(W));

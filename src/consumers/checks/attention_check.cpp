@@ -55,13 +55,13 @@ int64_t fill_context(PublishResult& pub, const PcpPlan& plan, const CacheFormat&
   std::vector<uint8_t> mla(mla_row), idx(128), scale(4);
   for (size_t r = 0; r < plan.requests.size(); ++r) {
     for (int64_t pos = 0; pos < plan.requests[r].context_len; ++pos) {
-      detail_attn::Rng rng{seed ^ (0x9e37ull * (r + 1)) ^ (static_cast<uint64_t>(pos) << 20)};
+      attention_inputs::Rng rng{seed ^ (0x9e37ull * (r + 1)) ^ (static_cast<uint64_t>(pos) << 20)};
       float kv_c[512], k_pe[64], k[128];
-      detail_attn::random_row(rng, kv_c, 512, 1.0, 3);
-      detail_attn::random_row(rng, k_pe, 64, 1.0, 4);
-      detail_attn::random_row(rng, k, 128, 1.0, 5);
-      detail_attn::encode_mla_row(kv_c, k_pe, fmt, mla.data());
-      detail_attn::encode_index_row(k, idx.data(), scale.data());
+      attention_inputs::random_row(rng, kv_c, 512, 1.0, 3);
+      attention_inputs::random_row(rng, k_pe, 64, 1.0, 4);
+      attention_inputs::random_row(rng, k, 128, 1.0, 5);
+      attention_inputs::encode_mla_row(kv_c, k_pe, fmt, mla.data());
+      attention_inputs::encode_index_row(k, idx.data(), scale.data());
       const int64_t slot = slot_of(plan, static_cast<int32_t>(r), pos);
       for (size_t w = 0; w < pub.mla_alloc.size(); ++w) {
         std::memcpy(pub.mla_alloc[w].data() + pub.mla_cache_offset + pub.mla_geometry.row_offset(slot), mla.data(),

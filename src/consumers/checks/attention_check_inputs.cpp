@@ -9,7 +9,7 @@
 
 namespace pcpkv {
 
-namespace detail_attn {
+namespace attention_inputs {
 
 uint64_t Rng::next() {
   // splitmix64: tiny, portable, the same stream on every platform (std distributions are not).
@@ -74,7 +74,7 @@ void encode_index_row(const float* k, uint8_t* data, uint8_t* scale) {
   std::memcpy(scale, &s, 4);
 }
 
-}  // namespace detail_attn
+}  // namespace attention_inputs
 
 ConsumerQueries generate_queries(int64_t num_tokens, int32_t index_heads, int32_t heads, uint64_t seed) {
   PCPKV_CHECK(num_tokens >= 0, "generate_queries: num_tokens must be >= 0, got {}", num_tokens);
@@ -84,12 +84,12 @@ ConsumerQueries generate_queries(int64_t num_tokens, int32_t index_heads, int32_
   q.num_tokens = num_tokens;
   q.index_heads = index_heads;
   q.heads = heads;
-  detail_attn::Rng rng{seed * 0x2545f4914f6cdd1dull + 0x51ed};
+  attention_inputs::Rng rng{seed * 0x2545f4914f6cdd1dull + 0x51ed};
   const int64_t ni = num_tokens * index_heads;
   std::vector<uint16_t> iq(static_cast<size_t>(ni) * 128);
   float row[576];
   for (int64_t r = 0; r < ni; ++r) {
-    detail_attn::random_row(rng, row, 128, 1.0, 1);
+    attention_inputs::random_row(rng, row, 128, 1.0, 1);
     for (int d = 0; d < 128; ++d) iq[r * 128 + d] = codec::float_to_bf16(row[d]);
   }
   q.index_q_fp8.resize(iq.size());
@@ -104,7 +104,7 @@ ConsumerQueries generate_queries(int64_t num_tokens, int32_t index_heads, int32_
   const int64_t nq = num_tokens * heads;
   q.q.resize(static_cast<size_t>(nq) * 576);
   for (int64_t r = 0; r < nq; ++r) {
-    detail_attn::random_row(rng, row, 576, 0.5, 2);
+    attention_inputs::random_row(rng, row, 576, 0.5, 2);
     for (int d = 0; d < 576; ++d) q.q[r * 576 + d] = codec::float_to_bf16(row[d]);
   }
   return q;

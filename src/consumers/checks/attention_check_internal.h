@@ -1,11 +1,12 @@
-// Private helpers of src/consumers/attention_check*.cpp (not installed).
+// Private helpers of src/consumers/checks/attention_check*.cpp (not installed): the seeded rows and their cache
+// encodings that the attention check, its tests and its bench build inputs from.
 #pragma once
 
 #include <cstdint>
 
 #include "pcpkv/core/layout.h"
 
-namespace pcpkv::detail_attn {
+namespace pcpkv::attention_inputs {
 
 /// splitmix64 stream with uniform (0, 1) and Box-Muller normals.
 struct Rng {
@@ -24,4 +25,4 @@ void encode_mla_row(const float* kv_c, const float* k_pe, const CacheFormat& fmt
 /// One indexer-K slot (128 E4M3 + UE8M0 fp32 scale) from fp32 k[128].
 void encode_index_row(const float* k, uint8_t* data, uint8_t* scale);
 
-}  // namespace pcpkv::detail_attn
+}  // namespace pcpkv::attention_inputs

@@ -7,7 +7,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 const char* to_string(DispatchVariant v) {
   switch (v) {
@@ -41,4 +41,4 @@ std::optional<DispatchVariant> dispatch_variant_from_env(const char* value) {
              kEnvDispatchVariant, clip(value));
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -6,7 +6,7 @@
 
 #include "pcpkv/publish/kernels.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 constexpr const char* kEnvDispatchVariant = "PCPKV_DISPATCH_VARIANT";
 
@@ -16,4 +16,4 @@ constexpr const char* kEnvDispatchVariant = "PCPKV_DISPATCH_VARIANT";
 /// silently, and a benchmark must not measure another kernel than the one it names.
 std::optional<DispatchVariant> dispatch_variant_from_env(const char* value);
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/validate.h"
 #include "pcpkv/core/byte_range.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/model.h"

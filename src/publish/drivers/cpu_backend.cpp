@@ -61,8 +61,8 @@ bool same_rope(const RopeConfig& a, const RopeConfig& b) {
 
 // The same checks as every other publication driver (CUDA, per-process): one definition.
 void validate_setup(const PublishSetup& s, const GlobalInputs& in, Transport transport) {
-  mp::validate_publish_setup(s);
-  mp::validate_publish_inputs(s, in, transport);
+  validate_publish_setup(s);
+  validate_publish_inputs(s, in, transport);
 }
 
 class CpuBackend final : public Backend {
@@ -112,7 +112,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
   PublishResult result;
   result.transport = transport;
   // Geometry and allocation layout shared with the CUDA and per-process drivers (byte-comparable replicas).
-  const mp::PublishLayout layout = mp::make_publish_layout(setup);
+  const PublishLayout layout = make_publish_layout(setup);
   result.mla_geometry = layout.mla;
   result.index_geometry = layout.index;
   const MlaCacheGeometry& mg = result.mla_geometry;
@@ -131,7 +131,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
   sg.row_bytes = row_layout.row_bytes;
   const int buffer_idx = setup.layer_idx & 1;
 
-  const std::vector<mp::Step> steps = mp::steps(transport, layout, kFuseTopk);
+  const std::vector<Step> steps = pcpkv::steps(transport, layout, kFuseTopk);
   const size_t num_stages = steps.size();
 
   std::vector<RankState> ranks(static_cast<size_t>(W));
@@ -154,7 +154,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     targets[static_cast<size_t>(r)] = st.target;
     if (setup.materialize_q) st.q_out.assign(static_cast<size_t>(M * q_rank), 0xA5A5);
     if (fill_topk) st.topk.assign(static_cast<size_t>(M * setup.topk_width), static_cast<int32_t>(0xA5A5A5A5u));
-    if (mp::uses(steps, mp::Op::kDispatchMaterialize)) {
+    if (uses(steps, Op::kDispatchMaterialize)) {
       sc.kv_c_out.assign(static_cast<size_t>(M * 512), 0xA5A5);
       sc.k_pe_out.assign(static_cast<size_t>(M * 64), 0xA5A5);
       sc.kv_c_all.resize(static_cast<size_t>(W * M * 512));
@@ -162,7 +162,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
       sc.index_k_out.assign(fmt.has_indexer ? static_cast<size_t>(M * 128) : 0, 0xA5A5);
       sc.index_k_all.resize(fmt.has_indexer ? static_cast<size_t>(W * M * 128) : 0);
     }
-    if (mp::uses(steps, mp::Op::kDispatchStage) && sc.staging_bytes < sg.bytes()) {
+    if (uses(steps, Op::kDispatchStage) && sc.staging_bytes < sg.bytes()) {
       sc.staging.reset(new uint8_t[static_cast<size_t>(sg.bytes())]);  // contents unspecified until written
       sc.staging_bytes = sg.bytes();
     }
@@ -185,7 +185,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
   std::vector<std::exception_ptr> errors(static_cast<size_t>(W));
 
   auto base_dispatch = [&](int32_t r, RankState& st, const RankScratch& sc) {
-    mp::DispatchInputs di;
+    DispatchInputs di;
     di.q_c = sc.in.q_c.data();
     di.kv = sc.in.kv.data();
     di.k_pe = sc.in.k_pe.data();
@@ -200,7 +200,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     di.q_c_out = st.q_out.data();
     di.topk = kFuseTopk ? st.topk.data() : nullptr;
     di.topk_indexer_rows = plan.ranks[static_cast<size_t>(r)].num_local_tokens;  // fused fill: setup.topk_fill_mode
-    DispatchParams d = mp::base_dispatch_params(setup, layout, di);
+    DispatchParams d = base_dispatch_params(setup, layout, di);
     if (!kFuseTopk) {
       d.topk_fill = nullptr;  // the topk-fill step
       d.topk_width = 0;
@@ -208,17 +208,17 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     return d;
   };
 
-  if (mp::uses(steps, mp::Op::kDispatchStage)) row_dests_storage.resize(static_cast<size_t>(W) * W);
+  if (uses(steps, Op::kDispatchStage)) row_dests_storage.resize(static_cast<size_t>(W) * W);
 
   // One small function per Op of the transport table.
-  auto run_step = [&](int32_t r, const mp::Step& step) {
+  auto run_step = [&](int32_t r, const Step& step) {
     RankState& st = ranks[static_cast<size_t>(r)];
     RankScratch& sc = scratch_[static_cast<size_t>(r)];
     switch (step.op) {
-      case mp::Op::kTopkFill:  // rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison
-        std::fill(st.topk.begin() + mp::topk_first_row(setup, r) * setup.topk_width, st.topk.end(), -1);
+      case Op::kTopkFill:  // rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison
+        std::fill(st.topk.begin() + topk_first_row(setup, r) * setup.topk_width, st.topk.end(), -1);
         break;
-      case mp::Op::kDispatchMaterialize: {
+      case Op::kDispatchMaterialize: {
         DispatchParams d = base_dispatch(r, st, sc);
         d.kv_c_out = sc.kv_c_out.data();
         d.k_pe_out = sc.k_pe_out.data();
@@ -226,7 +226,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         dispatch_reference(d, threads_per_rank);
         break;
       }
-      case mp::Op::kDispatchStage: {
+      case Op::kDispatchStage: {
         // Rank r's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank r][0].
         DispatchParams d = base_dispatch(r, st, sc);
         uint8_t** dests = row_dests_storage.data() + static_cast<size_t>(r) * W;
@@ -238,7 +238,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         dispatch_reference(d, threads_per_rank);
         break;
       }
-      case mp::Op::kDispatchDirect: {
+      case Op::kDispatchDirect: {
         DispatchParams d = base_dispatch(r, st, sc);
         d.slot_mapping = sc.in.slot_mapping.data();
         d.targets = targets.data();
@@ -246,7 +246,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         dispatch_reference(d, threads_per_rank);
         break;
       }
-      case mp::Op::kGather:
+      case Op::kGather:
         // Three all-gathers: every rank copies every rank's padded rows, rank-major.
         for (int32_t src = 0; src < W; ++src) {
           const RankScratch& s = scratch_[static_cast<size_t>(src)];
@@ -256,7 +256,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
             std::copy(s.index_k_out.begin(), s.index_k_out.end(), sc.index_k_all.begin() + src * M * 128);
         }
         break;
-      case mp::Op::kInsert: {
+      case Op::kInsert: {
         InsertParams p;
         p.num_tokens = W * M;
         p.kv_c = sc.kv_c_all.data();
@@ -268,8 +268,8 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         insert_reference(p, threads_per_rank);
         break;
       }
-      case mp::Op::kFence: st.fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs); break;
-      case mp::Op::kCombine: {
+      case Op::kFence: st.fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs); break;
+      case Op::kCombine: {
         CombineParams p;
         p.rows = sc.staging.get() + sg.row_offset(buffer_idx, 0, 0, 0);
         p.num_src_ranks = W;
@@ -319,10 +319,10 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
     for (size_t k = 0; k < num_stages; ++k)
       stage_ms[k] += std::chrono::duration<double, std::milli>(stamps[base + k] - stamps[base + k - 1]).count();
   }
-  const mp::ByteModel bytes = mp::make_byte_model(setup, layout, kFuseTopk);
+  const ByteModel bytes = make_byte_model(setup, layout, kFuseTopk);
   for (size_t k = 0; k < num_stages; ++k)
     result.profile.stages.push_back(
-        Stage{steps[k].name, stage_ms[k] / setup.repeats, mp::step_bytes_all_ranks(steps[k], bytes)});
+        Stage{steps[k].name, stage_ms[k] / setup.repeats, step_bytes_all_ranks(steps[k], bytes)});
 
   // ---- hand the allocations over (they are host memory already) ----
   for (RankState& st : ranks) {

@@ -82,7 +82,7 @@ void fence_wait_watching_peers(HostFence& fence, int32_t barrier_idx, int64_t ti
       const int32_t m = t.missing_rank();
       const int64_t pid = (m >= 0 && m < static_cast<int32_t>(pids.size())) ? pids[static_cast<size_t>(m)] : 0;
       const double waited = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-      const std::string who = mp::describe_rank(m, global_ranks, pids);
+      const std::string who = describe_rank(m, global_ranks, pids);
       if (pid > 0 && !process_alive(pid))
         throw FenceTimeout(fmt::format("{}: {} is gone (exited or killed) without arriving at fence barrier {} "
                                        "epoch {}; rank {} stopped waiting after {:.0f} ms",
@@ -115,7 +115,7 @@ class CpuRankPublisher final : public RankPublisher {
  public:
   CpuRankPublisher(Bootstrap& group, const PublishSetup& setup, const RankPublishOptions& options)
       : group_(group), setup_(setup), options_(options) {
-    mp::validate_publish_setup(setup_);
+    validate_publish_setup(setup_);
     const int32_t W = setup_.plan->pcp_world;
     PCPKV_CHECK(group.world_size() == W,
                 "publish: the plan's PCP world is {}, but this process group has {} processes", W, group.world_size());
@@ -124,7 +124,7 @@ class CpuRankPublisher final : public RankPublisher {
       for (int32_t r = 0; r < W; ++r) options_.global_ranks.push_back(r);
     PCPKV_CHECK(static_cast<int32_t>(options_.global_ranks.size()) == W, "publish: {} global ranks for {} PCP ranks",
                 options_.global_ranks.size(), W);
-    layout_ = mp::make_publish_layout(setup_);
+    layout_ = make_publish_layout(setup_);
     rope_ = make_rope_table(setup_.model->rope, layout_.max_position + 1);
     caches_ = make_host_symmetric(group_, layout_.caches_bytes, "caches", kGuardByte);
     pads_ = make_host_symmetric(group_, fence_pad_bytes(kNumBarriers, W), "fence pads", 0);
@@ -170,14 +170,14 @@ class CpuRankPublisher final : public RankPublisher {
   Bootstrap& group_;
   PublishSetup setup_;
   RankPublishOptions options_;
-  mp::PublishLayout layout_;
+  PublishLayout layout_;
   RopeTable rope_;
   std::unique_ptr<SymmetricMemory> caches_, pads_, staging_, collect_;
   std::unique_ptr<HostFence> fence_;
 };
 
 RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transport transport) {
-  mp::validate_publish_inputs(setup_, inputs, transport);
+  validate_publish_inputs(setup_, inputs, transport);
   const PcpPlan& plan = *setup_.plan;
   const int32_t W = plan.pcp_world;
   const int32_t me = group_.rank();
@@ -185,11 +185,11 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   const CacheFormat fmt = setup_.fmt;
   const int threads = std::max(1, options_.num_threads);
   const int buffer_idx = setup_.layer_idx & 1;
-  const std::vector<mp::Step> steps = mp::steps(transport, layout_, kFuseTopk);
+  const std::vector<Step> steps = pcpkv::steps(transport, layout_, kFuseTopk);
   // Collective allocations on first use of a transport (every rank runs the same transport sequence).
-  if (mp::uses(steps, mp::Op::kDispatchStage) && !staging_)
+  if (uses(steps, Op::kDispatchStage) && !staging_)
     staging_ = make_host_symmetric(group_, layout_.staging.bytes(), "staging", 0);
-  if (mp::uses(steps, mp::Op::kDispatchMaterialize) && !collect_)
+  if (uses(steps, Op::kDispatchMaterialize) && !collect_)
     collect_ = make_host_symmetric(group_, layout_.collect_bytes, "collect rows", 0);
 
   const RankInputs in = rank_inputs(inputs, plan, me);
@@ -200,13 +200,13 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   for (int32_t r = 0; r < W; ++r) targets[static_cast<size_t>(r)] = target_of(r);
   std::vector<uint8_t*> row_dests(static_cast<size_t>(W));
   std::vector<uint16_t> kv_all, kpe_all, idx_all;
-  if (mp::uses(steps, mp::Op::kGather)) {
+  if (uses(steps, Op::kGather)) {
     kv_all.resize(static_cast<size_t>(W * M * 512));
     kpe_all.resize(static_cast<size_t>(W * M * 64));
     if (fmt.has_indexer) idx_all.resize(static_cast<size_t>(W * M * 128));
   }
 
-  mp::DispatchInputs di;
+  DispatchInputs di;
   di.q_c = in.q_c.data();
   di.kv = in.kv.data();
   di.k_pe = in.k_pe.data();
@@ -221,7 +221,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   di.q_c_out = q_out.data();
   di.topk = nullptr;  // the topk-fill step
   auto dispatch_params = [&] {
-    DispatchParams d = mp::base_dispatch_params(setup_, layout_, di);
+    DispatchParams d = base_dispatch_params(setup_, layout_, di);
     d.topk_fill = nullptr;
     d.topk_width = 0;
     return d;
@@ -232,12 +232,12 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   };
 
   // One small function per Op of the transport table.
-  auto run_step = [&](const mp::Step& step) {
+  auto run_step = [&](const Step& step) {
     switch (step.op) {
-      case mp::Op::kTopkFill:  // rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison
-        std::fill(topk.begin() + mp::topk_first_row(setup_, me) * setup_.topk_width, topk.end(), -1);
+      case Op::kTopkFill:  // rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison
+        std::fill(topk.begin() + topk_first_row(setup_, me) * setup_.topk_width, topk.end(), -1);
         break;
-      case mp::Op::kDispatchMaterialize: {
+      case Op::kDispatchMaterialize: {
         DispatchParams d = dispatch_params();
         uint8_t* mine = collect_->local();
         d.kv_c_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kv_offset);
@@ -246,7 +246,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         run_dispatch(d);
         break;
       }
-      case mp::Op::kDispatchStage: {
+      case Op::kDispatchStage: {
         // This rank's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank me][0].
         DispatchParams d = dispatch_params();
         for (int32_t peer = 0; peer < W; ++peer)
@@ -257,7 +257,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         run_dispatch(d);
         break;
       }
-      case mp::Op::kDispatchDirect: {
+      case Op::kDispatchDirect: {
         DispatchParams d = dispatch_params();
         d.slot_mapping = in.slot_mapping.data();
         d.targets = targets.data();
@@ -265,7 +265,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         run_dispatch(d);
         break;
       }
-      case mp::Op::kGather:
+      case Op::kGather:
         fence(kPublishBarrier, "all-gather");  // every peer's rows are final
         for (int32_t src = 0; src < W; ++src) {
           const uint8_t* p = collect_->ptr(src);
@@ -276,7 +276,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
                         static_cast<size_t>(M * 128 * 2));
         }
         break;
-      case mp::Op::kInsert: {
+      case Op::kInsert: {
         InsertParams p;
         p.num_tokens = W * M;
         p.kv_c = kv_all.data();
@@ -288,8 +288,8 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         insert_reference(p, threads);
         break;
       }
-      case mp::Op::kFence: fence(kPublishBarrier, "publication"); break;
-      case mp::Op::kCombine: {
+      case Op::kFence: fence(kPublishBarrier, "publication"); break;
+      case Op::kCombine: {
         CombineParams p;
         p.rows = staging_->local() + layout_.staging.row_offset(buffer_idx, 0, 0, 0);
         p.num_src_ranks = W;
@@ -334,7 +334,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
   res.q_c_out = std::move(q_out);
   res.topk = std::move(topk);
   for (int32_t b = 0; b < kNumBarriers; ++b) res.fence_epochs.push_back(fence_->epoch(b));
-  const mp::ByteModel bytes = mp::make_byte_model(setup_, layout_, kFuseTopk);
+  const ByteModel bytes = make_byte_model(setup_, layout_, kFuseTopk);
   for (size_t k = 0; k < steps.size(); ++k)
     res.profile.stages.push_back(Stage{steps[k].name, stage_ms[k] / setup_.repeats, steps[k].bytes(bytes, me)});
   return res;

@@ -5,10 +5,10 @@
 
 #include <fmt/format.h>
 
-#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/validate.h"
 #include "pcpkv/core/error.h"
 
-namespace pcpkv::mp {
+namespace pcpkv {
 
 void validate_publish_setup(const PublishSetup& s) {
   PCPKV_CHECK(s.model != nullptr, "publish: setup.model is null");
@@ -134,4 +134,4 @@ std::string describe_rank(int32_t pcp_rank, const std::vector<int32_t>& global_r
   return s;
 }
 
-}  // namespace pcpkv::mp
+}  // namespace pcpkv

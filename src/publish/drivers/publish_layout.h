@@ -9,7 +9,7 @@
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/dispatch.h"
 
-namespace pcpkv::mp {
+namespace pcpkv {
 
 /// Byte layout of one process's symmetric buffers for a PublishSetup.
 ///  caches:  [mla allocation][pad to 256][indexer allocation], each allocation
@@ -63,4 +63,4 @@ int64_t topk_first_row(const PublishSetup& s, int32_t rank);
 /// "rank 2 (global rank 6, pid 4711)" for messages.
 std::string describe_rank(int32_t pcp_rank, const std::vector<int32_t>& global_ranks, const std::vector<int64_t>& pids);
 
-}  // namespace pcpkv::mp
+}  // namespace pcpkv

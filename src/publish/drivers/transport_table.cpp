@@ -6,7 +6,7 @@
 
 #include "pcpkv/core/error.h"
 
-namespace pcpkv::mp {
+namespace pcpkv {
 namespace {
 
 // ---- byte model, one rank's share per step ----------------------------------------------------------------
@@ -124,4 +124,4 @@ std::vector<std::string> stage_names(Transport t, const PublishLayout& l, bool f
   return out;
 }
 
-}  // namespace pcpkv::mp
+}  // namespace pcpkv

@@ -15,7 +15,7 @@
 #include "pcpkv/publish/backend.h"
 #include "publish/drivers/publish_layout.h"
 
-namespace pcpkv::mp {
+namespace pcpkv {
 
 /// What a step does. The three dispatches differ in where the rows go (DispatchParams destinations).
 enum class Op : uint8_t {
@@ -74,4 +74,4 @@ int64_t step_bytes_all_ranks(const Step& step, const ByteModel& m);
 /// Stage names of steps(t, l, fuse_topk), in order.
 std::vector<std::string> stage_names(Transport t, const PublishLayout& l, bool fuse_topk);
 
-}  // namespace pcpkv::mp
+}  // namespace pcpkv

@@ -6,7 +6,7 @@
 
 #include "pcpkv/core/error.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 DeviceReplicaCheck::DeviceReplicaCheck(std::vector<CacheTarget> targets, const CacheFormat& fmt,
                                        std::vector<int64_t> slots)
@@ -68,4 +68,4 @@ int64_t DeviceReplicaCheck::bytes() const {
   return static_cast<int64_t>(targets_.size()) * static_cast<int64_t>(slots_.size()) * (bytes_per_slot() + 24);
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -13,7 +13,7 @@
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/replica_hash.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 class DeviceReplicaCheck {
  public:
@@ -49,4 +49,4 @@ class DeviceReplicaCheck {
   DeviceHashDiff* host_diffs_ = nullptr;  // pinned, [W]
 };
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -19,9 +19,9 @@ namespace pcpkv {
 namespace cuda {
 namespace {
 
-using cuda_detail::Publisher;
-using cuda_detail::StageTimer;
-using cuda_detail::Stream;
+using cuda::Publisher;
+using cuda::StageTimer;
+using cuda::Stream;
 
 class CudaBackend final : public Backend {
  public:

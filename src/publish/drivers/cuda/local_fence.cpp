@@ -4,7 +4,7 @@
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/ranks/fence.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 LocalFence::LocalFence(int32_t world, int32_t num_barriers, double timeout_ms)
     : world_(world), num_barriers_(num_barriers), timeout_ms_(timeout_ms) {
@@ -51,4 +51,4 @@ std::vector<uint64_t> LocalFence::epochs() const {
   return epochs_.download<uint64_t>(int64_t{world_} * num_barriers_);
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

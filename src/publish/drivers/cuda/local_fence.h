@@ -12,7 +12,7 @@
 #include "core/cuda/buffers.h"
 #include "pcpkv/device/fence_kernel.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 class LocalFence {
  public:
@@ -49,4 +49,4 @@ class LocalFence {
   HostMapped<FenceError> error_;
 };
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -14,7 +14,7 @@
 #include "pcpkv/publish/multiproc.h"
 #include "publish/drivers/publish_layout.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 RankFence::RankFence(Bootstrap& group, int32_t num_barriers, int64_t timeout_ms, std::vector<int32_t> global_ranks)
     : group_(group), num_barriers_(num_barriers), timeout_ms_(timeout_ms), global_ranks_(std::move(global_ranks)) {
@@ -86,7 +86,7 @@ void RankFence::wait(cudaStream_t stream, const std::string& what) {
       const std::string msg = fmt::format(
           "{}: {} never arrived at fence barrier {} epoch {} (its slot holds epoch {}); rank {} waited {} ms on the "
           "GPU (the timeout)",
-          what, mp::describe_rank(m, global_ranks_, group_.pids()), static_cast<int>(e.barrier_idx),
+          what, describe_rank(m, global_ranks_, group_.pids()), static_cast<int>(e.barrier_idx),
           static_cast<uint64_t>(e.epoch), static_cast<uint64_t>(e.seen), group_.rank(), timeout_ms_);
       release_all(stream);
       throw FenceTimeout(msg, m, fmt::format("{}:{}", __FILE__, __LINE__));
@@ -101,7 +101,7 @@ void RankFence::wait(cudaStream_t stream, const std::string& what) {
         const std::string msg =
             fmt::format("{}: {} is gone (exited or killed) while rank {} waited for the GPU; rank {} stopped "
                         "waiting after {:.0f} ms",
-                        what, mp::describe_rank(r, global_ranks_, group_.pids()), group_.rank(), group_.rank(),
+                        what, describe_rank(r, global_ranks_, group_.pids()), group_.rank(), group_.rank(),
                         std::chrono::duration<double, std::milli>(now - start).count());
         release_all(stream);
         throw FenceTimeout(msg, r, fmt::format("{}:{}", __FILE__, __LINE__));
@@ -114,4 +114,4 @@ void RankFence::wait(cudaStream_t stream, const std::string& what) {
   }
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

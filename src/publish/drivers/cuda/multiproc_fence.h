@@ -25,7 +25,7 @@ namespace pcpkv {
 class Bootstrap;
 }
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 class RankFence {
  public:
@@ -59,4 +59,4 @@ class RankFence {
   Stream side_;          // for releasing a stuck fence while the main stream is blocked
 };
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

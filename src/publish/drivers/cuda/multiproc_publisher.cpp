@@ -29,7 +29,7 @@ namespace pcpkv::cuda {
 
 namespace {
 
-using namespace cuda_detail;
+using namespace cuda;
 constexpr int32_t kStartBarrier = 0;
 constexpr int32_t kPublishBarrier = 1;
 constexpr int32_t kNumBarriers = 2;
@@ -44,7 +44,7 @@ class CudaRankPublisher final : public RankPublisher {
  public:
   CudaRankPublisher(Bootstrap& group, const PublishSetup& setup, const RankPublishOptions& options)
       : group_(group), setup_(setup), options_(options) {
-    mp::validate_publish_setup(setup_);
+    validate_publish_setup(setup_);
     const int32_t W = setup_.plan->pcp_world;
     PCPKV_CHECK(group.world_size() == W,
                 "publish: the plan's PCP world is {}, but this process group has {} processes", W, group.world_size());
@@ -56,7 +56,7 @@ class CudaRankPublisher final : public RankPublisher {
     cudaDeviceProp prop{};
     PCPKV_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
     device_name_ = fmt::format("{} (device {}), process {} of {}", prop.name, device_, group.rank(), W);
-    layout_ = mp::make_publish_layout(setup_);
+    layout_ = make_publish_layout(setup_);
     const RopeTable rope = make_rope_table(setup_.model->rope, layout_.max_position + 1);
     rope_ = DeviceBuffer::from(rope.cos_sin);
     rope_num_positions_ = rope.num_positions;
@@ -115,8 +115,8 @@ class CudaRankPublisher final : public RankPublisher {
     if (options_.corrupt_pcp_rank == group_.rank()) corrupt_own_replica();
     RankPublishResult res = download(transport);
     // Bytes: this rank's share of the tables' byte model, step k timed as names[k].
-    const std::vector<mp::Step> steps = mp::steps(transport, layout_, kFuseTopk);
-    const mp::ByteModel bytes = mp::make_byte_model(setup_, layout_, kFuseTopk);
+    const std::vector<Step> steps = pcpkv::steps(transport, layout_, kFuseTopk);
+    const ByteModel bytes = make_byte_model(setup_, layout_, kFuseTopk);
     for (size_t k = 0; k < names.size(); ++k)
       res.profile.stages.push_back(Stage{names[k], ms[k] / setup_.repeats, steps.at(k).bytes(bytes, group_.rank())});
     res.stage_samples_ms = std::move(samples);
@@ -207,13 +207,13 @@ class CudaRankPublisher final : public RankPublisher {
 
   // Uploads this rank's inputs and sets up what the transport needs (collectively, on first use).
   void prepare(const GlobalInputs& inputs, Transport transport) {
-    mp::validate_publish_inputs(setup_, inputs, transport);
+    validate_publish_inputs(setup_, inputs, transport);
     const PcpPlan& plan = *setup_.plan;
     const int32_t W = plan.pcp_world;
     const int32_t me = group_.rank();
     const int64_t M = plan.max_local_tokens;
-    const std::vector<mp::Step> steps = mp::steps(transport, layout_, kFuseTopk);
-    if (mp::uses(steps, mp::Op::kDispatchStage) && !staging_) {
+    const std::vector<Step> steps = pcpkv::steps(transport, layout_, kFuseTopk);
+    if (uses(steps, Op::kDispatchStage) && !staging_) {
       staging_ = make_device_symmetric(group_, std::max<int64_t>(16, layout_.staging.bytes()), "staging", 0);
       const int buffer_idx = setup_.layer_idx & 1;
       host_row_dests_.clear();
@@ -221,7 +221,7 @@ class CudaRankPublisher final : public RankPublisher {
         host_row_dests_.push_back(staging_->ptr(peer) + layout_.staging.row_offset(buffer_idx, 0, me, 0));
       row_dests_ = DeviceBuffer::from(host_row_dests_);
     }
-    if (mp::uses(steps, mp::Op::kDispatchMaterialize) && !collect_) {
+    if (uses(steps, Op::kDispatchMaterialize) && !collect_) {
       collect_ = make_device_symmetric(group_, layout_.collect_bytes, "collect rows", 0);
       kv_all_.reset(W * M * 512 * 2);
       kpe_all_.reset(W * M * 64 * 2);
@@ -275,35 +275,35 @@ class CudaRankPublisher final : public RankPublisher {
                                        static_cast<size_t>(l2_scratch_.bytes()), s));
     fence(kStartBarrier, s);
     if (timer) timer->start(s);
-    for (const mp::Step& step : mp::steps(transport, layout_, kFuseTopk)) {
+    for (const Step& step : steps(transport, layout_, kFuseTopk)) {
       run_step(step.op, s);
       if (timer) timer->mark(step.name, s);
     }
   }
 
   // One small function per Op of the transport table.
-  void run_step(mp::Op op, cudaStream_t s) {
+  void run_step(Op op, cudaStream_t s) {
     switch (op) {
-      case mp::Op::kTopkFill:
+      case Op::kTopkFill:
       {  // rows [topk_first_row, M) (setup.topk_fill_mode: kTail / kNone leave the indexer's rows alone)
-        const int64_t first = mp::topk_first_row(setup_, group_.rank());
+        const int64_t first = topk_first_row(setup_, group_.rank());
         launch_fill_minus_one(topk_.as<int32_t>() + first * setup_.topk_width,
                               (setup_.plan->max_local_tokens - first) * setup_.topk_width, s);
         return;
       }
-      case mp::Op::kDispatchMaterialize:
-      case mp::Op::kDispatchStage:
-      case mp::Op::kDispatchDirect: return enqueue_dispatch(op, s);
-      case mp::Op::kGather: return enqueue_gather(s);
-      case mp::Op::kInsert: return enqueue_insert(s);
-      case mp::Op::kFence: return fence(kPublishBarrier, s);
-      case mp::Op::kCombine: return enqueue_combine(s);
+      case Op::kDispatchMaterialize:
+      case Op::kDispatchStage:
+      case Op::kDispatchDirect: return enqueue_dispatch(op, s);
+      case Op::kGather: return enqueue_gather(s);
+      case Op::kInsert: return enqueue_insert(s);
+      case Op::kFence: return fence(kPublishBarrier, s);
+      case Op::kCombine: return enqueue_combine(s);
     }
   }
 
-  void enqueue_dispatch(mp::Op op, cudaStream_t s) {
+  void enqueue_dispatch(Op op, cudaStream_t s) {
     const int32_t W = setup_.plan->pcp_world;
-    mp::DispatchInputs in;
+    DispatchInputs in;
     in.q_c = q_c_.as<const uint16_t>();
     in.kv = kv_.as<const uint16_t>();
     in.k_pe = k_pe_.as<const uint16_t>();
@@ -319,16 +319,16 @@ class CudaRankPublisher final : public RankPublisher {
     in.topk = topk_.as<int32_t>();
     in.topk_indexer_rows = setup_.plan->ranks[static_cast<size_t>(group_.rank())].num_local_tokens;
     DispatchJob job;
-    job.params = mp::base_dispatch_params(setup_, layout_, in);
+    job.params = base_dispatch_params(setup_, layout_, in);
     DispatchParams& d = job.params;
     d.topk_fill = nullptr;  // the topk-fill step
     d.topk_width = 0;
-    if (op == mp::Op::kDispatchMaterialize) {
+    if (op == Op::kDispatchMaterialize) {
       uint8_t* mine = collect_->local();
       d.kv_c_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kv_offset);
       d.k_pe_out = reinterpret_cast<uint16_t*>(mine + layout_.collect_kpe_offset);
       d.index_k_out = setup_.fmt.has_indexer ? reinterpret_cast<uint16_t*>(mine + layout_.collect_index_offset) : nullptr;
-    } else if (op == mp::Op::kDispatchStage) {
+    } else if (op == Op::kDispatchStage) {
       d.row_dests = row_dests_.as<uint8_t* const>();
       d.num_row_dests = W;
       d.row_bytes = layout_.row.row_bytes;
@@ -422,7 +422,7 @@ class CudaRankPublisher final : public RankPublisher {
   RankPublishOptions options_;
   int32_t device_ = 0;
   std::string device_name_;
-  mp::PublishLayout layout_;
+  PublishLayout layout_;
   std::unique_ptr<Stream> stream_holder_;
   DeviceBuffer rope_, gathered_slots_, q_out_, topk_, targets_, row_dests_;
   int64_t rope_num_positions_ = 0;

@@ -9,7 +9,7 @@
 #include "pcpkv/core/rope.h"
 #include "publish/drivers/transport_table.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 // ---- PublishVariant -----------------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ std::vector<uint8_t> download_range(const DeviceBuffer& b, int64_t offset, int64
 // The topk-fill step of one rank: rows [topk_first_row, M) of its buffer `rank_topk` [M, topk_width]
 // (setup.topk_fill_mode; kTail / kNone leave the rows the indexer writes alone).
 void fill_rank_topk(const PublishSetup& setup, int32_t rank, int32_t* rank_topk, cudaStream_t stream) {
-  const int64_t first = mp::topk_first_row(setup, rank);
+  const int64_t first = topk_first_row(setup, rank);
   launch_fill_minus_one(rank_topk + first * setup.topk_width,
                         (setup.plan->max_local_tokens - first) * setup.topk_width, stream);
 }
@@ -141,12 +141,12 @@ void poison_buffer(const DeviceBuffer& b) {
 Publisher::Publisher(const PublishSetup& setup, const GlobalInputs& inputs, const PublisherOptions& options)
     : setup_(setup),
       options_(options),
-      fence_((mp::validate_publish_setup(setup), setup.plan->pcp_world), setup.num_ubatches, options.fence_timeout_ms) {
-  mp::validate_publish_inputs(setup, inputs, Transport::kDirect);
+      fence_((validate_publish_setup(setup), setup.plan->pcp_world), setup.num_ubatches, options.fence_timeout_ms) {
+  validate_publish_inputs(setup, inputs, Transport::kDirect);
   PCPKV_CHECK(options.num_sets >= 1, "publisher: num_sets = {} must be >= 1", options.num_sets);
   const PcpPlan& plan = *setup.plan;
   const ModelConfig& model = *setup.model;
-  layout_ = mp::make_publish_layout(setup);
+  layout_ = make_publish_layout(setup);
   world_ = plan.pcp_world;
   max_local_tokens_ = plan.max_local_tokens;
   q_lora_rank_ = model.q_lora_rank;
@@ -229,9 +229,9 @@ void Publisher::poison() {
   PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-DispatchJob Publisher::dispatch_job(int32_t rank, mp::Op op, const InputSet& set) const {
+DispatchJob Publisher::dispatch_job(int32_t rank, Op op, const InputSet& set) const {
   const RankState& st = *ranks_[static_cast<size_t>(rank)];
-  mp::DispatchInputs in;
+  DispatchInputs in;
   in.q_c = set.q_c.as<const uint16_t>();
   in.kv = set.kv.as<const uint16_t>();
   in.k_pe = set.k_pe.as<const uint16_t>();
@@ -247,23 +247,23 @@ DispatchJob Publisher::dispatch_job(int32_t rank, mp::Op op, const InputSet& set
   in.topk = set.topk;
   in.topk_indexer_rows = setup_.plan->ranks[static_cast<size_t>(rank)].num_local_tokens;
   DispatchJob job;
-  job.params = mp::base_dispatch_params(setup_, layout_, in);
+  job.params = base_dispatch_params(setup_, layout_, in);
   DispatchParams& d = job.params;
   if (!options_.variant.fuse_topk) {
     d.topk_fill = nullptr;  // its own step (a byte fill)
     d.topk_width = 0;
   }
-  if (op == mp::Op::kDispatchMaterialize) {
+  if (op == Op::kDispatchMaterialize) {
     d.kv_c_out = st.kv_c_out.as<uint16_t>();
     d.k_pe_out = st.k_pe_out.as<uint16_t>();
     d.index_k_out = setup_.fmt.has_indexer ? st.index_k_out.as<uint16_t>() : nullptr;
-  } else if (op == mp::Op::kDispatchStage) {
+  } else if (op == Op::kDispatchStage) {
     d.row_dests = st.row_dests.as<uint8_t* const>();
     d.num_row_dests = world_;
     d.row_bytes = layout_.row.row_bytes;
     job.host_row_dests = st.host_row_dests;
   } else {
-    PCPKV_CHECK(op == mp::Op::kDispatchDirect, "publisher: op {} is not a dispatch", static_cast<int>(op));
+    PCPKV_CHECK(op == Op::kDispatchDirect, "publisher: op {} is not a dispatch", static_cast<int>(op));
     d.slot_mapping = st.slots.as<const int64_t>();
     d.targets = targets_.as<const CacheTarget>();
     d.num_targets = world_;
@@ -279,7 +279,7 @@ void Publisher::enqueue(Transport transport, cudaStream_t stream, StageTimer* ti
   // PDL for the staging / direct chain dispatch -> fence -> combine; collect stays as engines run it.
   const bool pdl = options_.variant.pdl && transport != Transport::kCollect;
   if (timer) timer->start(stream);
-  for (const mp::Step& step : mp::steps(transport, layout_, options_.variant.fuse_topk)) {
+  for (const Step& step : steps(transport, layout_, options_.variant.fuse_topk)) {
     run_step(step.op, s, stream, pdl);
     if (timer) timer->mark(step.name, stream);
   }
@@ -292,11 +292,11 @@ void Publisher::enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStr
   last_set_ = s;
   const PublishVariant& v = options_.variant;
   const InputSet& set = ranks_[static_cast<size_t>(rank)]->sets[static_cast<size_t>(s)];
-  for (const mp::Step& step : mp::steps(transport, layout_, v.fuse_topk)) {
-    if (step.op == mp::Op::kTopkFill) {
+  for (const Step& step : steps(transport, layout_, v.fuse_topk)) {
+    if (step.op == Op::kTopkFill) {
       fill_rank_topk(setup_, rank, set.topk, stream);
-    } else if (step.op == mp::Op::kDispatchMaterialize || step.op == mp::Op::kDispatchStage ||
-               step.op == mp::Op::kDispatchDirect) {
+    } else if (step.op == Op::kDispatchMaterialize || step.op == Op::kDispatchStage ||
+               step.op == Op::kDispatchDirect) {
       const DispatchJob job = dispatch_job(rank, step.op, set);
       launch_dispatch(&job, 1, stream, v.dispatch, false);
       return;  // the steps after the dispatch (fence, combine, ...) are not this case's
@@ -305,9 +305,9 @@ void Publisher::enqueue_rank_dispatch(int32_t rank, Transport transport, cudaStr
 }
 
 // One small function per Op of the transport table; each launches the op for all W ranks.
-void Publisher::run_step(mp::Op op, int set, cudaStream_t stream, bool pdl) {
+void Publisher::run_step(Op op, int set, cudaStream_t stream, bool pdl) {
   switch (op) {
-    case mp::Op::kTopkFill:
+    case Op::kTopkFill:
       if (setup_.topk_fill_mode == TopkFill::kFull) {  // every rank's buffer: one byte fill
         launch_fill_minus_one(topk_sets_[static_cast<size_t>(set)].as<int32_t>(),
                               world_ * max_local_tokens_ * setup_.topk_width, stream);
@@ -316,17 +316,17 @@ void Publisher::run_step(mp::Op op, int set, cudaStream_t stream, bool pdl) {
           fill_rank_topk(setup_, r, ranks_[static_cast<size_t>(r)]->sets[static_cast<size_t>(set)].topk, stream);
       }
       return;
-    case mp::Op::kDispatchMaterialize:
-    case mp::Op::kDispatchStage:
-    case mp::Op::kDispatchDirect: return enqueue_dispatch(op, set, stream, pdl);
-    case mp::Op::kGather: return enqueue_gather(stream);
-    case mp::Op::kInsert: return enqueue_insert(stream);
-    case mp::Op::kFence: return fence_.enqueue(0, stream, pdl);
-    case mp::Op::kCombine: return enqueue_combine(stream, pdl);
+    case Op::kDispatchMaterialize:
+    case Op::kDispatchStage:
+    case Op::kDispatchDirect: return enqueue_dispatch(op, set, stream, pdl);
+    case Op::kGather: return enqueue_gather(stream);
+    case Op::kInsert: return enqueue_insert(stream);
+    case Op::kFence: return fence_.enqueue(0, stream, pdl);
+    case Op::kCombine: return enqueue_combine(stream, pdl);
   }
 }
 
-void Publisher::enqueue_dispatch(mp::Op op, int set, cudaStream_t stream, bool pdl) {
+void Publisher::enqueue_dispatch(Op op, int set, cudaStream_t stream, bool pdl) {
   std::vector<DispatchJob> jobs;
   jobs.reserve(static_cast<size_t>(world_));
   for (int32_t r = 0; r < world_; ++r)
@@ -387,10 +387,10 @@ void Publisher::enqueue_combine(cudaStream_t stream, bool pdl) {
 
 std::vector<Stage> Publisher::stage_model(Transport transport) const {
   const bool fused = options_.variant.fuse_topk;
-  const mp::ByteModel bytes = mp::make_byte_model(setup_, layout_, fused);
+  const ByteModel bytes = make_byte_model(setup_, layout_, fused);
   std::vector<Stage> out;
-  for (const mp::Step& step : mp::steps(transport, layout_, fused))
-    out.push_back({step.name, 0.0, mp::step_bytes_all_ranks(step, bytes)});
+  for (const Step& step : steps(transport, layout_, fused))
+    out.push_back({step.name, 0.0, step_bytes_all_ranks(step, bytes)});
   return out;
 }
 
@@ -417,4 +417,4 @@ PublishResult Publisher::download(Transport transport) const {
   return r;
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

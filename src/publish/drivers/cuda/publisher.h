@@ -21,7 +21,7 @@
 #include "publish/drivers/publish_layout.h"
 #include "publish/drivers/transport_table.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 /// How a publication runs: kernel variants, where the top-k fill happens, PDL. Every variant writes the same
 /// bytes; a Publisher can switch between runs (set_variant). Written "<dispatch>:<fill>:<rows>[:pdl]", e.g.
@@ -108,24 +108,24 @@ class Publisher {
   const std::vector<CacheTarget>& targets() const { return host_targets_; }
   int32_t world() const { return world_; }
   int64_t max_local_tokens() const { return max_local_tokens_; }
-  const mp::PublishLayout& layout() const { return layout_; }
+  const PublishLayout& layout() const { return layout_; }
   /// Bytes of one input set (what rotation must exceed the L2 with).
   int64_t input_set_bytes() const;
 
  private:
   struct InputSet;
   struct RankState;
-  DispatchJob dispatch_job(int32_t rank, mp::Op op, const InputSet& set) const;
+  DispatchJob dispatch_job(int32_t rank, Op op, const InputSet& set) const;
   // The transport table's ops for all W ranks on `stream` (input set `set`).
-  void run_step(mp::Op op, int set, cudaStream_t stream, bool pdl);
-  void enqueue_dispatch(mp::Op op, int set, cudaStream_t stream, bool pdl);
+  void run_step(Op op, int set, cudaStream_t stream, bool pdl);
+  void enqueue_dispatch(Op op, int set, cudaStream_t stream, bool pdl);
   void enqueue_gather(cudaStream_t stream);
   void enqueue_insert(cudaStream_t stream);
   void enqueue_combine(cudaStream_t stream, bool pdl);
 
   PublishSetup setup_;
   PublisherOptions options_;
-  mp::PublishLayout layout_;
+  PublishLayout layout_;
   int32_t world_ = 1;
   int64_t max_local_tokens_ = 0;
   int64_t q_lora_rank_ = 0;
@@ -141,4 +141,4 @@ class Publisher {
   LocalFence fence_;
 };
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

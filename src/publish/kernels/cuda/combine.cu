@@ -18,10 +18,10 @@
 #include "core/cuda/device.h"
 #include "publish/kernels/cuda/kernel_util.cuh"
 #include "pcpkv/publish/kernels.h"
-#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/validate.h"
 #include "pcpkv/core/pdl.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 constexpr int kMaxJobs = 8;
@@ -274,4 +274,4 @@ void launch_combine(const CombineParams* jobs, int num_jobs, cudaStream_t stream
   }
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -28,13 +28,13 @@
 #include "publish/kernels/cuda/kernel_util.cuh"
 #include "publish/contract/dispatch_variant.h"
 #include "pcpkv/publish/kernels.h"
-#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/validate.h"
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/pdl.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 using namespace dispatch_impl;
@@ -666,4 +666,4 @@ std::vector<std::string> dispatch_kernel_resources() {
   return out;
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

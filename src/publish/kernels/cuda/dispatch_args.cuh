@@ -11,7 +11,7 @@
 #include "pcpkv/publish/dispatch.h"
 #include "pcpkv/core/layout.h"
 
-namespace pcpkv::cuda_detail::dispatch_impl {
+namespace pcpkv::cuda::dispatch_impl {
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxTargets = 64;  // per launch, all ranks together
@@ -275,4 +275,4 @@ constexpr int kWarpKernelTokensPerCta = kWarpKernelThreads / 32;
 constexpr int kWarpKernelMaxQLeaves = 256;
 KernelFn warp_kernel_for(KvFormat f, bool l2_prefetch, bool split = false);
 
-}  // namespace pcpkv::cuda_detail::dispatch_impl
+}  // namespace pcpkv::cuda::dispatch_impl

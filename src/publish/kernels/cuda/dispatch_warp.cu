@@ -33,7 +33,7 @@
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/pdl.h"
 
-namespace pcpkv::cuda_detail::dispatch_impl {
+namespace pcpkv::cuda::dispatch_impl {
 namespace {
 
 constexpr int kWarps = 4;  // per CTA; the CTA shares only the target / destination tables
@@ -541,4 +541,4 @@ KernelFn warp_kernel_for(KvFormat f, bool l2_prefetch, bool split) {
   return l2_prefetch ? warp_kernel_of<true, false>(f) : warp_kernel_of<false, false>(f);
 }
 
-}  // namespace pcpkv::cuda_detail::dispatch_impl
+}  // namespace pcpkv::cuda::dispatch_impl

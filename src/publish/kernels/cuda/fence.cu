@@ -5,7 +5,7 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/pdl.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 constexpr int kFenceThreads = 32;  // one warp polls up to 32 peers at once
@@ -46,4 +46,4 @@ void throw_if_fence_timeout(const FenceError& error, double timeout_ms) {
                      missing);
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

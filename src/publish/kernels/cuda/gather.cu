@@ -7,7 +7,7 @@
 #include "core/cuda/device.h"
 #include "pcpkv/publish/kernels.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 constexpr int kMaxGroup = 8;  // sources / destinations per launch (larger worlds take several launches)
@@ -84,4 +84,4 @@ void launch_fill_minus_one(int32_t* p, int64_t count, cudaStream_t stream) {
   PCPKV_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, static_cast<size_t>(count) * sizeof(int32_t), stream));
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -11,9 +11,9 @@
 #include "core/cuda/device.h"
 #include "publish/kernels/cuda/kernel_util.cuh"
 #include "pcpkv/publish/kernels.h"
-#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/validate.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 constexpr int kMaxJobs = 8;
@@ -231,4 +231,4 @@ void launch_insert_indexer(const InsertParams* jobs, int num_jobs, cudaStream_t 
   launch_insert(jobs, num_jobs, stream, Part::kIndexer);
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -11,7 +11,7 @@
 #include "pcpkv/device/fp32.h"
 #include "pcpkv/device/token_math.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 /// Largest power of two (<= 16) dividing every value: the widest access all of them allow.
 __host__ __device__ inline int align_of(uint64_t v) {
@@ -149,4 +149,4 @@ __device__ __forceinline__ float lanes_max(float v, unsigned mask) {
   return v;
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

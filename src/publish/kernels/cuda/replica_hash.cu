@@ -9,7 +9,7 @@
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/replica_hash.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 constexpr int kThreads = 256;
@@ -119,4 +119,4 @@ void launch_compare_replica_hashes(const uint64_t* hashes, int32_t world, int64_
   PCPKV_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda
