@@ -15,6 +15,7 @@
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/allreduce.h"
 
 namespace pcpkv::cuda {
 namespace {

@@ -21,6 +21,8 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/multiproc.h"
 #include "pcpkv/ranks/symmetric.h"
+#include "pcpkv_bench/allreduce.h"
+#include "pcpkv_bench/fence.h"
 
 #if defined(PCPKV_HAVE_NCCL)
 #include <nccl.h>

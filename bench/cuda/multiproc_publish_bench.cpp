@@ -22,6 +22,7 @@
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/publish/cuda_multiproc.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/fence.h"
 
 namespace pcpkv::cuda {
 

@@ -23,6 +23,7 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/pdl.h"
 #include "pcpkv/serving/router.h"
+#include "pcpkv_bench/pdl.h"
 
 namespace pcpkv::cuda {
 namespace {

@@ -13,6 +13,8 @@
 #include "pcpkv/publish/cuda_multiproc.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/multiproc.h"
+#include "pcpkv_bench/fence.h"
+#include "pcpkv_bench/link.h"
 
 namespace pcpkv::cuda {
 

@@ -20,6 +20,7 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
 #include "pcpkv/publish/replica_hash.h"
+#include "pcpkv_bench/publish.h"
 
 namespace pcpkv::cuda {
 namespace {

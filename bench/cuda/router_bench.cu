@@ -24,6 +24,7 @@
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/serving/router.h"
+#include "pcpkv_bench/router.h"
 
 namespace pcpkv::cuda {
 namespace {

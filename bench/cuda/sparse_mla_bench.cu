@@ -13,6 +13,7 @@
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/consumers.h"
 
 namespace pcpkv::cuda {
 

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "pcpkv/publish/cuda.h"
+#include "pcpkv_bench/publish.h"
 
 namespace pcpkv::cuda {
 namespace {

@@ -30,6 +30,7 @@
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/model.h"
 
+#include "pcpkv_bench/publish.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda.h"
 #endif

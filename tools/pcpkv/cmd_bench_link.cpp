@@ -10,6 +10,7 @@
 #include "launch_cmds.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/link.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
 #endif
