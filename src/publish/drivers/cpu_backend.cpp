@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -96,242 +97,318 @@ std::shared_ptr<const RopeTable> CpuBackend::rope_table(const RopeConfig& rope, 
   return rope_;
 }
 
+// One publication of the CPU backend: what every rank thread shares, and one small function per Op of the
+// transport table. Lives for one CpuBackend::publish call.
+class Publication {
+ public:
+  Publication(const PublishSetup& setup, const GlobalInputs& inputs, Transport transport,
+              std::shared_ptr<const RopeTable> rope, std::vector<RankScratch>& scratch, int num_threads);
+  PublishResult run();
+
+ private:
+  // Stamps the wall clock each time every rank has reached the barrier (std::barrier's completion step).
+  struct StampPhase {
+    std::vector<Clock::time_point>* stamps;
+    void operator()() noexcept { stamps->push_back(Clock::now()); }
+  };
+
+  void prepare_rank(int32_t r);
+  void run_ranks();
+  void rank_main(int32_t r, std::barrier<StampPhase>& phase_barrier);
+  void run_step(int32_t r, const Step& step);
+  DispatchParams base_dispatch(int32_t r);
+  void topk_fill_step(int32_t r);
+  void dispatch_materialize(int32_t r);
+  void dispatch_stage(int32_t r);
+  void dispatch_direct(int32_t r);
+  void gather(int32_t r);
+  void insert(int32_t r);
+  void combine(int32_t r);
+  void write_profile();
+  void hand_over_allocations();
+
+  const PublishSetup& setup_;
+  const GlobalInputs& inputs_;
+  const PcpPlan& plan_;
+  const CacheFormat fmt_;
+  const int32_t W_;
+  const int64_t M_;
+  const bool fill_topk_;  // shared layers keep the previous top-k
+  const TransportRowLayout row_layout_;
+  const int threads_per_rank_;
+  const PublishLayout layout_;  // shared with the CUDA and per-process drivers (byte-comparable replicas)
+  const std::shared_ptr<const RopeTable> rope_;
+  StagingGeometry sg_;
+  const int buffer_idx_;
+  const std::vector<Step> steps_;
+  std::vector<RankScratch>& scratch_;
+  std::vector<RankState> ranks_;
+  std::vector<CacheTarget> targets_;
+  std::vector<uint8_t*> row_dests_storage_;  // [W][W]: rank r's row_dests = peers' staging slots of r
+  std::vector<uint64_t*> pads_;
+  // Stage timestamps: one per barrier phase; phase 0 = everyone prepared, then per repeat 1 + num_stages.
+  std::vector<Clock::time_point> stamps_;
+  std::atomic<bool> failed_{false};
+  std::vector<std::exception_ptr> errors_;
+  PublishResult result_;
+};
+
+Publication::Publication(const PublishSetup& setup, const GlobalInputs& inputs, Transport transport,
+                         std::shared_ptr<const RopeTable> rope, std::vector<RankScratch>& scratch, int num_threads)
+    : setup_(setup),
+      inputs_(inputs),
+      plan_(*setup.plan),
+      fmt_(setup.fmt),
+      W_(plan_.pcp_world),
+      M_(plan_.max_local_tokens),
+      fill_topk_(setup.topk_width > 0 && fmt_.has_indexer),
+      row_layout_(transport_row_layout(fmt_)),
+      threads_per_rank_(std::max(1, num_threads / W_)),
+      layout_(make_publish_layout(setup)),
+      rope_(std::move(rope)),
+      buffer_idx_(setup.layer_idx & 1),
+      steps_(steps(transport, layout_, kFuseTopk)),
+      scratch_(scratch),
+      ranks_(static_cast<size_t>(W_)),
+      targets_(static_cast<size_t>(W_)),
+      pads_(static_cast<size_t>(W_)),
+      errors_(static_cast<size_t>(W_)) {
+  result_.transport = transport;
+  result_.mla_geometry = layout_.mla;
+  result_.index_geometry = layout_.index;
+  result_.mla_cache_offset = layout_.head;
+  result_.index_cache_offset = layout_.head;
+  sg_.num_ubatches = setup.num_ubatches;
+  sg_.pcp_world = W_;
+  sg_.max_local_tokens = M_;
+  sg_.row_bytes = row_layout_.row_bytes;
+  if (scratch_.size() < static_cast<size_t>(W_)) scratch_.resize(static_cast<size_t>(W_));
+  if (uses(steps_, Op::kDispatchStage)) row_dests_storage_.resize(static_cast<size_t>(W_) * W_);
+  // Fence pads are set up (zeroed) before any rank runs.
+  for (int32_t r = 0; r < W_; ++r) {
+    ranks_[static_cast<size_t>(r)].pad.assign(static_cast<size_t>(fence_pad_elems(1, W_)), 0);
+    pads_[static_cast<size_t>(r)] = ranks_[static_cast<size_t>(r)].pad.data();
+  }
+  for (int32_t r = 0; r < W_; ++r) ranks_[static_cast<size_t>(r)].fence = std::make_unique<HostFence>(r, W_, 1, pads_);
+}
+
+PublishResult Publication::run() {
+  run_ranks();
+  write_profile();
+  hand_over_allocations();
+  return std::move(result_);
+}
+
+// Per-rank setup (allocation, poisoning, local inputs), in the rank threads; not timed.
+void Publication::prepare_rank(int32_t r) {
+  RankState& st = ranks_[static_cast<size_t>(r)];
+  RankScratch& sc = scratch_[static_cast<size_t>(r)];
+  rank_inputs(inputs_, plan_, r, &sc.in);
+  const int64_t head = layout_.head;
+  st.mla_alloc.assign(static_cast<size_t>(layout_.mla_alloc_bytes), kGuardByte);
+  st.index_alloc.assign(static_cast<size_t>(layout_.index_alloc_bytes), kGuardByte);
+  st.target.mla_base = st.mla_alloc.data() + head;
+  st.target.mla = result_.mla_geometry;
+  st.target.index_base = st.index_alloc.data() + head;
+  st.target.index = result_.index_geometry;
+  targets_[static_cast<size_t>(r)] = st.target;
+  if (setup_.materialize_q) st.q_out.assign(static_cast<size_t>(M_ * setup_.model->q_lora_rank), 0xA5A5);
+  if (fill_topk_) st.topk.assign(static_cast<size_t>(M_ * setup_.topk_width), static_cast<int32_t>(0xA5A5A5A5u));
+  if (uses(steps_, Op::kDispatchMaterialize)) {
+    sc.kv_c_out.assign(static_cast<size_t>(M_ * 512), 0xA5A5);
+    sc.k_pe_out.assign(static_cast<size_t>(M_ * 64), 0xA5A5);
+    sc.kv_c_all.resize(static_cast<size_t>(W_ * M_ * 512));
+    sc.k_pe_all.resize(static_cast<size_t>(W_ * M_ * 64));
+    sc.index_k_out.assign(fmt_.has_indexer ? static_cast<size_t>(M_ * 128) : 0, 0xA5A5);
+    sc.index_k_all.resize(fmt_.has_indexer ? static_cast<size_t>(W_ * M_ * 128) : 0);
+  }
+  if (uses(steps_, Op::kDispatchStage) && sc.staging_bytes < sg_.bytes()) {
+    sc.staging.reset(new uint8_t[static_cast<size_t>(sg_.bytes())]);  // contents unspecified until written
+    sc.staging_bytes = sg_.bytes();
+  }
+}
+
+// One thread per rank; stages are separated by a barrier whose completion stamps the clock.
+void Publication::run_ranks() {
+  stamps_.reserve(1 + static_cast<size_t>(setup_.repeats) * (1 + steps_.size()));
+  std::barrier<StampPhase> phase_barrier(W_, StampPhase{&stamps_});
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(W_));
+  for (int32_t r = 0; r < W_; ++r) threads.emplace_back(&Publication::rank_main, this, r, std::ref(phase_barrier));
+  for (auto& t : threads) t.join();
+  for (auto& e : errors_)
+    if (e) std::rethrow_exception(e);
+}
+
+void Publication::rank_main(int32_t r, std::barrier<StampPhase>& phase_barrier) {
+  try {
+    prepare_rank(r);
+    phase_barrier.arrive_and_wait();
+    if (failed_.load()) return;
+    for (int32_t rep = 0; rep < setup_.repeats; ++rep) {
+      for (const Step& step : steps_) {
+        run_step(r, step);
+        phase_barrier.arrive_and_wait();
+        if (failed_.load()) return;
+      }
+      phase_barrier.arrive_and_wait();  // closes the repeat (keeps repeats apart)
+      if (failed_.load()) return;
+    }
+  } catch (...) {
+    errors_[static_cast<size_t>(r)] = std::current_exception();
+    failed_.store(true);
+    phase_barrier.arrive_and_drop();  // let the others finish the phase, see `failed_`, and stop
+  }
+}
+
+// One small function per Op of the transport table.
+void Publication::run_step(int32_t r, const Step& step) {
+  switch (step.op) {
+    case Op::kTopkFill: topk_fill_step(r); break;
+    case Op::kDispatchMaterialize: dispatch_materialize(r); break;
+    case Op::kDispatchStage: dispatch_stage(r); break;
+    case Op::kDispatchDirect: dispatch_direct(r); break;
+    case Op::kGather: gather(r); break;
+    case Op::kInsert: insert(r); break;
+    case Op::kFence: ranks_[static_cast<size_t>(r)].fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs); break;
+    case Op::kCombine: combine(r); break;
+  }
+}
+
+DispatchParams Publication::base_dispatch(int32_t r) {
+  RankState& st = ranks_[static_cast<size_t>(r)];
+  const RankScratch& sc = scratch_[static_cast<size_t>(r)];
+  DispatchInputs di;
+  di.q_c = sc.in.q_c.data();
+  di.kv = sc.in.kv.data();
+  di.k_pe = sc.in.k_pe.data();
+  di.index_k = sc.in.index_k.data();
+  di.positions = sc.in.positions.data();
+  di.q_norm_w = inputs_.weights.q_norm_w.data();
+  di.kv_norm_w = inputs_.weights.kv_norm_w.data();
+  di.index_ln_w = inputs_.weights.index_ln_w.data();
+  di.index_ln_b = inputs_.weights.index_ln_b.data();
+  di.rope_cos_sin = rope_->cos_sin.data();
+  di.rope_num_positions = rope_->num_positions;
+  di.q_c_out = st.q_out.data();
+  di.topk = kFuseTopk ? st.topk.data() : nullptr;
+  di.topk_indexer_rows = plan_.ranks[static_cast<size_t>(r)].num_local_tokens;  // fused fill: setup.topk_fill_mode
+  DispatchParams d = base_dispatch_params(setup_, layout_, di);
+  if (!kFuseTopk) {
+    d.topk_fill = nullptr;  // the topk-fill step
+    d.topk_width = 0;
+  }
+  return d;
+}
+
+// Rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison.
+void Publication::topk_fill_step(int32_t r) {
+  std::vector<int32_t>& topk = ranks_[static_cast<size_t>(r)].topk;
+  std::fill(topk.begin() + topk_first_row(setup_, r) * setup_.topk_width, topk.end(), -1);
+}
+
+void Publication::dispatch_materialize(int32_t r) {
+  RankScratch& sc = scratch_[static_cast<size_t>(r)];
+  DispatchParams d = base_dispatch(r);
+  d.kv_c_out = sc.kv_c_out.data();
+  d.k_pe_out = sc.k_pe_out.data();
+  d.index_k_out = fmt_.has_indexer ? sc.index_k_out.data() : nullptr;
+  dispatch_reference(d, threads_per_rank_);
+}
+
+// Rank r's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank r][0].
+void Publication::dispatch_stage(int32_t r) {
+  DispatchParams d = base_dispatch(r);
+  uint8_t** dests = row_dests_storage_.data() + static_cast<size_t>(r) * W_;
+  for (int32_t peer = 0; peer < W_; ++peer)
+    dests[peer] = scratch_[static_cast<size_t>(peer)].staging.get() + sg_.row_offset(buffer_idx_, 0, r, 0);
+  d.row_dests = dests;
+  d.num_row_dests = W_;
+  d.row_bytes = row_layout_.row_bytes;
+  dispatch_reference(d, threads_per_rank_);
+}
+
+void Publication::dispatch_direct(int32_t r) {
+  DispatchParams d = base_dispatch(r);
+  d.slot_mapping = scratch_[static_cast<size_t>(r)].in.slot_mapping.data();
+  d.targets = targets_.data();
+  d.num_targets = W_;
+  dispatch_reference(d, threads_per_rank_);
+}
+
+// Three all-gathers: every rank copies every rank's padded rows, rank-major.
+void Publication::gather(int32_t r) {
+  RankScratch& sc = scratch_[static_cast<size_t>(r)];
+  for (int32_t src = 0; src < W_; ++src) {
+    const RankScratch& s = scratch_[static_cast<size_t>(src)];
+    std::copy(s.kv_c_out.begin(), s.kv_c_out.end(), sc.kv_c_all.begin() + src * M_ * 512);
+    std::copy(s.k_pe_out.begin(), s.k_pe_out.end(), sc.k_pe_all.begin() + src * M_ * 64);
+    if (fmt_.has_indexer)
+      std::copy(s.index_k_out.begin(), s.index_k_out.end(), sc.index_k_all.begin() + src * M_ * 128);
+  }
+}
+
+void Publication::insert(int32_t r) {
+  RankScratch& sc = scratch_[static_cast<size_t>(r)];
+  InsertParams p;
+  p.num_tokens = W_ * M_;
+  p.kv_c = sc.kv_c_all.data();
+  p.k_pe = sc.k_pe_all.data();
+  p.index_k = fmt_.has_indexer ? sc.index_k_all.data() : nullptr;
+  p.slot_mapping = plan_.gathered_slot_mapping.data();
+  p.fmt = fmt_;
+  p.target = ranks_[static_cast<size_t>(r)].target;
+  insert_reference(p, threads_per_rank_);
+}
+
+void Publication::combine(int32_t r) {
+  CombineParams p;
+  p.rows = scratch_[static_cast<size_t>(r)].staging.get() + sg_.row_offset(buffer_idx_, 0, 0, 0);
+  p.num_src_ranks = W_;
+  p.max_local_tokens = M_;
+  p.row_bytes = row_layout_.row_bytes;
+  p.slot_mapping = plan_.gathered_slot_mapping.data();
+  p.fmt = fmt_;
+  p.target = ranks_[static_cast<size_t>(r)].target;
+  combine_reference(p, threads_per_rank_);
+}
+
+// A stage's ms: mean over repeats of the time between the barriers that open and close it.
+void Publication::write_profile() {
+  const size_t num_stages = steps_.size();
+  std::vector<double> stage_ms(num_stages, 0.0);
+  for (int32_t rep = 0; rep < setup_.repeats; ++rep) {
+    const size_t base = 1 + static_cast<size_t>(rep) * (num_stages + 1);  // stamps[base - 1] opens the repeat
+    for (size_t k = 0; k < num_stages; ++k)
+      stage_ms[k] += std::chrono::duration<double, std::milli>(stamps_[base + k] - stamps_[base + k - 1]).count();
+  }
+  const ByteModel bytes = make_byte_model(setup_, layout_, kFuseTopk);
+  for (size_t k = 0; k < num_stages; ++k)
+    result_.profile.stages.push_back(
+        Stage{steps_[k].name, stage_ms[k] / setup_.repeats, step_bytes_all_ranks(steps_[k], bytes)});
+}
+
+// The allocations are host memory already: they move into the result.
+void Publication::hand_over_allocations() {
+  for (RankState& st : ranks_) {
+    result_.mla_alloc.push_back(std::move(st.mla_alloc));
+    result_.index_alloc.push_back(std::move(st.index_alloc));
+    if (setup_.materialize_q) result_.q_c_out.push_back(std::move(st.q_out));
+    if (fill_topk_) result_.topk.push_back(std::move(st.topk));
+  }
+}
+
+int64_t max_global_position(const PcpPlan& plan) {
+  int64_t max_pos = 0;
+  for (int64_t p : plan.global_positions) max_pos = std::max(max_pos, p);
+  return max_pos;
+}
+
 PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs& inputs, Transport transport) {
   validate_setup(setup, inputs, transport);
   std::lock_guard<std::mutex> publish_lock(publish_mutex_);
-  const ModelConfig& model = *setup.model;
-  const PcpPlan& plan = *setup.plan;
-  const CacheFormat fmt = setup.fmt;
-  const int32_t W = plan.pcp_world;
-  const int64_t M = plan.max_local_tokens;
-  const int64_t q_rank = model.q_lora_rank;
-  const bool fill_topk = setup.topk_width > 0 && fmt.has_indexer;  // shared layers keep the previous top-k
-  const TransportRowLayout row_layout = transport_row_layout(fmt);
-  const int threads_per_rank = std::max(1, num_threads_ / W);
-
-  PublishResult result;
-  result.transport = transport;
-  // Geometry and allocation layout shared with the CUDA and per-process drivers (byte-comparable replicas).
-  const PublishLayout layout = make_publish_layout(setup);
-  result.mla_geometry = layout.mla;
-  result.index_geometry = layout.index;
-  const MlaCacheGeometry& mg = result.mla_geometry;
-  const IndexerCacheGeometry& ig = result.index_geometry;
-  result.mla_cache_offset = layout.head;
-  result.index_cache_offset = layout.head;
-
-  int64_t max_pos = 0;
-  for (int64_t p : plan.global_positions) max_pos = std::max(max_pos, p);
-  const std::shared_ptr<const RopeTable> rope = rope_table(model.rope, max_pos + 1);
-
-  StagingGeometry sg;
-  sg.num_ubatches = setup.num_ubatches;
-  sg.pcp_world = W;
-  sg.max_local_tokens = M;
-  sg.row_bytes = row_layout.row_bytes;
-  const int buffer_idx = setup.layer_idx & 1;
-
-  const std::vector<Step> steps = pcpkv::steps(transport, layout, kFuseTopk);
-  const size_t num_stages = steps.size();
-
-  std::vector<RankState> ranks(static_cast<size_t>(W));
-  if (scratch_.size() < static_cast<size_t>(W)) scratch_.resize(static_cast<size_t>(W));
-  std::vector<CacheTarget> targets(static_cast<size_t>(W));
-  std::vector<uint8_t*> row_dests_storage;  // [W][W]: rank r's row_dests = peers' staging slots of r
-
-  // Per-rank setup (allocation, poisoning, local inputs), in the rank threads; not timed.
-  auto prepare_rank = [&](int32_t r) {
-    RankState& st = ranks[static_cast<size_t>(r)];
-    RankScratch& sc = scratch_[static_cast<size_t>(r)];
-    rank_inputs(inputs, plan, r, &sc.in);
-    const int64_t head = layout.head;
-    st.mla_alloc.assign(static_cast<size_t>(layout.mla_alloc_bytes), kGuardByte);
-    st.index_alloc.assign(static_cast<size_t>(layout.index_alloc_bytes), kGuardByte);
-    st.target.mla_base = st.mla_alloc.data() + head;
-    st.target.mla = mg;
-    st.target.index_base = st.index_alloc.data() + head;
-    st.target.index = ig;
-    targets[static_cast<size_t>(r)] = st.target;
-    if (setup.materialize_q) st.q_out.assign(static_cast<size_t>(M * q_rank), 0xA5A5);
-    if (fill_topk) st.topk.assign(static_cast<size_t>(M * setup.topk_width), static_cast<int32_t>(0xA5A5A5A5u));
-    if (uses(steps, Op::kDispatchMaterialize)) {
-      sc.kv_c_out.assign(static_cast<size_t>(M * 512), 0xA5A5);
-      sc.k_pe_out.assign(static_cast<size_t>(M * 64), 0xA5A5);
-      sc.kv_c_all.resize(static_cast<size_t>(W * M * 512));
-      sc.k_pe_all.resize(static_cast<size_t>(W * M * 64));
-      sc.index_k_out.assign(fmt.has_indexer ? static_cast<size_t>(M * 128) : 0, 0xA5A5);
-      sc.index_k_all.resize(fmt.has_indexer ? static_cast<size_t>(W * M * 128) : 0);
-    }
-    if (uses(steps, Op::kDispatchStage) && sc.staging_bytes < sg.bytes()) {
-      sc.staging.reset(new uint8_t[static_cast<size_t>(sg.bytes())]);  // contents unspecified until written
-      sc.staging_bytes = sg.bytes();
-    }
-  };
-
-  // Fence pads are set up (zeroed) before any rank runs.
-  std::vector<uint64_t*> pads(static_cast<size_t>(W));
-  for (int32_t r = 0; r < W; ++r) {
-    ranks[static_cast<size_t>(r)].pad.assign(static_cast<size_t>(fence_pad_elems(1, W)), 0);
-    pads[static_cast<size_t>(r)] = ranks[static_cast<size_t>(r)].pad.data();
-  }
-  for (int32_t r = 0; r < W; ++r) ranks[static_cast<size_t>(r)].fence = std::make_unique<HostFence>(r, W, 1, pads);
-
-  // Stage timestamps: one per barrier phase; phase 0 = everyone prepared, then per repeat 1 + num_stages.
-  std::vector<Clock::time_point> stamps;
-  stamps.reserve(1 + static_cast<size_t>(setup.repeats) * (1 + num_stages));
-  auto on_phase = [&stamps]() noexcept { stamps.push_back(Clock::now()); };
-  std::barrier phase_barrier(W, on_phase);
-  std::atomic<bool> failed{false};
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(W));
-
-  auto base_dispatch = [&](int32_t r, RankState& st, const RankScratch& sc) {
-    DispatchInputs di;
-    di.q_c = sc.in.q_c.data();
-    di.kv = sc.in.kv.data();
-    di.k_pe = sc.in.k_pe.data();
-    di.index_k = sc.in.index_k.data();
-    di.positions = sc.in.positions.data();
-    di.q_norm_w = inputs.weights.q_norm_w.data();
-    di.kv_norm_w = inputs.weights.kv_norm_w.data();
-    di.index_ln_w = inputs.weights.index_ln_w.data();
-    di.index_ln_b = inputs.weights.index_ln_b.data();
-    di.rope_cos_sin = rope->cos_sin.data();
-    di.rope_num_positions = rope->num_positions;
-    di.q_c_out = st.q_out.data();
-    di.topk = kFuseTopk ? st.topk.data() : nullptr;
-    di.topk_indexer_rows = plan.ranks[static_cast<size_t>(r)].num_local_tokens;  // fused fill: setup.topk_fill_mode
-    DispatchParams d = base_dispatch_params(setup, layout, di);
-    if (!kFuseTopk) {
-      d.topk_fill = nullptr;  // the topk-fill step
-      d.topk_width = 0;
-    }
-    return d;
-  };
-
-  if (uses(steps, Op::kDispatchStage)) row_dests_storage.resize(static_cast<size_t>(W) * W);
-
-  // One small function per Op of the transport table.
-  auto run_step = [&](int32_t r, const Step& step) {
-    RankState& st = ranks[static_cast<size_t>(r)];
-    RankScratch& sc = scratch_[static_cast<size_t>(r)];
-    switch (step.op) {
-      case Op::kTopkFill:  // rows [topk_first_row, M) (setup.topk_fill_mode); the rest keep the poison
-        std::fill(st.topk.begin() + topk_first_row(setup, r) * setup.topk_width, st.topk.end(), -1);
-        break;
-      case Op::kDispatchMaterialize: {
-        DispatchParams d = base_dispatch(r, st, sc);
-        d.kv_c_out = sc.kv_c_out.data();
-        d.k_pe_out = sc.k_pe_out.data();
-        d.index_k_out = fmt.has_indexer ? sc.index_k_out.data() : nullptr;
-        dispatch_reference(d, threads_per_rank);
-        break;
-      }
-      case Op::kDispatchStage: {
-        // Rank r's rows land in every peer's staging buffer at [buffer][ubatch 0][src rank r][0].
-        DispatchParams d = base_dispatch(r, st, sc);
-        uint8_t** dests = row_dests_storage.data() + static_cast<size_t>(r) * W;
-        for (int32_t peer = 0; peer < W; ++peer)
-          dests[peer] = scratch_[static_cast<size_t>(peer)].staging.get() + sg.row_offset(buffer_idx, 0, r, 0);
-        d.row_dests = dests;
-        d.num_row_dests = W;
-        d.row_bytes = row_layout.row_bytes;
-        dispatch_reference(d, threads_per_rank);
-        break;
-      }
-      case Op::kDispatchDirect: {
-        DispatchParams d = base_dispatch(r, st, sc);
-        d.slot_mapping = sc.in.slot_mapping.data();
-        d.targets = targets.data();
-        d.num_targets = W;
-        dispatch_reference(d, threads_per_rank);
-        break;
-      }
-      case Op::kGather:
-        // Three all-gathers: every rank copies every rank's padded rows, rank-major.
-        for (int32_t src = 0; src < W; ++src) {
-          const RankScratch& s = scratch_[static_cast<size_t>(src)];
-          std::copy(s.kv_c_out.begin(), s.kv_c_out.end(), sc.kv_c_all.begin() + src * M * 512);
-          std::copy(s.k_pe_out.begin(), s.k_pe_out.end(), sc.k_pe_all.begin() + src * M * 64);
-          if (fmt.has_indexer)
-            std::copy(s.index_k_out.begin(), s.index_k_out.end(), sc.index_k_all.begin() + src * M * 128);
-        }
-        break;
-      case Op::kInsert: {
-        InsertParams p;
-        p.num_tokens = W * M;
-        p.kv_c = sc.kv_c_all.data();
-        p.k_pe = sc.k_pe_all.data();
-        p.index_k = fmt.has_indexer ? sc.index_k_all.data() : nullptr;
-        p.slot_mapping = plan.gathered_slot_mapping.data();
-        p.fmt = fmt;
-        p.target = st.target;
-        insert_reference(p, threads_per_rank);
-        break;
-      }
-      case Op::kFence: st.fence->arrive_and_wait(kPublishBarrier, kFenceTimeoutMs); break;
-      case Op::kCombine: {
-        CombineParams p;
-        p.rows = sc.staging.get() + sg.row_offset(buffer_idx, 0, 0, 0);
-        p.num_src_ranks = W;
-        p.max_local_tokens = M;
-        p.row_bytes = row_layout.row_bytes;
-        p.slot_mapping = plan.gathered_slot_mapping.data();
-        p.fmt = fmt;
-        p.target = st.target;
-        combine_reference(p, threads_per_rank);
-        break;
-      }
-    }
-  };
-
-  auto rank_main = [&](int32_t r) {
-    try {
-      prepare_rank(r);
-      phase_barrier.arrive_and_wait();
-      if (failed.load()) return;
-      for (int32_t rep = 0; rep < setup.repeats; ++rep) {
-        for (size_t stage = 0; stage < num_stages; ++stage) {
-          run_step(r, steps[stage]);
-          phase_barrier.arrive_and_wait();
-          if (failed.load()) return;
-        }
-        phase_barrier.arrive_and_wait();  // closes the repeat (keeps repeats apart)
-        if (failed.load()) return;
-      }
-    } catch (...) {
-      errors[static_cast<size_t>(r)] = std::current_exception();
-      failed.store(true);
-      phase_barrier.arrive_and_drop();  // let the others finish the phase, see `failed`, and stop
-    }
-  };
-
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<size_t>(W));
-  for (int32_t r = 0; r < W; ++r) threads.emplace_back(rank_main, r);
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-
-  // ---- profile ----
-  std::vector<double> stage_ms(num_stages, 0.0);
-  for (int32_t rep = 0; rep < setup.repeats; ++rep) {
-    const size_t base = 1 + static_cast<size_t>(rep) * (num_stages + 1);  // stamps[base - 1] opens the repeat
-    for (size_t k = 0; k < num_stages; ++k)
-      stage_ms[k] += std::chrono::duration<double, std::milli>(stamps[base + k] - stamps[base + k - 1]).count();
-  }
-  const ByteModel bytes = make_byte_model(setup, layout, kFuseTopk);
-  for (size_t k = 0; k < num_stages; ++k)
-    result.profile.stages.push_back(
-        Stage{steps[k].name, stage_ms[k] / setup.repeats, step_bytes_all_ranks(steps[k], bytes)});
-
-  // ---- hand the allocations over (they are host memory already) ----
-  for (RankState& st : ranks) {
-    result.mla_alloc.push_back(std::move(st.mla_alloc));
-    result.index_alloc.push_back(std::move(st.index_alloc));
-    if (setup.materialize_q) result.q_c_out.push_back(std::move(st.q_out));
-    if (fill_topk) result.topk.push_back(std::move(st.topk));
-  }
-  return result;
+  std::shared_ptr<const RopeTable> rope = rope_table(setup.model->rope, max_global_position(*setup.plan) + 1);
+  return Publication(setup, inputs, transport, std::move(rope), scratch_, num_threads_).run();
 }
 
 }  // namespace
