@@ -16,9 +16,9 @@ namespace {
 
 const char* pass_fail(const Check& c) { return c.pass ? "PASS" : "FAIL"; }
 
-// Bytes the dispatch's P2P stores move between GPUs (the transport tables' byte model, publish/transport_table.h): direct stores
-// every written row's final cache bytes into every replica; staging stores all M packed rows into every
-// peer's staging slot. Own-replica stores are local, not counted.
+// Bytes the dispatch's P2P stores move between GPUs (the transport tables' byte model,
+// publish/drivers/transport_table.h): direct stores every written row's final cache bytes into every replica;
+// staging stores all M packed rows into every peer's staging slot. Own-replica stores are local, not counted.
 struct P2pBytes {
   int64_t max_received = 0;  // the GPU that receives the most
   int64_t max_sent = 0;

@@ -41,7 +41,7 @@ enum class DispatchVariant : uint8_t {
   kWarpSplit,     // each token's KV part and Q part as two items of the warps at every size ("warp_split")
 };
 /// Names of the variants; unlike the launchers these two are defined in pcpkv_core
-/// (src/publish/dispatch_variant.cpp), so CPU builds have them too.
+/// (src/publish/contract/dispatch_variant.cpp), so CPU builds have them too.
 const char* to_string(DispatchVariant v);
 /// "auto" | "simple" | "prefetch" | "warp" | "warp_pf" | "warp_token" | "warp_split"; throws pcpkv::Error otherwise.
 DispatchVariant parse_dispatch_variant(const std::string& s);

@@ -1,5 +1,5 @@
-// src/publish/dispatch_variant.h: PCPKV_DISPATCH_VARIANT, parsed without CUDA (pcpkv_core) so the CPU build tests
-// the rule; the CUDA launcher (src/publish/cuda/dispatch.cu) applies it to DispatchVariant::kAuto.
+// src/publish/contract/dispatch_variant.h: PCPKV_DISPATCH_VARIANT, parsed without CUDA (pcpkv_core) so the CPU build
+// tests the rule; the CUDA launcher (src/publish/kernels/cuda/dispatch.cu) applies it to DispatchVariant::kAuto.
 #pragma once
 
 #include <optional>

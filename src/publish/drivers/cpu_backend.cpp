@@ -1,6 +1,6 @@
 // The CPU reference backend (pcpkv/publish/backend.h): PCP ranks are threads, each with its own cache replica and
 // staging workspace, running the three transports of SPEC section 5 with the host fence (pcpkv/ranks/fence.h).
-// The steps, their stage names and bytes come from the transport tables (publish/transport_table.h); this file
+// The steps, their stage names and bytes come from the transport tables (publish/drivers/transport_table.h); this file
 // maps each Op to the CPU oracle's kernels.
 //
 // Stage profile. Rank threads run each stage concurrently; stages are separated by a host barrier, and a

@@ -1,4 +1,4 @@
-// src/publish/publish_layout.h: what a per-process publication driver (CPU or CUDA) lays out and checks,
+// src/publish/drivers/publish_layout.h: what a per-process publication driver (CPU or CUDA) lays out and checks,
 // shared so that both lay out caches exactly as the single-process backends do (byte-comparable replicas).
 #pragma once
 

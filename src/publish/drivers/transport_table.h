@@ -1,5 +1,5 @@
-// src/publish/transport_table.h: the three transports of SPEC section 5 written once, as tables of steps shared by
-// every publication driver (CPU backend, CUDA backend, the CPU and CUDA per-process publishers).
+// src/publish/drivers/transport_table.h: the three transports of SPEC section 5 written once, as tables of steps shared
+// by every publication driver (CPU backend, CUDA backend, the CPU and CUDA per-process publishers).
 //
 // A transport is an ordered list of Steps (like NCCL's table of transports, each a struct of operations): the
 // operation, the stage name every driver reports, and the step's byte model (docs/perf.md section 1). A driver

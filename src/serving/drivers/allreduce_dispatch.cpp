@@ -1,4 +1,5 @@
-// src/serving/cpu/allreduce_dispatch.cpp: THE one-shot / two-shot threshold of the all-reduce (pcpkv/serving/allreduce.h).
+// src/serving/drivers/allreduce_dispatch.cpp: THE one-shot / two-shot threshold of the all-reduce
+// (pcpkv/serving/allreduce.h).
 //
 // One-shot reads W x the message per rank behind one barrier; two-shot reads 2 x the message behind two
 // barriers, so one-shot wins small messages and loses once W x bytes outweighs a barrier.

@@ -1,6 +1,6 @@
-// src/serving/cpu/allreduce_host.cpp: the all-reduce protocol on the CPU (pcpkv/serving/allreduce.h): ranks are threads
-// or processes sharing host memory. Same workspace layout, per-block barriers with epochs and parities,
-// and work split as the CUDA kernel, so CI exercises the protocol that the GPU runs.
+// src/serving/drivers/allreduce_host.cpp: the all-reduce protocol on the CPU (pcpkv/serving/allreduce.h): ranks are
+// threads or processes sharing host memory. Same workspace layout, per-block barriers with epochs and parities, and
+// work split as the CUDA kernel, so CI exercises the protocol that the GPU runs.
 #include <atomic>
 #include <chrono>
 #include <cstdint>

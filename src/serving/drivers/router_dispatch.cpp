@@ -1,6 +1,6 @@
-// src/serving/cpu/router_dispatch.cpp: THE dispatch table of the router GEMM (pcpkv/serving/router.h), small-T kernel
-// versus cuBLASLt. One table for every preset and both weight dtypes: the kernel is bound by reading W once
-// (3 MB for GLM-5, 3.5 MB for DeepSeek-V3.2), so the crossover depends on the token count, not the preset.
+// src/serving/drivers/router_dispatch.cpp: THE dispatch table of the router GEMM (pcpkv/serving/router.h), small-T
+// kernel versus cuBLASLt. One table for every preset and both weight dtypes: the kernel is bound by reading W once (3
+// MB for GLM-5, 3.5 MB for DeepSeek-V3.2), so the crossover depends on the token count, not the preset.
 //
 // MEASURED: NVIDIA H200 (one GPU, CUDA 13.0, sm_90), 2026-11-29, `pcpkv bench-serving` (defaults: presets
 // glm-5 and deepseek-v3.2, cold L2, median of 50 CUDA-graph replays); microseconds per call,

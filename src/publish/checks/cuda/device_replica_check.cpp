@@ -1,4 +1,4 @@
-// DeviceReplicaCheck (src/publish/cuda/device_replica_check.h): W replicas of one GPU hashed and compared there.
+// DeviceReplicaCheck (src/publish/checks/cuda/device_replica_check.h): W replicas of one GPU hashed and compared there.
 #include "publish/checks/cuda/device_replica_check.h"
 
 #include <algorithm>

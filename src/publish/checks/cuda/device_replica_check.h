@@ -1,5 +1,5 @@
-// src/publish/cuda/device_replica_check.h: the run-time replica check (docs/spec.md section 5.2) of W replicas on one
-// GPU: every replica's written slots hashed by launch_slot_hashes, the hashes compared with rank 0's by
+// src/publish/checks/cuda/device_replica_check.h: the run-time replica check (docs/spec.md section 5.2) of W replicas
+// on one GPU: every replica's written slots hashed by launch_slot_hashes, the hashes compared with rank 0's by
 // launch_compare_replica_hashes, and only the W diff records copied to the host. `pcpkv bench` times it (its
 // replica-check rows); the CUDA tests compare its hashes with the CPU oracle.
 #pragma once

@@ -4,7 +4,7 @@
 //
 // Stage profile: one CUDA event between consecutive stages of one stream, so a stage's ms covers all W
 // ranks' launches of that stage; the mean over setup.repeats. Stages and bytes: the transport tables
-// (publish/transport_table.h), the same as the CPU backend's: topk-fill (indexer layers with topk_width > 0;
+// (publish/drivers/transport_table.h), the same as the CPU backend's: topk-fill (indexer layers with topk_width > 0;
 // a byte fill of -1), dispatch, then all-gather / insert (collect), fence / combine (staging) or fence (direct).
 #include <cuda_runtime_api.h>
 

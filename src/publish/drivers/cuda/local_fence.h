@@ -1,7 +1,7 @@
-// src/publish/cuda/local_fence.h: the SPEC section 5 fence for W logical ranks that live in this process on one GPU.
-// Owns the W signal pads (device memory, zeroed), the device pad table, the device-resident epochs
-// [W][num_barriers], the claim word and the host-mapped FenceError. enqueue() launches the fence kernel with
-// one block per rank (all co-resident), so it is safe inside CUDA graphs: each replay advances the epochs.
+// src/publish/drivers/cuda/local_fence.h: the SPEC section 5 fence for W logical ranks that live in this process on one
+// GPU. Owns the W signal pads (device memory, zeroed), the device pad table, the device-resident epochs
+// [W][num_barriers], the claim word and the host-mapped FenceError. enqueue() launches the fence kernel with one block
+// per rank (all co-resident), so it is safe inside CUDA graphs: each replay advances the epochs.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,7 +1,7 @@
-// src/publish/cuda/multiproc_fence.h: this process's side of the SPEC section 5 fence between rank processes: the
-// signal pads in device symmetric memory (VMM, every peer's pad mapped), this rank's device-resident epochs,
-// the claim word and a host-mapped FenceError. enqueue() launches the cuda engineer's fence kernel with one
-// block acting as this rank (graph-capturable; each replay advances the device epochs).
+// src/publish/drivers/cuda/multiproc_fence.h: this process's side of the SPEC section 5 fence between rank processes:
+// the signal pads in device symmetric memory (VMM, every peer's pad mapped), this rank's device-resident epochs, the
+// claim word and a host-mapped FenceError. enqueue() launches the cuda engineer's fence kernel with one block acting as
+// this rank (graph-capturable; each replay advances the device epochs).
 //
 // wait() synchronizes a stream while watching the peers: it turns the kernel's error word into
 // pcpkv::FenceTimeout naming the missing rank, and reports a peer process that died at once (without

@@ -1,5 +1,5 @@
-// src/publish/cuda/publisher.h: one layer's publication for W logical PCP ranks on one GPU (SPEC section 5), the
-// engine behind cuda::make_backend and `pcpkv bench`.
+// src/publish/drivers/cuda/publisher.h: one layer's publication for W logical PCP ranks on one GPU (SPEC section 5),
+// the engine behind cuda::make_backend and `pcpkv bench`.
 //
 // Each rank owns, in device memory: its local inputs (rank_inputs of the plan), its cache replica laid out
 // exactly like the CPU backend's (transport/publish_layout.h: [guard][base_offset][cache][guard], 0xA5),
@@ -100,7 +100,7 @@ class Publisher {
   PublishResult download(Transport transport) const;
 
   /// The stages enqueue() runs for `transport`, in order, with the bytes each moves (ms = 0): the transport
-  /// table's steps and byte model (publish/transport_table.h), the top-k fill its own step unless fused.
+  /// table's steps and byte model (publish/drivers/transport_table.h), the top-k fill its own step unless fused.
   std::vector<Stage> stage_model(Transport transport) const;
 
   LocalFence& fence() { return fence_; }

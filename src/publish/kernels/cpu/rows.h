@@ -1,4 +1,4 @@
-// src/publish/cpu/rows.h: writing one encoded row into a paged cache target (CPU reference internals).
+// src/publish/kernels/cpu/rows.h: writing one encoded row into a paged cache target (CPU reference internals).
 #pragma once
 
 #include <cstdint>

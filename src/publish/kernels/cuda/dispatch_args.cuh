@@ -1,6 +1,6 @@
-// src/publish/cuda/dispatch_args.cuh: what both dispatch kernels (dispatch.cu: a CTA per token; dispatch_warp.cu: a
-// warp per token) share: the kernel parameter block built by launch_dispatch, and the per-leaf RoPE and
-// Hadamard helpers in token_math.h's rounding order. Internal to pcpkv_cuda.
+// src/publish/kernels/cuda/dispatch_args.cuh: what both dispatch kernels (dispatch.cu: a CTA per token;
+// dispatch_warp.cu: a warp per token) share: the kernel parameter block built by launch_dispatch, and the per-leaf RoPE
+// and Hadamard helpers in token_math.h's rounding order. Internal to pcpkv_cuda.
 #pragma once
 
 #include <cuda_runtime.h>

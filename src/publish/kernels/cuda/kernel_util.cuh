@@ -1,4 +1,4 @@
-// src/publish/cuda/kernel_util.cuh: small device helpers shared by the pcpkv kernels: vector loads/stores that
+// src/publish/kernels/cuda/kernel_util.cuh: small device helpers shared by the pcpkv kernels: vector loads/stores that
 // honour a run-time alignment, bf16 unpacking, and the canonical warp reductions of token_math.h.
 #pragma once
 

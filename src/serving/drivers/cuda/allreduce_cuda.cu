@@ -1,6 +1,6 @@
-// src/serving/cuda/allreduce_cuda.cu: the all-reduce over symmetric memory on the GPU (pcpkv/serving/allreduce.h): the
-// kernel (one-shot / two-shot, plain / fused residual-add + RMSNorm), W logical ranks in one launch, one
-// rank per process with the capability agreement and the NCCL fallback.
+// src/serving/drivers/cuda/allreduce_cuda.cu: the all-reduce over symmetric memory on the GPU
+// (pcpkv/serving/allreduce.h): the kernel (one-shot / two-shot, plain / fused residual-add + RMSNorm), W logical ranks
+// in one launch, one rank per process with the capability agreement and the NCCL fallback.
 //
 // The kernel is written against a plain table of every rank's workspace address (peer pointers), so the
 // same code serves W logical ranks of one process (grid.y = local rank, all in one launch so that every

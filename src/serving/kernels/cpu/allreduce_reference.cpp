@@ -1,4 +1,4 @@
-// src/serving/cpu/allreduce_reference.cpp: the oracle of the all-reduce and its fused residual-add + RMSNorm
+// src/serving/kernels/cpu/allreduce_reference.cpp: the oracle of the all-reduce and its fused residual-add + RMSNorm
 // (pcpkv/serving/allreduce.h, SPEC section 7), validation and the work split (the capability agreement across
 // ranks: src/serving/drivers/allreduce_agreement.cpp).
 #include <algorithm>

@@ -1,5 +1,6 @@
-// src/serving/cpu/router_fp8_quant.cpp: CPU reference of FP8 per-token-group quantization (pcpkv/serving/router.h) and of
-// its dequantizing consumer. Same helpers (codec.h, fp32.h) as the CUDA kernels: bit-exact.
+// src/serving/kernels/cpu/router_fp8_quant.cpp: CPU reference of FP8 per-token-group quantization
+// (pcpkv/serving/router.h) and of its dequantizing consumer. Same helpers (codec.h, fp32.h) as the CUDA kernels:
+// bit-exact.
 #include <cstdint>
 #include <cstring>
 

@@ -1,4 +1,5 @@
-// src/serving/cpu/router_reference.cpp: the fp64 oracle of the MoE router (SPEC section 7, pcpkv/serving/router.h).
+// src/serving/kernels/cpu/router_reference.cpp: the fp64 oracle of the MoE router (SPEC section 7,
+// pcpkv/serving/router.h).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

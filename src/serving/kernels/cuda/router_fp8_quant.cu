@@ -1,7 +1,7 @@
-// src/serving/cuda/router_fp8_quant.cu: FP8 per-token-group quantization (group 128) and its dequantizing consumer
-// (pcpkv/serving/router.h). One warp per (token, group), 4 elements per lane; the arithmetic is codec.h/fp32.h,
-// so the bytes equal the CPU reference's. Both kernels wait on the grid dependency before touching memory
-// (PDL chain b of pcpkv/core/pdl.h).
+// src/serving/kernels/cuda/router_fp8_quant.cu: FP8 per-token-group quantization (group 128) and its dequantizing
+// consumer (pcpkv/serving/router.h). One warp per (token, group), 4 elements per lane; the arithmetic is
+// codec.h/fp32.h, so the bytes equal the CPU reference's. Both kernels wait on the grid dependency before touching
+// memory (PDL chain b of pcpkv/core/pdl.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>

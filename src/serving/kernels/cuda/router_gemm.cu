@@ -1,5 +1,5 @@
-// src/serving/cuda/router_gemm.cu: the router GEMM (pcpkv/serving/router.h, SPEC section 7): host side, and the row-loop
-// small-T kernel (v1, "small"; the staged kernel "small2" is in router_small_staged.cu).
+// src/serving/kernels/cuda/router_gemm.cu: the router GEMM (pcpkv/serving/router.h, SPEC section 7): host side, and the
+// row-loop small-T kernel (v1, "small"; the staged kernel "small2" is in router_small_staged.cu).
 //
 // Small T (1..32): a CUDA-core kernel bound by reading W once. CTA = 128 threads owning kE experts;
 // thread i covers 16-byte vectors i, i+128, ... of the hidden dim, so each thread streams its W vectors

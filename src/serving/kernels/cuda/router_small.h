@@ -1,8 +1,8 @@
-// src/serving/cuda/router_small.h: internal interface between the router GEMM's host side (router_gemm.cu) and its
-// small-T kernels (router_gemm.cu: the row-loop kernel, v1; router_small_staged.cu: the staged kernel, v2).
-// Both kernels: CTA = kRouterSmallBlock threads owning experts_per_cta consecutive experts; thread i covers
-// the 16-byte vectors i, i + 128, ... of the hidden dim with one fp32 FMA chain per (expert, token), then a
-// warp butterfly and a pairwise sum over the 4 warps (router_logit_bound_factor(kSmallT) counts that depth).
+// src/serving/kernels/cuda/router_small.h: internal interface between the router GEMM's host side (router_gemm.cu) and
+// its small-T kernels (router_gemm.cu: the row-loop kernel, v1; router_small_staged.cu: the staged kernel, v2). Both
+// kernels: CTA = kRouterSmallBlock threads owning experts_per_cta consecutive experts; thread i covers the 16-byte
+// vectors i, i + 128, ... of the hidden dim with one fp32 FMA chain per (expert, token), then a warp butterfly and a
+// pairwise sum over the 4 warps (router_logit_bound_factor(kSmallT) counts that depth).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,5 @@
-// src/serving/cuda/router_small_staged.cu: the staged small-T router kernel (RouterSmallKernel::kStaged, "small2";
-// pcpkv/serving/router.h, SPEC section 7).
+// src/serving/kernels/cuda/router_small_staged.cu: the staged small-T router kernel (RouterSmallKernel::kStaged,
+// "small2"; pcpkv/serving/router.h, SPEC section 7).
 //
 // Why a second kernel: the row-loop kernel (v1) prefetches W into registers but loads x inside its FMA loop,
 // and the compiler keeps each of those loads behind the previous vector's FMAs: one dependent L2 round trip

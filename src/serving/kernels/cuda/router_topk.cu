@@ -1,4 +1,5 @@
-// src/serving/cuda/router_topk.cu: grouped top-k routing on the device (pcpkv/serving/router.h, SPEC section 7).
+// src/serving/kernels/cuda/router_topk.cu: grouped top-k routing on the device (pcpkv/serving/router.h, SPEC section
+// 7).
 //
 // One warp per token; lane l holds experts l, l+32, ... (kPerLane of them) in registers. Group scores go
 // through shared memory (lane g scans group g). Every selection is a warp arg-max under one total order
