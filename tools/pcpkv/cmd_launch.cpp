@@ -16,6 +16,7 @@
 
 #include "error_line.h"
 #include "launch_cmds.h"
+#include "list_flags.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/core/error.h"
