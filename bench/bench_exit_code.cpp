@@ -4,6 +4,7 @@
 
 #include "pcpkv/core/layout.h"
 #include "pcpkv/publish/cuda.h"
+#include "pcpkv_bench/publish.h"
 
 namespace pcpkv::cuda {
 

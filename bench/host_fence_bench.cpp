@@ -10,6 +10,7 @@
 #include "pcpkv/ranks/fence.h"
 #include "pcpkv/publish/multiproc.h"
 #include "pcpkv/ranks/symmetric.h"
+#include "pcpkv_bench/fence.h"
 
 namespace pcpkv {
 

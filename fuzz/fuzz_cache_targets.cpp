@@ -9,7 +9,7 @@
 #include <cstring>
 #include <string>
 
-#include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/validate.h"
 #include "pcpkv/publish/dispatch.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/layout.h"

@@ -34,9 +34,11 @@ def _sources():
     src = os.path.join(ROOT, "src")
     core = [os.path.join(src, "core", f"{n}.cpp") for n in ("layout", "rope", "plan", "env", "byte_range")]
     # transport "auto" (choose_transport and the transport names it returns)
-    core += [os.path.join(src, "publish", f"{n}.cpp") for n in ("transport_choice", "transport_names")]
-    cpu = [os.path.join(src, "publish", "cpu", f"{n}.cpp") for n in ("dispatch", "combine", "validate_params")]
-    cpu += [os.path.join(src, "consumers", "cpu", f"{n}.cpp") for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
+    core += [os.path.join(src, "publish", f) for f in ("drivers/transport_choice.cpp", "contract/transport_names.cpp")]
+    cpu = [os.path.join(src, "publish", "kernels", "cpu", f"{n}.cpp") for n in ("dispatch", "combine")]
+    cpu += [os.path.join(src, "publish", "contract", "validate_params.cpp")]
+    cpu += [os.path.join(src, "consumers", "kernels", "cpu", f"{n}.cpp")
+            for n in ("indexer_reference", "sparse_mla_reference", "lse_merge_reference")]
     # The ops (csrc/registry.cpp: every schema; one file per op, whose CUDA half compiles with PCPKV_TORCH_CUDA).
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     # pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp)
@@ -53,24 +55,26 @@ def _sources():
 # device.cpp; the dispatch kernel variants in dispatch*.cu; the PDL switch; read_env of core/env.cpp, in the
 # core list above). run_device_tests.sh refuses a build with an undefined pcpkv symbol, which is what a
 # source missing here looks like.
-# The consumer ops (csrc/indexer_topk.cpp, sparse_mla.cpp, lse_merge.cpp) call cuda::indexer, cuda::sparse_mla and
-# cuda::lse_merge.
-CUDA_SOURCES = ("publish/cuda/combine.cu", "publish/cuda/insert.cu", "publish/cuda/fence.cu", "core/cuda/device.cpp",
-                "consumers/cuda/indexer_kernels.cu", "consumers/cuda/sparse_mla_kernels.cu",
-                "consumers/cuda/sparse_mla_mma.cu", "consumers/cuda/lse_merge_kernels.cu")
+# The consumer ops (csrc/indexer_topk.cpp, sparse_mla.cpp, lse_merge.cpp) call cuda::indexer, cuda::sparse_mla and cuda::lse_merge.
+CUDA_SOURCES = ("publish/kernels/cuda/combine.cu", "publish/kernels/cuda/insert.cu", "publish/kernels/cuda/fence.cu",
+                "core/cuda/device.cpp",
+                "consumers/kernels/cuda/indexer_kernels.cu", "consumers/kernels/cuda/sparse_mla_kernels.cu",
+                "consumers/kernels/cuda/sparse_mla_mma.cu", "consumers/kernels/cuda/lse_merge_kernels.cu")
 # Device symmetric memory of pcpkv_torch.distributed (csrc/symmetric.cpp): ranks/cuda/symmetric_vmm.cpp.
 CUDA_SOURCES += ("ranks/cuda/symmetric_vmm.cpp",)
 # dispatch*.cu's CUDA-free half: the variant names and the PCPKV_DISPATCH_VARIANT rule (dispatch_variant.h).
-CUDA_SOURCES += ("publish/dispatch_variant.cpp",)
+CUDA_SOURCES += ("publish/contract/dispatch_variant.cpp",)
 CUDA_SOURCES_IF_PRESENT = ("core/cuda/pdl_switch.cpp",)
 
 
 def _cuda_sources():
     d = os.path.join(ROOT, "src")
-    missing = [f for f in CUDA_SOURCES + ("publish/cuda/dispatch.cu",) if not os.path.exists(os.path.join(d, f))]
+    dispatch = ("publish/kernels/cuda/dispatch.cu",)
+    missing = [f for f in CUDA_SOURCES + dispatch if not os.path.exists(os.path.join(d, f))]
     if missing:
         raise RuntimeError(f"pcpkv_torch: src/{missing} not found (set PCPKV_TORCH_CUDA=0 for a CPU-only build)")
-    names = sorted(os.path.relpath(p, d) for p in glob.glob(os.path.join(d, "publish", "cuda", "dispatch*.cu")))
+    kernels = os.path.join(d, "publish", "kernels", "cuda")
+    names = sorted(os.path.relpath(p, d) for p in glob.glob(os.path.join(kernels, "dispatch*.cu")))
     names += list(CUDA_SOURCES) + [f for f in CUDA_SOURCES_IF_PRESENT if os.path.exists(os.path.join(d, f))]
     return [os.path.join(d, f) for f in names]
 

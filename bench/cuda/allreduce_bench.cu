@@ -15,6 +15,7 @@
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/allreduce.h"
 
 namespace pcpkv::cuda {
 namespace {
@@ -35,7 +36,7 @@ std::vector<uint16_t> bench_bf16(int64_t n, uint64_t seed) {
   }
   return v;
 }
-using cuda_detail::graph_median_us_per_call;
+using cuda::graph_median_us_per_call;
 
 }  // namespace
 

@@ -6,7 +6,7 @@
 #include "core/cuda/check.h"
 #include "pcpkv/core/error.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 double median_of(std::vector<double> v) {
   PCPKV_CHECK(!v.empty(), "bench: median of no samples");
@@ -55,4 +55,4 @@ double graph_median_us_per_call(const std::function<void(cudaStream_t, int64_t)>
   }
 }
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -8,7 +8,7 @@
 #include <functional>
 #include <vector>
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 /// Median of v (v non-empty; the mean of the two middle values for an even count).
 double median_of(std::vector<double> v);
@@ -19,4 +19,4 @@ double median_of(std::vector<double> v);
 double graph_median_us_per_call(const std::function<void(cudaStream_t, int64_t)>& enqueue, int64_t calls,
                                 int warmup, int iters, cudaStream_t stream);
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -21,6 +21,8 @@
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/multiproc.h"
 #include "pcpkv/ranks/symmetric.h"
+#include "pcpkv_bench/allreduce.h"
+#include "pcpkv_bench/fence.h"
 
 #if defined(PCPKV_HAVE_NCCL)
 #include <nccl.h>
@@ -31,9 +33,9 @@ namespace pcpkv::cuda {
 #if defined(PCPKV_HAVE_NCCL)
 namespace {
 
-using cuda_detail::DeviceBuffer;
-using cuda_detail::Event;
-using cuda_detail::Stream;
+using cuda::DeviceBuffer;
+using cuda::Event;
+using cuda::Stream;
 
 uint64_t mix(uint64_t x) {  // splitmix64 finalizer
   x += 0x9e3779b97f4a7c15ull;
@@ -179,7 +181,7 @@ AllReduceSweepResult bench_allreduce_sweep(Bootstrap& group, const AllReduceSwee
       PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
       PCPKV_CUDA_CHECK(cudaEventRecord(end.get(), stream.get()));
       stream.sync();
-      us.push_back(1000.0 * cuda_detail::elapsed_ms(begin, end) / calls);
+      us.push_back(1000.0 * cuda::elapsed_ms(begin, end) / calls);
     }
     cudaGraphExecDestroy(exec);
     return percentile(us, 0.5);

@@ -18,15 +18,16 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/multiproc_fence.h"
+#include "publish/drivers/cuda/multiproc_fence.h"
 #include "pcpkv/ranks/bootstrap.h"
 #include "pcpkv/publish/cuda_multiproc.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/fence.h"
 
 namespace pcpkv::cuda {
 
 FenceBenchResult bench_fence(Bootstrap& group, const FenceBenchOptions& o) {
-  using namespace cuda_detail;
+  using namespace cuda;
   PCPKV_CHECK(o.layers >= 1 && o.iters >= 1 && o.warmup >= 0 && o.num_barriers >= 1,
               "bench-fence: layers {}, iters {}, warmup {}, barriers {}: layers, iters and barriers must be >= 1",
               o.layers, o.iters, o.warmup, o.num_barriers);

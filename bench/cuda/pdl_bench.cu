@@ -23,13 +23,14 @@
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/pdl.h"
 #include "pcpkv/serving/router.h"
+#include "pcpkv_bench/pdl.h"
 
 namespace pcpkv::cuda {
 namespace {
 
 constexpr int kChainsPerGraph = 10;
 
-using cuda_detail::graph_median_us_per_call;
+using cuda::graph_median_us_per_call;
 
 std::vector<uint16_t> filler(int64_t n, uint32_t seed, float scale) {
   std::vector<uint16_t> v(static_cast<size_t>(n));

@@ -13,14 +13,16 @@
 #include "pcpkv/publish/cuda_multiproc.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/publish/multiproc.h"
+#include "pcpkv_bench/fence.h"
+#include "pcpkv_bench/link.h"
 
 namespace pcpkv::cuda {
 
 namespace {
 
-using cuda_detail::DeviceBuffer;
-using cuda_detail::Event;
-using cuda_detail::Stream;
+using cuda::DeviceBuffer;
+using cuda::Event;
+using cuda::Stream;
 
 // Events and streams belong to the device current at creation: every object below is made after a
 // cudaSetDevice of its device.
@@ -95,7 +97,7 @@ LinkBenchResult bench_link(const LinkBenchOptions& o) {
       copy(0, 1);
       PCPKV_CUDA_CHECK(cudaEventRecord(end.get(), s));
       PCPKV_CUDA_CHECK(cudaEventSynchronize(end.get()));
-      if (it > 0) gbps.push_back(gb / (cuda_detail::elapsed_ms(begin, end) / 1e3));
+      if (it > 0) gbps.push_back(gb / (cuda::elapsed_ms(begin, end) / 1e3));
     }
     res.pair_gbps = percentile(gbps, 0.5);
   }
@@ -124,7 +126,7 @@ LinkBenchResult bench_link(const LinkBenchOptions& o) {
       PCPKV_CUDA_CHECK(cudaEventSynchronize(end.get()));
       for (const auto& e : done) PCPKV_CUDA_CHECK(cudaEventSynchronize(e->get()));
     }
-    return cuda_detail::elapsed_ms(begin, end) / 1e3;  // seconds of the timed round
+    return cuda::elapsed_ms(begin, end) / 1e3;  // seconds of the timed round
   };
   {
     const double s = concurrent({{0, 1}, {1, 0}});
@@ -152,7 +154,7 @@ LinkBenchResult bench_link(const LinkBenchOptions& o) {
                                        cudaMemcpyDeviceToDevice, s));
       PCPKV_CUDA_CHECK(cudaEventRecord(end.get(), s));
       PCPKV_CUDA_CHECK(cudaEventSynchronize(end.get()));
-      if (it > 0) gbps.push_back(gb / (cuda_detail::elapsed_ms(begin, end) / 1e3));
+      if (it > 0) gbps.push_back(gb / (cuda::elapsed_ms(begin, end) / 1e3));
     }
     res.local_copy_gbps = percentile(gbps, 0.5);
   }

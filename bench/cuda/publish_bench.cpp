@@ -12,27 +12,28 @@
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
 #include "pcpkv/publish/kernels.h"
-#include "publish/cuda/device_replica_check.h"
-#include "publish/cuda/publisher.h"
+#include "publish/checks/cuda/device_replica_check.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/inputs.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
 #include "pcpkv/publish/replica_hash.h"
+#include "pcpkv_bench/publish.h"
 
 namespace pcpkv::cuda {
 namespace {
 
-using cuda_detail::DeviceBuffer;
-using cuda_detail::DeviceReplicaCheck;
-using cuda_detail::DispatchVariant;
-using cuda_detail::Event;
-using cuda_detail::Publisher;
-using cuda_detail::PublisherOptions;
-using cuda_detail::PublishVariant;
-using cuda_detail::StageTimer;
-using cuda_detail::Stream;
+using cuda::DeviceBuffer;
+using cuda::DeviceReplicaCheck;
+using cuda::DispatchVariant;
+using cuda::Event;
+using cuda::Publisher;
+using cuda::PublisherOptions;
+using cuda::PublishVariant;
+using cuda::StageTimer;
+using cuda::Stream;
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
@@ -58,7 +59,7 @@ double copy_bandwidth(double gib, int iters, int64_t* bytes_out) {
     PCPKV_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, s.get()));
     PCPKV_CUDA_CHECK(cudaEventRecord(b.get(), s.get()));
     s.sync();
-    if (i >= 2) ms.push_back(cuda_detail::elapsed_ms(a, b));
+    if (i >= 2) ms.push_back(cuda::elapsed_ms(a, b));
   }
   *bytes_out = bytes;
   return 2.0 * static_cast<double>(bytes) / (median(ms) * 1e-3) / 1e9;
@@ -138,7 +139,7 @@ double time_rank_dispatch(Publisher& pub, int32_t rank, Transport t, const Bench
     pub.enqueue_rank_dispatch(rank, t, stream.get());
     PCPKV_CUDA_CHECK(cudaEventRecord(b.get(), stream.get()));
     stream.sync();
-    ms.push_back(cuda_detail::elapsed_ms(a, b));
+    ms.push_back(cuda::elapsed_ms(a, b));
   }
   return median(ms);
 }
@@ -151,7 +152,7 @@ double graph_rank_dispatch(Publisher& pub, int32_t rank, Transport t, const Benc
   Stream stream;
   pub.enqueue_rank_dispatch(rank, t, stream.get());  // warm outside the capture
   stream.sync();
-  const double us = cuda_detail::graph_median_us_per_call(
+  const double us = cuda::graph_median_us_per_call(
       [&](cudaStream_t s, int64_t) { pub.enqueue_rank_dispatch(rank, t, s); }, o.graph_calls, o.warmup, o.iters,
       stream.get());
   return us * 1e-3;
@@ -181,7 +182,7 @@ double time_graph(Publisher& pub, Transport t, const BenchOptions& o, int layers
     PCPKV_CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
     PCPKV_CUDA_CHECK(cudaEventRecord(b.get(), stream.get()));
     stream.sync();
-    if (i >= o.warmup) ms.push_back(cuda_detail::elapsed_ms(a, b));
+    if (i >= o.warmup) ms.push_back(cuda::elapsed_ms(a, b));
   }
   cudaGraphExecDestroy(exec);
   pub.check_fence();
@@ -203,7 +204,7 @@ BenchReplicaCheck time_replica_check(Publisher& pub, const PcpPlan& plan, const 
     check.enqueue(stream.get());
     PCPKV_CUDA_CHECK(cudaEventRecord(b.get(), stream.get()));
     stream.sync();
-    if (i >= o.warmup) ms.push_back(cuda_detail::elapsed_ms(a, b));
+    if (i >= o.warmup) ms.push_back(cuda::elapsed_ms(a, b));
   }
   BenchReplicaCheck r;
   r.pcp = plan.pcp_world;
@@ -258,7 +259,7 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
   rep.copy_gbps = copy_bandwidth(o.copy_gib, std::max(o.iters / 2, 5), &rep.copy_bytes);
   say(progress, fmt::format("copy bandwidth: {:.0f} GB/s (read + write of {:.2f} GiB, device to device)",
                             rep.copy_gbps, static_cast<double>(rep.copy_bytes) / (1 << 30)));
-  rep.kernels = cuda_detail::dispatch_kernel_resources();
+  rep.kernels = cuda::dispatch_kernel_resources();
 
   CacheFormat ds_mla;
   ds_mla.kv_format = KvFormat::kFp8DsMla;
@@ -266,7 +267,7 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
 
   // ---- the dispatch alone on one rank (GLM-5, fp8_ds_mla, indexer layer, top-k fill) ----
   std::vector<DispatchVariant> single_variants;
-  for (const std::string& v : o.single_rank_variants) single_variants.push_back(cuda_detail::parse_dispatch_variant(v));
+  for (const std::string& v : o.single_rank_variants) single_variants.push_back(cuda::parse_dispatch_variant(v));
   std::vector<PublishVariant> layer_variants;
   for (const std::string& v : o.layer_variants) layer_variants.push_back(PublishVariant::parse(v));
   PCPKV_CHECK(!layer_variants.empty(), "--layer-variants must name at least one variant");
@@ -289,7 +290,7 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
           BenchSingle s;
           s.model = "glm-5";
           s.tokens = tokens;
-          s.variant = cuda_detail::to_string(v);
+          s.variant = cuda::to_string(v);
           s.fused_topk = fused;
           s.topk_fill = o.topk_fill;
           // Dispatch (+ the separate fill): the fence of a one-rank "direct" is not part of the work.
@@ -374,7 +375,7 @@ BenchReport run_bench(const BenchOptions& o, const std::function<void(const std:
         for (Transport t : o.transports) {
           // collect: its pinned engine baseline once; staging / direct: every requested variant.
           const std::vector<PublishVariant> variants =
-              t == Transport::kCollect ? std::vector<PublishVariant>{cuda_detail::collect_baseline_variant()} : layer_variants;
+              t == Transport::kCollect ? std::vector<PublishVariant>{cuda::collect_baseline_variant()} : layer_variants;
           for (const PublishVariant& v : variants) {
             pub->set_variant(v);
             pub->set_topk_fill(t == Transport::kCollect ? TopkFill::kFull : o.topk_fill);

@@ -24,6 +24,7 @@
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/serving/router.h"
+#include "pcpkv_bench/router.h"
 
 namespace pcpkv::cuda {
 namespace {
@@ -55,7 +56,7 @@ struct DevBuf {
   DevBuf& operator=(const DevBuf&) = delete;
 };
 
-using cuda_detail::graph_median_us_per_call;
+using cuda::graph_median_us_per_call;
 
 // Floors of a small-T router call, timed the same way (graph of back-to-back calls, cold W): what any kernel
 // costs per call (launch and drain inside a graph), and what a kernel that only reads W once costs.

@@ -9,10 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "consumers/attention_check_internal.h"
+#include "consumers/checks/attention_check_internal.h"
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/consumers.h"
 
 namespace pcpkv::cuda {
 
@@ -171,14 +172,14 @@ ConsumerBenchResult bench_consumers(const ConsumerBenchConfig& cfg, const ModelC
   ig.block_size = bs;
   ig.block_stride = int64_t{bs} * kIndexerSlotBytes;
   std::vector<uint8_t> mla(mg.bytes(), 0), idx(ig.bytes(), 0);
-  detail_attn::Rng rng{cfg.seed};
+  attention_inputs::Rng rng{cfg.seed};
   for (int64_t slot = 0; slot < T; ++slot) {
     float kv_c[512], k_pe[64], k[128];
-    detail_attn::random_row(rng, kv_c, 512, 1.0, 3);
-    detail_attn::random_row(rng, k_pe, 64, 1.0, 4);
-    detail_attn::random_row(rng, k, 128, 1.0, 5);
-    detail_attn::encode_mla_row(kv_c, k_pe, fmt, mla.data() + mg.row_offset(slot));
-    detail_attn::encode_index_row(k, idx.data() + ig.data_offset(slot), idx.data() + ig.scale_offset(slot));
+    attention_inputs::random_row(rng, kv_c, 512, 1.0, 3);
+    attention_inputs::random_row(rng, k_pe, 64, 1.0, 4);
+    attention_inputs::random_row(rng, k, 128, 1.0, 5);
+    attention_inputs::encode_mla_row(kv_c, k_pe, fmt, mla.data() + mg.row_offset(slot));
+    attention_inputs::encode_index_row(k, idx.data() + ig.data_offset(slot), idx.data() + ig.scale_offset(slot));
   }
   std::vector<int64_t> positions(T);
   std::vector<int32_t> req(T, 0), table(num_blocks);

@@ -72,7 +72,7 @@ void combine_cuda(const CombineArgs& a) {
   const pcpkv::CombineParams p = make_combine_params(a);
   TORCH_CHECK_VALUE(addr(p.rows) % 16 == 0, "combine: rows must be 16-byte aligned, got ", describe(a.rows),
                     " at offset ", a.rows.storage_offset());
-  translate_errors([&] { pcpkv::cuda_detail::launch_combine(&p, 1, current_stream(a.mla_cache.device())); });
+  translate_errors([&] { pcpkv::cuda::launch_combine(&p, 1, current_stream(a.mla_cache.device())); });
 }
 #endif
 

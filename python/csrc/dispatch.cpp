@@ -209,7 +209,7 @@ void dispatch_cuda(const DispatchArgs& a) {
   require_cuda(a.kv, "dispatch: kv");
   const c10::Device dev = a.kv.device();
   const c10::cuda::CUDAGuard guard(dev);
-  pcpkv::cuda_detail::DispatchJob job;
+  pcpkv::cuda::DispatchJob job;
   job.params = make_dispatch_params(a);
   pcpkv::DispatchParams& p = job.params;
   // Pointer tables: the kernel reads the device copy; validation reads the host copy (same records).
@@ -233,7 +233,7 @@ void dispatch_cuda(const DispatchArgs& a) {
   TORCH_CHECK_VALUE(p.num_targets == 0 || p.slot_mapping != nullptr, "dispatch: slot_mapping is required with targets");
   // launch_dispatch validates the whole job (host tables standing in for the device ones) and throws
   // before it enqueues anything.
-  translate_errors([&] { pcpkv::cuda_detail::launch_dispatch(&job, 1, current_stream(dev)); });
+  translate_errors([&] { pcpkv::cuda::launch_dispatch(&job, 1, current_stream(dev)); });
 }
 
 std::string cuda_dispatch_impl() { return "pcpkv"; }

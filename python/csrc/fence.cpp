@@ -156,7 +156,7 @@ void fence_cuda(const FenceArgs& a) {
   f.barrier_idx = static_cast<int32_t>(a.barrier_idx);
   f.num_barriers = static_cast<int32_t>(a.num_barriers);
   f.timeout_ns = static_cast<uint64_t>(a.timeout_us) * 1000u;
-  translate_errors([&] { pcpkv::cuda_detail::launch_fence(f, static_cast<int>(n), current_stream(dev)); });
+  translate_errors([&] { pcpkv::cuda::launch_fence(f, static_cast<int>(n), current_stream(dev)); });
 }
 #endif
 

@@ -86,8 +86,8 @@ void insert_cuda(const InsertArgs& a) {
   translate_errors([&] { pcpkv::validate_insert_shape(p); });
   const cudaStream_t stream = current_stream(a.mla_cache.device());
   translate_errors([&] {
-    pcpkv::cuda_detail::launch_insert_mla(&p, 1, stream);
-    if (p.fmt.has_indexer) pcpkv::cuda_detail::launch_insert_indexer(&p, 1, stream);
+    pcpkv::cuda::launch_insert_mla(&p, 1, stream);
+    if (p.fmt.has_indexer) pcpkv::cuda::launch_insert_indexer(&p, 1, stream);
   });
 }
 #endif

@@ -20,8 +20,8 @@ __all__ = ["quantize_index_q", "indexer_topk", "sparse_mla", "lse_merge", "INDEX
 
 Tensor = torch.Tensor
 
-#: The indexer kernels' bounds (pcpkv::validate_indexer_scalars, src/consumers/cpu/indexer_reference.cpp; the CUDA
-#: kernels share that validation): topk in [1, INDEXER_MAX_TOPK], index heads in [1, INDEXER_MAX_HEADS].
+#: The indexer kernels' bounds (pcpkv::validate_indexer_scalars, src/consumers/kernels/cpu/indexer_reference.cpp;
+#: the CUDA kernels share that validation): topk in [1, INDEXER_MAX_TOPK], index heads in [1, INDEXER_MAX_HEADS].
 INDEXER_MAX_TOPK = 8192
 INDEXER_MAX_HEADS = 128
 

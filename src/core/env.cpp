@@ -35,7 +35,7 @@ const std::vector<EnvVar>& env_registry() {
       {"PCPKV_CHECK_REPLICAS",
        "1: the run-time replica check after every publication (`pcpkv run`, `pcpkv mp-publish`: like "
        "--check-replicas; pcpkv_torch: check_replicas=None); 0 or empty: off; any other value is refused",
-       "off", "publish (src/publish/replica_check.cpp); pcpkv_torch (models/replica_check.py)"},
+       "off", "publish (src/publish/checks/replica_check.cpp); pcpkv_torch (models/replica_check.py)"},
       {"PCPKV_CONFIG_DIR", "directory of the presets' HF config.json files (<preset>.json)",
        "the configs/ directory the library was built (or installed) with", "core (src/core/model_presets.cpp)"},
       {"PCPKV_DEBUG", "set: the CLI also prints where an error was raised", "unset: the message only",
@@ -45,7 +45,8 @@ const std::vector<EnvVar>& env_registry() {
       {"PCPKV_DISPATCH_VARIANT",
        "dispatch kernel for DispatchVariant::kAuto: simple | prefetch | warp | warp_pf | warp_token | warp_split; any "
        "other non-empty value is refused",
-       "unset or empty: warp", "publish/cuda (src/publish/cuda/dispatch.cu, src/publish/dispatch_variant.cpp)"},
+       "unset or empty: warp",
+       "publish (src/publish/kernels/cuda/dispatch.cu, src/publish/contract/dispatch_variant.cpp)"},
       {"PCPKV_JOB_ID", "names a torchrun-style job (its token is derived from it)",
        "unset: the run id and the command line name the job", "ranks (src/ranks/bootstrap_env.cpp)"},
       {"PCPKV_JOB_TOKEN", "per-job token every rank presents (set by `pcpkv launch`; torchrun jobs may set it)",

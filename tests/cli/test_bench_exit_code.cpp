@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "pcpkv/publish/cuda.h"
+#include "pcpkv_bench/publish.h"
 
 namespace pcpkv::cuda {
 namespace {

@@ -39,7 +39,7 @@ IndexerCase mixed_case() {
 
 TEST(ConsumersIndexer, QuantizerFollowsTheUe8m0Rule) {
   std::vector<uint16_t> q(2 * 3 * 128);
-  detail_attn::Rng rng{3};
+  attention_inputs::Rng rng{3};
   for (auto& v : q) v = codec::float_to_bf16(static_cast<float>(rng.normal() * 3.0));
   q[5] = codec::float_to_bf16(700.0f);                         // an outlier beyond 448
   for (int d = 0; d < 128; ++d) q[128 + d] = 0;                // an all-zero head: smallest scale, zero bytes
@@ -67,7 +67,7 @@ TEST(ConsumersIndexer, QuantizerFollowsTheUe8m0Rule) {
 // is a multiple of 2^-9), for random rows with the extremes (+-448, subnormals, zeros) mixed in; and it
 // does not depend on the order of the dims.
 TEST(ConsumersIndexer, ExactLogitIsTheRoundedExactSum) {
-  detail_attn::Rng rng{21};
+  attention_inputs::Rng rng{21};
   std::vector<uint8_t> special = {0x7e, 0xfe, 0x01, 0x81, 0x00, 0x80, 0x07, 0x08, 0x77};  // 448, -448, 2^-9, ...
   int64_t inexact = 0;
   for (int trial = 0; trial < 2000; ++trial) {

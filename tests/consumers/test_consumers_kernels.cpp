@@ -324,7 +324,7 @@ TEST_F(ConsumersCuda, LseMergeWithinTheBound) {
   const int S = 5;
   const int64_t R = 300;
   const int D = 512;
-  detail_attn::Rng rng{9};
+  attention_inputs::Rng rng{9};
   std::vector<float> outs(S * R * D), lses(S * R);
   for (auto& v : outs) v = static_cast<float>(rng.normal() * (rng.uniform() < 0.01 ? 30.0 : 1.0));
   for (int64_t i = 0; i < S * R; ++i) {

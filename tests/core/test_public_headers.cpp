@@ -26,23 +26,23 @@
 
 namespace {
 
-using pcpkv::cuda_detail::DispatchJob;
+using pcpkv::cuda::DispatchJob;
 
 // A caller's cudaStream_t is CUstream_st*: the launchers take it unchanged.
-static_assert(std::is_same_v<decltype(&pcpkv::cuda_detail::launch_fill_minus_one),
+static_assert(std::is_same_v<decltype(&pcpkv::cuda::launch_fill_minus_one),
                              void (*)(int32_t*, int64_t, CUstream_st*)>);
-static_assert(std::is_same_v<decltype(&pcpkv::cuda_detail::launch_insert_mla),
+static_assert(std::is_same_v<decltype(&pcpkv::cuda::launch_insert_mla),
                              void (*)(const pcpkv::InsertParams*, int, CUstream_st*)>);
-static_assert(std::is_same_v<decltype(&pcpkv::cuda_detail::launch_slot_hashes),
+static_assert(std::is_same_v<decltype(&pcpkv::cuda::launch_slot_hashes),
                              void (*)(const pcpkv::CacheTarget&, const pcpkv::CacheFormat&, const int64_t*, int64_t,
                                       uint64_t*, CUstream_st*)>);
 // The replica check's atomics on the device need 8-byte fields.
-static_assert(sizeof(pcpkv::cuda_detail::DeviceHashDiff) == 16);
+static_assert(sizeof(pcpkv::cuda::DeviceHashDiff) == 16);
 
 TEST(PublicHeaders, LaunchersParseTheirNamesAndKeepTheirDefaults) {
-  using pcpkv::cuda_detail::DispatchVariant;
-  using pcpkv::cuda_detail::parse_dispatch_variant;
-  EXPECT_EQ(pcpkv::cuda_detail::kDefaultCombineRowsPerWarp, 1);
+  using pcpkv::cuda::DispatchVariant;
+  using pcpkv::cuda::parse_dispatch_variant;
+  EXPECT_EQ(pcpkv::cuda::kDefaultCombineRowsPerWarp, 1);
   DispatchJob job;
   EXPECT_TRUE(job.host_targets.empty());
   // The variant names are in pcpkv_core (src/publish/dispatch_variant.cpp): CPU builds have them too.

@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "pcpkv/core/error.h"
-#include "publish/dispatch_variant.h"
+#include "publish/contract/dispatch_variant.h"
 #include "support/error_of.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 namespace {
 
 TEST(DispatchVariantEnv, NamesPickTheirKernelAndUnsetOrEmptyIsTheDefault) {
@@ -80,4 +80,4 @@ TEST(DispatchVariantEnv, EveryDocumentedListIsExactlyTheAcceptedValues) {
 }
 
 }  // namespace
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

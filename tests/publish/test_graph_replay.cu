@@ -13,7 +13,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/publisher.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/cuda.h"
 #include "support/publish_case.h"
@@ -40,8 +40,8 @@ TEST_P(GraphReplay, ReplaysReproduceCpuBytesAndAdvanceEpochs) {
   auto c = test::make_case(spec);
   const PublishResult want = make_cpu_backend(2)->publish(c->setup, c->inputs, t);
 
-  cuda_detail::Publisher pub(c->setup, c->inputs);
-  cuda_detail::Stream stream;
+  cuda::Publisher pub(c->setup, c->inputs);
+  cuda::Stream stream;
   pub.enqueue(t, stream.get());  // warm-up outside the capture (module load, occupancy queries)
   stream.sync();
   pub.check_fence();

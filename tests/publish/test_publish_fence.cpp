@@ -13,7 +13,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/local_fence.h"
+#include "publish/drivers/cuda/local_fence.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"
 #include "support/gpu.h"
@@ -21,8 +21,8 @@
 namespace pcpkv {
 namespace {
 
-using cuda_detail::LocalFence;
-using cuda_detail::Stream;
+using cuda::LocalFence;
+using cuda::Stream;
 
 TEST(GpuFence, EpochsAdvancePerCallAndPerBarrier) {
   REQUIRE_GPU();

@@ -29,7 +29,7 @@
 namespace pcpkv {
 namespace {
 
-using cuda_detail::DeviceBuffer;
+using cuda::DeviceBuffer;
 
 constexpr int64_t kGuard = 64;
 
@@ -260,10 +260,10 @@ void expect_rank_equal(const DispatchCase& c, RankData& r, const std::string& wh
 
 // warp chooses warp_split or warp_token by T (docs/perf.md 38); each is also run by name, so both paths are
 // compared with the oracle at every case's T.
-constexpr cuda_detail::DispatchVariant kAllDispatchVariants[] = {
-    cuda_detail::DispatchVariant::kSimple,        cuda_detail::DispatchVariant::kPrefetch,
-    cuda_detail::DispatchVariant::kWarp,          cuda_detail::DispatchVariant::kWarpPrefetch,
-    cuda_detail::DispatchVariant::kWarpToken,     cuda_detail::DispatchVariant::kWarpSplit};
+constexpr cuda::DispatchVariant kAllDispatchVariants[] = {
+    cuda::DispatchVariant::kSimple,        cuda::DispatchVariant::kPrefetch,
+    cuda::DispatchVariant::kWarp,          cuda::DispatchVariant::kWarpPrefetch,
+    cuda::DispatchVariant::kWarpToken,     cuda::DispatchVariant::kWarpSplit};
 
 class DispatchKernel : public ::testing::TestWithParam<DispatchCase> {};
 
@@ -284,15 +284,15 @@ TEST_P(DispatchKernel, BytesEqualCpuDispatch) {
   dispatch_reference(hp2);
 
   for (auto variant : kAllDispatchVariants) {
-    SCOPED_TRACE(cuda_detail::to_string(variant));
-    cuda_detail::DispatchJob job{dp, tg.host, dev_dests};
+    SCOPED_TRACE(cuda::to_string(variant));
+    cuda::DispatchJob job{dp, tg.host, dev_dests};
     // Re-poison the device outputs so each variant proves it wrote everything itself.
     for (Mirror* m : {&r.q_out, &r.kv_out, &r.kpe_out, &r.idx_out, &r.topk})
       if (m->dev.bytes() > 0) PCPKV_CUDA_CHECK(cudaMemset(m->dev.data(), kGuardByte, m->dev.bytes()));
     for (Mirror& m : r.dests) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
     for (Mirror& m : tg.mla) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
     for (Mirror& m : tg.idx) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
-    cuda_detail::launch_dispatch(&job, 1, nullptr, variant);
+    cuda::launch_dispatch(&job, 1, nullptr, variant);
     PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
     expect_rank_equal(c, r, "rank 0");
     for (int d = 0; d < c.num_targets; ++d) {
@@ -464,7 +464,7 @@ TEST(DispatchKernelRanks, SeveralRanksInOneLaunch) {
   std::vector<std::unique_ptr<RankData>> ranks;
   std::vector<std::vector<uint8_t*>> host_dests(sizes.size()), dev_dests(sizes.size());
   std::vector<DeviceBuffer> dest_tables;
-  std::vector<cuda_detail::DispatchJob> jobs;
+  std::vector<cuda::DispatchJob> jobs;
   int64_t slot_base = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     ranks.push_back(std::make_unique<RankData>(c, sizes[i], slot_base, num_slots, c.seed + 100 * i));
@@ -478,7 +478,7 @@ TEST(DispatchKernelRanks, SeveralRanksInOneLaunch) {
     jobs.push_back({dp, tg.host, dev_dests[i]});
   }
   for (auto variant : kAllDispatchVariants) {
-    SCOPED_TRACE(cuda_detail::to_string(variant));
+    SCOPED_TRACE(cuda::to_string(variant));
     for (auto& r : ranks) {  // every variant must write every byte itself
       for (Mirror* m : {&r->q_out, &r->kv_out, &r->kpe_out, &r->idx_out, &r->topk})
         if (m->dev.bytes() > 0) PCPKV_CUDA_CHECK(cudaMemset(m->dev.data(), kGuardByte, m->dev.bytes()));
@@ -486,7 +486,7 @@ TEST(DispatchKernelRanks, SeveralRanksInOneLaunch) {
     }
     for (Mirror& m : tg.mla) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
     for (Mirror& m : tg.idx) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
-    cuda_detail::launch_dispatch(jobs.data(), static_cast<int>(jobs.size()), nullptr, variant);
+    cuda::launch_dispatch(jobs.data(), static_cast<int>(jobs.size()), nullptr, variant);
     PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
     for (size_t i = 0; i < sizes.size(); ++i) expect_rank_equal(c, *ranks[i], fmt::format("rank {}", i));
     for (int d = 0; d < c.num_targets; ++d) {
@@ -505,12 +505,12 @@ TEST(DispatchKernelRanks, BadParameterThrowsBeforeLaunch) {
   Targets tg(c, 64);
   std::vector<uint8_t*> dests;
   DispatchParams dp = make_params(c, r, s, &tg, true, dests);
-  cuda_detail::DispatchJob job{dp, tg.host, dests};
+  cuda::DispatchJob job{dp, tg.host, dests};
   job.params.row_bytes = 720;  // wrong for fp8_ds_mla + indexer (800)
-  EXPECT_THROW(cuda_detail::launch_dispatch(&job, 1, nullptr), Error);
+  EXPECT_THROW(cuda::launch_dispatch(&job, 1, nullptr), Error);
   job.params.row_bytes = 800;
   job.host_targets.pop_back();  // host copy disagrees with num_targets
-  EXPECT_THROW(cuda_detail::launch_dispatch(&job, 1, nullptr), Error);
+  EXPECT_THROW(cuda::launch_dispatch(&job, 1, nullptr), Error);
 }
 
 // ---- combine, insert, all-gather ---------------------------------------------------------------------------
@@ -582,14 +582,14 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
       SCOPED_TRACE(fmt::format("combine rows_per_warp {}", rows_per_warp));
       for (Mirror& m : combine_tg.mla) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
       for (Mirror& m : combine_tg.idx) PCPKV_CUDA_CHECK(cudaMemset(m.dev.data(), kGuardByte, m.dev.bytes()));
-      cuda_detail::launch_combine(dev_jobs.data(), static_cast<int>(dev_jobs.size()), nullptr, rows_per_warp);
+      cuda::launch_combine(dev_jobs.data(), static_cast<int>(dev_jobs.size()), nullptr, rows_per_warp);
       PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
       for (int d = 0; d < tc.num_targets; ++d) {
         EXPECT_TRUE(same(combine_tg.mla[static_cast<size_t>(d)], fmt::format("combine target {} mla", d)));
         EXPECT_TRUE(same(combine_tg.idx[static_cast<size_t>(d)], fmt::format("combine target {} indexer", d)));
       }
     }
-    EXPECT_THROW(cuda_detail::launch_combine(dev_jobs.data(), 1, nullptr, 3), Error);
+    EXPECT_THROW(cuda::launch_combine(dev_jobs.data(), 1, nullptr, 3), Error);
   }
 
   // Insert: random bf16 rows with outliers (and a few non-finite values).
@@ -616,8 +616,8 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     p.target = insert_tg.dev_view[static_cast<size_t>(d)];
     ins_jobs.push_back(p);
   }
-  cuda_detail::launch_insert_mla(ins_jobs.data(), static_cast<int>(ins_jobs.size()), nullptr);
-  cuda_detail::launch_insert_indexer(ins_jobs.data(), static_cast<int>(ins_jobs.size()), nullptr);
+  cuda::launch_insert_mla(ins_jobs.data(), static_cast<int>(ins_jobs.size()), nullptr);
+  cuda::launch_insert_indexer(ins_jobs.data(), static_cast<int>(ins_jobs.size()), nullptr);
   PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
   for (int d = 0; d < tc.num_targets; ++d) {
     EXPECT_TRUE(same(insert_tg.mla[static_cast<size_t>(d)], fmt::format("insert target {} mla", d)));
@@ -626,7 +626,7 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
   // Two jobs of one launch writing one replica (they run at once) are refused before anything is enqueued,
   // naming both (validate_combine_jobs / validate_insert_jobs; the launchers accepted them).
   const std::vector<InsertParams> same_ins = {ins_jobs[0], ins_jobs[0]};
-  EXPECT_NE(test::error_of([&] { cuda_detail::launch_insert_mla(same_ins.data(), 2, nullptr); })
+  EXPECT_NE(test::error_of([&] { cuda::launch_insert_mla(same_ins.data(), 2, nullptr); })
                 .find("insert: jobs[0].target.mla_base (bytes [0x"),
             std::string::npos);
   CombineParams comb;
@@ -638,7 +638,7 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
   comb.fmt = cc.fmt;
   comb.target = insert_tg.dev_view[0];
   const std::vector<CombineParams> same_comb = {comb, comb};
-  const std::string e = test::error_of([&] { cuda_detail::launch_combine(same_comb.data(), 2, nullptr); });
+  const std::string e = test::error_of([&] { cuda::launch_combine(same_comb.data(), 2, nullptr); });
   EXPECT_NE(e.find("combine: jobs[0].target.mla_base (bytes [0x"), std::string::npos) << e;
   EXPECT_NE(e.find(") overlaps jobs[1].target.mla_base (bytes [0x"), std::string::npos) << e;
 }
@@ -679,7 +679,7 @@ TEST(AllGatherKernel, EveryRankGetsEveryRankRankMajor) {
       sp.push_back(src.back().data());
       dp.push_back(dst.back().data());
     }
-    cuda_detail::launch_all_gather(sp, dp, bytes, nullptr);
+    cuda::launch_all_gather(sp, dp, bytes, nullptr);
     PCPKV_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<uint8_t> want;
     for (int r = 0; r < W; ++r) want.insert(want.end(), host[static_cast<size_t>(r)].begin(), host[static_cast<size_t>(r)].end());

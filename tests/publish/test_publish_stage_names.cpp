@@ -10,9 +10,9 @@
 
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/cuda.h"
-#include "publish/cuda/publisher.h"
-#include "publish/publish_layout.h"
-#include "publish/transport_table.h"
+#include "publish/drivers/cuda/publisher.h"
+#include "publish/drivers/publish_layout.h"
+#include "publish/drivers/transport_table.h"
 #include "support/gpu.h"
 #include "support/publish_case.h"
 #include "support/stage_cases.h"
@@ -33,13 +33,13 @@ TEST_P(CudaBackendStages, SameNamesAndBytesAsTheTableAndTheCpuBackend) {
   REQUIRE_GPU();
   const LayerCase lc = GetParam();
   auto c = make_case(test::stage_case_spec(lc));
-  const mp::PublishLayout l = mp::make_publish_layout(c->setup);
+  const PublishLayout l = make_publish_layout(c->setup);
   auto cpu = make_cpu_backend(2);
   auto gpu = cuda::make_backend(0);
   for (Transport t : kTransports) {
     const PublishResult want = cpu->publish(c->setup, c->inputs, t);
     const PublishResult got = gpu->publish(c->setup, c->inputs, t);
-    const std::vector<std::string> names = mp::stage_names(t, l, false);
+    const std::vector<std::string> names = stage_names(t, l, false);
     ASSERT_EQ(got.profile.stages.size(), names.size()) << lc.what << " " << to_string(t);
     ASSERT_EQ(want.profile.stages.size(), names.size()) << lc.what << " " << to_string(t);
     for (size_t k = 0; k < names.size(); ++k) {
@@ -61,21 +61,21 @@ TEST(CudaPublisherStages, TimerMarksTheTablesStepsSeparateAndFused) {
   spec.pcp = 2;
   spec.topk_width = 16;
   auto c = make_case(spec);
-  const mp::PublishLayout l = mp::make_publish_layout(c->setup);
+  const PublishLayout l = make_publish_layout(c->setup);
   for (bool fused : {false, true}) {
-    cuda_detail::PublisherOptions opt;
+    cuda::PublisherOptions opt;
     opt.variant.fuse_topk = fused;
     opt.variant.pdl = false;
-    cuda_detail::Publisher pub(c->setup, c->inputs, opt);
-    cuda_detail::Stream stream;
+    cuda::Publisher pub(c->setup, c->inputs, opt);
+    cuda::Stream stream;
     for (Transport t : kTransports) {
-      cuda_detail::StageTimer timer;
+      cuda::StageTimer timer;
       pub.enqueue(t, stream.get(), &timer);
       stream.sync();
       pub.check_fence();
       const auto timed = timer.read();
       const std::vector<Stage> model = pub.stage_model(t);
-      const std::vector<std::string> names = mp::stage_names(t, l, fused);
+      const std::vector<std::string> names = stage_names(t, l, fused);
       ASSERT_EQ(timed.size(), names.size()) << to_string(t) << (fused ? " fused" : " separate");
       ASSERT_EQ(model.size(), names.size()) << to_string(t) << (fused ? " fused" : " separate");
       for (size_t k = 0; k < names.size(); ++k) {

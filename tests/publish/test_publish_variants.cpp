@@ -1,5 +1,5 @@
 // pcpkv-test-labels: cuda
-// Every publication variant of the CUDA publisher (cuda_detail::PublishVariant: dispatch kernel simple /
+// Every publication variant of the CUDA publisher (cuda::PublishVariant: dispatch kernel simple /
 // prefetch / warp, top-k fill fused or separate, combine 1 / 2 / 4 rows per warp, PDL off / on) against the
 // CPU reference backend, byte for byte: every replica's whole allocations (guards, padding, unwritten slots),
 // q_c_out and the top-k buffer, for every transport; then CUDA graphs of several back-to-back publications
@@ -17,7 +17,7 @@
 
 #include "core/cuda/buffers.h"
 #include "core/cuda/check.h"
-#include "publish/cuda/publisher.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/error.h"
@@ -30,9 +30,9 @@
 namespace pcpkv {
 namespace {
 
-using cuda_detail::Publisher;
-using cuda_detail::PublisherOptions;
-using cuda_detail::PublishVariant;
+using cuda::Publisher;
+using cuda::PublisherOptions;
+using cuda::PublishVariant;
 
 constexpr Transport kTransports[] = {Transport::kCollect, Transport::kStaging, Transport::kDirect};
 
@@ -133,7 +133,7 @@ TEST_P(PublishVariants, EveryVariantEveryTransportEqualsCpu) {
   std::vector<PublishResult> want;
   for (Transport t : kTransports) want.push_back(cpu->publish(c->setup, c->inputs, t));
   Publisher pub(c->setup, c->inputs);
-  cuda_detail::Stream stream;
+  cuda::Stream stream;
   for (const char* name : kVariants) {
     pub.set_variant(PublishVariant::parse(name));
     EXPECT_EQ(pub.variant().name(), name);
@@ -178,7 +178,7 @@ TEST_P(PdlGraph, PdlOnAndOffReplaysEqualCpu) {
     PublisherOptions opts;
     opts.variant = PublishVariant::parse(name);
     Publisher pub(c->setup, c->inputs, opts);
-    cuda_detail::Stream stream;
+    cuda::Stream stream;
     pub.enqueue(t, stream.get());  // warm-up outside the capture
     stream.sync();
     pub.check_fence();
@@ -210,13 +210,13 @@ INSTANTIATE_TEST_SUITE_P(Transports, PdlGraph, ::testing::Values(Transport::kSta
 
 TEST(PublishVariant, NamesParseAndBadNamesThrow) {
   for (const char* name : kVariants) EXPECT_EQ(PublishVariant::parse(name).name(), name);
-  EXPECT_EQ(PublishVariant::parse("warp").name(), fmt::format("warp:separate:{}", cuda_detail::kDefaultCombineRowsPerWarp));
+  EXPECT_EQ(PublishVariant::parse("warp").name(), fmt::format("warp:separate:{}", cuda::kDefaultCombineRowsPerWarp));
   EXPECT_THROW(PublishVariant::parse("fast"), Error);
   EXPECT_THROW(PublishVariant::parse("warp:fuse"), Error);
   EXPECT_THROW(PublishVariant::parse("warp:fused:3"), Error);
   EXPECT_THROW(PublishVariant::parse("warp:fused:4:pdx"), Error);
   EXPECT_THROW(PublishVariant::parse("warp:fused:4:pdl:x"), Error);
-  EXPECT_EQ(cuda_detail::collect_baseline_variant().name(), "prefetch:separate:1");
+  EXPECT_EQ(cuda::collect_baseline_variant().name(), "prefetch:separate:1");
 }
 
 // A huge variant name (or one huge part of it) was quoted whole, twice: every quoted part is clipped

@@ -19,15 +19,15 @@
 #include "core/cuda/buffers.h"
 #include "pcpkv/publish/kernels.h"
 #include "pcpkv/publish/replica_hash.h"
-#include "publish/cuda/device_replica_check.h"
-#include "publish/cuda/publisher.h"
+#include "publish/checks/cuda/device_replica_check.h"
+#include "publish/drivers/cuda/publisher.h"
 #include "support/gpu.h"
 #include "support/publish_case.h"
 
 namespace pcpkv {
 namespace {
 
-using cuda_detail::DeviceBuffer;
+using cuda::DeviceBuffer;
 
 struct Geometry {
   int32_t block_size;
@@ -65,7 +65,7 @@ std::vector<uint64_t> gpu_hashes(const CacheTarget& t, const CacheFormat& fmt, c
   DeviceBuffer d_slots = DeviceBuffer::from(slots);
   DeviceBuffer d_hashes(static_cast<int64_t>(slots.size() * 8));
   PCPKV_CUDA_CHECK(cudaMemset(d_hashes.data(), 0xA5, slots.size() * 8));  // poisoned: every entry must be written
-  cuda_detail::launch_slot_hashes(t, fmt, d_slots.as<const int64_t>(), static_cast<int64_t>(slots.size()),
+  cuda::launch_slot_hashes(t, fmt, d_slots.as<const int64_t>(), static_cast<int64_t>(slots.size()),
                                   d_hashes.as<uint64_t>(), nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_hashes.download<uint64_t>(static_cast<int64_t>(slots.size()));
@@ -139,12 +139,12 @@ TEST(ReplicaHashGpu, CompareEqualsItsOracle) {
   std::vector<uint64_t> flat;
   for (const auto& v : h) flat.insert(flat.end(), v.begin(), v.end());
   DeviceBuffer d_h = DeviceBuffer::from(flat);
-  DeviceBuffer d_diffs(W * static_cast<int64_t>(sizeof(cuda_detail::DeviceHashDiff)));
+  DeviceBuffer d_diffs(W * static_cast<int64_t>(sizeof(cuda::DeviceHashDiff)));
   PCPKV_CUDA_CHECK(cudaMemset(d_diffs.data(), 0x5A, static_cast<size_t>(d_diffs.bytes())));  // the launcher initializes
-  cuda_detail::launch_compare_replica_hashes(d_h.as<const uint64_t>(), W, n, d_diffs.as<cuda_detail::DeviceHashDiff>(),
+  cuda::launch_compare_replica_hashes(d_h.as<const uint64_t>(), W, n, d_diffs.as<cuda::DeviceHashDiff>(),
                                              nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto got = d_diffs.download<cuda_detail::DeviceHashDiff>(W);
+  const auto got = d_diffs.download<cuda::DeviceHashDiff>(W);
   const std::vector<ReplicaHashDiff> want = compare_replica_hashes_reference(h);
   for (int32_t q = 0; q < W; ++q) {
     EXPECT_EQ(static_cast<int64_t>(got[q].num_diff), want[q].num_diff) << q;
@@ -161,14 +161,14 @@ TEST(ReplicaHashGpu, DeviceReplicaCheckOnAPublishersReplicas) {
   spec.requests = {{RequestKind::kPrefill, 203, 0}, {RequestKind::kDecode, 1, 40}};
   spec.alloc.base_offset = 48;
   auto c = test::make_case(spec);
-  cuda_detail::Publisher pub(c->setup, c->inputs);
-  cuda_detail::Stream stream;
+  cuda::Publisher pub(c->setup, c->inputs);
+  cuda::Stream stream;
   pub.enqueue(Transport::kDirect, stream.get());
   stream.sync();
   pub.check_fence();
   const PublishResult host = pub.download(Transport::kDirect);
   const std::vector<int64_t> slots = written_slots(c->plan);
-  cuda_detail::DeviceReplicaCheck check(pub.targets(), c->setup.fmt, slots);
+  cuda::DeviceReplicaCheck check(pub.targets(), c->setup.fmt, slots);
   check.enqueue(stream.get());
   stream.sync();
   const Check clean = replica_hash_check(check.diffs(), slots, check.bytes_per_slot(), {0, "direct", ""});
@@ -206,14 +206,14 @@ TEST(ReplicaHashGpu, BadParametersAreRefusedBeforeALaunch) {
   CacheFormat fmt;
   fmt.kv_format = KvFormat::kFp8DsMla;
   fmt.has_indexer = true;
-  EXPECT_THROW(cuda_detail::launch_slot_hashes(rep.dev, fmt, nullptr, 4, nullptr, nullptr), Error);
+  EXPECT_THROW(cuda::launch_slot_hashes(rep.dev, fmt, nullptr, 4, nullptr, nullptr), Error);
   CacheTarget no_index = rep.dev;
   no_index.index_base = nullptr;
   DeviceBuffer s(64), h(64);
-  EXPECT_THROW(cuda_detail::launch_slot_hashes(no_index, fmt, s.as<const int64_t>(), 1, h.as<uint64_t>(), nullptr),
+  EXPECT_THROW(cuda::launch_slot_hashes(no_index, fmt, s.as<const int64_t>(), 1, h.as<uint64_t>(), nullptr),
                Error);
-  EXPECT_THROW(cuda_detail::launch_compare_replica_hashes(nullptr, 0, 1, nullptr, nullptr), Error);
-  EXPECT_THROW(cuda_detail::DeviceReplicaCheck({rep.dev}, fmt, {0, 64}), Error) << "slot 64 of a 64-slot cache";
+  EXPECT_THROW(cuda::launch_compare_replica_hashes(nullptr, 0, 1, nullptr, nullptr), Error);
+  EXPECT_THROW(cuda::DeviceReplicaCheck({rep.dev}, fmt, {0, 64}), Error) << "slot 64 of a 64-slot cache";
 }
 
 }  // namespace

@@ -21,8 +21,8 @@
 namespace pcpkv {
 namespace {
 
-using cuda_detail::DeviceBuffer;
-using cuda_detail::DispatchVariant;
+using cuda::DeviceBuffer;
+using cuda::DispatchVariant;
 using test::TopkFillCase;
 constexpr int64_t kN = TopkFillCase::kIndexerRows, kT = TopkFillCase::kRows, kK = TopkFillCase::kTopk;
 
@@ -52,12 +52,12 @@ struct DeviceCase {
 /// first kN rows. Returns the buffer.
 std::vector<int32_t> run_gpu(TopkFillCase& c, DeviceCase& d, DispatchVariant v, TopkFill mode, bool with_indexer) {
   DeviceBuffer topk = DeviceBuffer::from(TopkFillCase::poisoned());
-  cuda_detail::DispatchJob job;
+  cuda::DispatchJob job;
   job.params = c.dispatch(mode, kN, topk.as<int32_t>(), d.kv.as<const uint16_t>(), d.k_pe.as<const uint16_t>(),
                           d.index_k.as<const uint16_t>(), d.positions.as<const int64_t>(), d.kv_w.as<const float>(),
                           d.ln_w.as<const float>(), d.ln_b.as<const float>(), d.rope.as<const float>(),
                           d.index_k_out.as<uint16_t>());
-  cuda_detail::launch_dispatch(&job, 1, nullptr, v);
+  cuda::launch_dispatch(&job, 1, nullptr, v);
   if (with_indexer) {
     IndexerParams p = c.indexer(topk.as<int32_t>());
     p.q_fp8 = d.q_fp8.as<const uint8_t>();
@@ -92,7 +92,7 @@ TEST(TopkFillCuda, EveryKernelEveryModeThenIndexerEqualsFullFillOnCpu) {
   for (DispatchVariant v : {DispatchVariant::kSimple, DispatchVariant::kPrefetch, DispatchVariant::kWarp,
                             DispatchVariant::kWarpPrefetch, DispatchVariant::kWarpToken, DispatchVariant::kWarpSplit})
     for (TopkFill mode : {TopkFill::kFull, TopkFill::kTail, TopkFill::kNone}) {
-      const std::string what = fmt::format("{} {}", cuda_detail::to_string(v), to_string(mode));
+      const std::string what = fmt::format("{} {}", cuda::to_string(v), to_string(mode));
       // The fill alone: exactly the CPU oracle's rows (poison elsewhere).
       const std::vector<int32_t> fill = run_gpu(c, d, v, mode, false);
       EXPECT_EQ(0, std::memcmp(fill.data(), run_cpu(c, mode, false).data(), fill.size() * 4)) << what << ": fill";

@@ -9,7 +9,7 @@
 #include <numeric>
 #include <vector>
 
-#include "consumers/attention_check_internal.h"
+#include "consumers/checks/attention_check_internal.h"
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/device/codec.h"
 #include "pcpkv/consumers/indexer.h"
@@ -55,7 +55,7 @@ struct IndexerCase {
     // Shuffled block ids, block 0 never used (the null block).
     std::vector<int32_t> ids(geometry.num_blocks - 1);
     std::iota(ids.begin(), ids.end(), 1);
-    detail_attn::Rng rng{seed};
+    attention_inputs::Rng rng{seed};
     for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[rng.next() % i]);
     tables.assign(request_len.size() * table_stride, -1);
     size_t next = 0;
@@ -64,14 +64,14 @@ struct IndexerCase {
     for (size_t r = 0; r < request_len.size(); ++r)
       for (int64_t j = 0; j < request_len[r]; ++j) {
         float k[128];
-        detail_attn::random_row(rng, k, 128, 1.0, 5);
+        attention_inputs::random_row(rng, k, 128, 1.0, 5);
         encode_key(static_cast<int32_t>(r), j, k);
       }
     std::vector<uint16_t> q(T * num_heads * 128);
     for (auto& v : q) v = 0;
     for (int64_t r = 0; r < T * num_heads; ++r) {
       float row[128];
-      detail_attn::random_row(rng, row, 128, 1.0, 1);
+      attention_inputs::random_row(rng, row, 128, 1.0, 1);
       for (int d = 0; d < 128; ++d) q[r * 128 + d] = codec::float_to_bf16(row[d]);
     }
     q_fp8.resize(q.size());
@@ -85,7 +85,7 @@ struct IndexerCase {
   }
   void encode_key(int32_t req, int64_t pos, const float* k) {
     const int64_t s = slot(req, pos);
-    detail_attn::encode_index_row(k, cache.data() + geometry.data_offset(s), cache.data() + geometry.scale_offset(s));
+    attention_inputs::encode_index_row(k, cache.data() + geometry.data_offset(s), cache.data() + geometry.scale_offset(s));
   }
   /// Copies key (req, from) over key (req, to): equal rows give equal scores (ties).
   void copy_key(int32_t req, int64_t from, int64_t to) {
@@ -146,19 +146,19 @@ struct AttentionCase {
     geometry.row_stride = mla_row_bytes(fmt.kv_format) + row_pad;
     geometry.block_stride = geometry.row_stride * block_size + block_pad;
     cache.assign(geometry.bytes(), 0xA5);
-    detail_attn::Rng rng{seed};
+    attention_inputs::Rng rng{seed};
     std::vector<uint8_t> row(mla_row_bytes(fmt.kv_format));
     for (int64_t s = 0; s < geometry.num_slots(); ++s) {
       float kv_c[512], k_pe[64];
-      detail_attn::random_row(rng, kv_c, 512, 1.0, 3);
-      detail_attn::random_row(rng, k_pe, 64, 1.0, 4);
-      detail_attn::encode_mla_row(kv_c, k_pe, fmt, row.data());
+      attention_inputs::random_row(rng, kv_c, 512, 1.0, 3);
+      attention_inputs::random_row(rng, k_pe, 64, 1.0, 4);
+      attention_inputs::encode_mla_row(kv_c, k_pe, fmt, row.data());
       std::memcpy(cache.data() + geometry.row_offset(s), row.data(), row.size());
     }
     q.resize(num_tokens * num_heads * 576);
     for (int64_t r = 0; r < num_tokens * num_heads; ++r) {
       float x[576];
-      detail_attn::random_row(rng, x, 576, 0.5, 2);
+      attention_inputs::random_row(rng, x, 576, 0.5, 2);
       for (int d = 0; d < 576; ++d) q[r * 576 + d] = codec::float_to_bf16(x[d]);
     }
     indices.resize(num_tokens * topk);

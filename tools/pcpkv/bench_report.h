@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/publish/cuda.h"
+#include "pcpkv_bench/publish.h"
 
 namespace pcpkv::cli {
 

@@ -28,6 +28,7 @@
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/model.h"
 #include "pcpkv/core/plan.h"
+#include "pcpkv_bench/consumers.h"
 
 // The CLI sees PCPKV_HAVE_CUDA only when the build exports it; PCPKV_HAVE_NCCL (public on pcpkv_cuda)
 // also proves the CUDA library is linked.

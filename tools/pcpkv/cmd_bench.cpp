@@ -27,6 +27,7 @@
 #include "pcpkv/core/layout.h"
 #include "pcpkv/core/model.h"
 
+#include "pcpkv_bench/publish.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "bench_report.h"
 #include "pcpkv/publish/cuda.h"

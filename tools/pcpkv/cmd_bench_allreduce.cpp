@@ -17,6 +17,7 @@
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/allreduce.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
 #endif

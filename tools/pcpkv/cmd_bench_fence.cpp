@@ -17,6 +17,7 @@
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
+#include "pcpkv_bench/fence.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
 #endif

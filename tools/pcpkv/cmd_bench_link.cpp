@@ -11,6 +11,7 @@
 #include "list_flags.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/core/error.h"
+#include "pcpkv_bench/link.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
 #endif

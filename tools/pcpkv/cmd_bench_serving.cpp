@@ -29,6 +29,9 @@
 #include "pcpkv/serving/allreduce.h"
 #include "pcpkv/publish/cuda.h"
 #include "pcpkv/core/pdl.h"
+#include "pcpkv_bench/allreduce.h"
+#include "pcpkv_bench/pdl.h"
+#include "pcpkv_bench/router.h"
 #endif
 
 namespace pcpkv::cli {

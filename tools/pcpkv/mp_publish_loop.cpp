@@ -11,6 +11,7 @@
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/ranks/symmetric.h"
+#include "pcpkv_bench/fence.h"
 #if defined(PCPKV_HAVE_CUDA)
 #include "pcpkv/publish/cuda_multiproc.h"
 #endif

@@ -9,23 +9,23 @@
 
 #include "mp_publish.h"
 #include "pcpkv/flag_checks.h"
-#include "publish/publish_layout.h"
+#include "publish/drivers/publish_layout.h"
 
 namespace pcpkv::cli {
 namespace {
 
 const char* pass_fail(const Check& c) { return c.pass ? "PASS" : "FAIL"; }
 
-// Bytes the dispatch's P2P stores move between GPUs (the transport tables' byte model, publish/transport_table.h): direct stores
-// every written row's final cache bytes into every replica; staging stores all M packed rows into every
-// peer's staging slot. Own-replica stores are local, not counted.
+// Bytes the dispatch's P2P stores move between GPUs (the transport tables' byte model,
+// publish/drivers/transport_table.h): direct stores every written row's final cache bytes into every replica;
+// staging stores all M packed rows into every peer's staging slot. Own-replica stores are local, not counted.
 struct P2pBytes {
   int64_t max_received = 0;  // the GPU that receives the most
   int64_t max_sent = 0;
 };
 P2pBytes p2p_bytes(const PublishSetup& s, Transport t) {
   const PcpPlan& plan = *s.plan;
-  const mp::PublishLayout l = mp::make_publish_layout(s);
+  const PublishLayout l = make_publish_layout(s);
   const int32_t W = plan.pcp_world;
   const int64_t cache_row_bytes = l.row.mla_bytes + (s.fmt.has_indexer ? kIndexerSlotBytes : 0);
   std::vector<int64_t> sent_per_peer(static_cast<size_t>(W));

@@ -205,7 +205,7 @@ void check_mp_host_memory(const MpPublishFlags& f) {
 // than it has free. Ranks of this host on the same device index add up (launch --gpus 0 puts them all on
 // one GPU); an index names one GPU only when every rank sees the same devices, as under `pcpkv launch`,
 // so elsewhere (torchrun with per-rank CUDA_VISIBLE_DEVICES) each rank counts alone. Not yet measured on a
-// GPU: the estimate is the sum of the publisher's buffers (src/publish/cuda/multiproc_publisher.cpp).
+// GPU: the estimate is the sum of the publisher's buffers (src/publish/drivers/cuda/multiproc_publisher.cpp).
 static void check_mp_device_memory(const MpPublishFlags& f, const ModelConfig& model, Bootstrap& world,
                             int64_t group_world, int32_t device) {
   const long double free = static_cast<long double>(cuda::device_free_bytes());  // before anyone allocates

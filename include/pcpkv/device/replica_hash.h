@@ -1,5 +1,5 @@
 // pcpkv/device/replica_hash.h: the hash of the run-time replica check (docs/spec.md section 5.2), the one
-// definition the CPU oracle (slot_hashes_reference), the CUDA kernel (cuda_detail::launch_slot_hashes) and, through
+// definition the CPU oracle (slot_hashes_reference), the CUDA kernel (cuda::launch_slot_hashes) and, through
 // torch.ops.pcpkv.replica_hash_weights, pcpkv_torch.models.replica_check share.
 //
 // A slot's hashed bytes b[0..n) are its MLA row (mla_row_bytes of the format) and, on an indexer layer, its 128

@@ -53,7 +53,7 @@ GuardReport check_untouched(const PublishResult& r, int32_t rank, const PcpPlan&
 /// Scales are checked too (a wrong scale widens the bound): power-of-two scales (ds_mla pow2, indexer UE8M0)
 /// must lie in [l, 2l] for l = the SPEC lower bound from the exact amax (max(amax/448, 1e-4), resp.
 /// max(amax, 1e-4)/448), raw scales within 2^-7 of max(amax/448, FLT_MIN), both widened by 2^-7; a scale
-/// outside counts as one value over the bound. Why the bound holds: src/publish/checks.cpp.
+/// outside counts as one value over the bound. Why the bound holds: src/publish/checks/checks.cpp.
 struct Fp8Report {
   int64_t num_values = 0;
   int64_t num_over_bound = 0;

@@ -1,11 +1,11 @@
 // pcpkv/publish/kernels.h: host launchers of the publication kernels (defined in pcpkv_cuda; the backend, the
 // rank publishers, the bench, the tests and python/csrc call them). Every launcher validates its parameters
-// on the host with the same checks as the CPU reference (pcpkv/publish/cpu.h) and throws pcpkv::Error before
+// on the host with the same checks as the CPU reference (pcpkv/publish/validate.h) and throws pcpkv::Error before
 // enqueuing anything; the kernels themselves trust their inputs. All launches are asynchronous on `stream`
 // and capturable into graphs.
 // Host header: no CUDA headers. Pointers in the parameter structs are device pointers; streams are
 // cudaStream_t (= CUstream_st*), forward-declared here like pcpkv/serving/router.h does, so a caller passes
-// its cudaStream_t unchanged. The namespace stays cuda_detail, the one the definitions and callers use.
+// its cudaStream_t unchanged. Launchers live in pcpkv::cuda, like every product's (the host API is pcpkv::).
 #pragma once
 
 #include <cstdint>
@@ -17,7 +17,7 @@
 
 struct CUstream_st;
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 // ---- dispatch (SPEC section 2) ------------------------------------------------------------------------
 /// One rank's dispatch: the public contract (device pointers; params.targets and params.row_dests point
@@ -41,7 +41,7 @@ enum class DispatchVariant : uint8_t {
   kWarpSplit,     // each token's KV part and Q part as two items of the warps at every size ("warp_split")
 };
 /// Names of the variants; unlike the launchers these two are defined in pcpkv_core
-/// (src/publish/dispatch_variant.cpp), so CPU builds have them too.
+/// (src/publish/contract/dispatch_variant.cpp), so CPU builds have them too.
 const char* to_string(DispatchVariant v);
 /// "auto" | "simple" | "prefetch" | "warp" | "warp_pf" | "warp_token" | "warp_split"; throws pcpkv::Error otherwise.
 DispatchVariant parse_dispatch_variant(const std::string& s);
@@ -63,7 +63,8 @@ std::vector<std::string> dispatch_kernel_resources();
 /// What rows_per_warp = 0 means. Change it only after `pcpkv bench --layer-variants ...` measured it.
 constexpr int kDefaultCombineRowsPerWarp = 1;
 /// Enqueues the combine of every job (one launch for up to 8). Throws pcpkv::Error on a bad parameter, or when a
-/// job's caches overlap its inputs or another job's caches or inputs (validate_combine_jobs of pcpkv/publish/cpu.h).
+/// job's caches overlap its inputs or another job's caches or inputs (validate_combine_jobs of
+/// pcpkv/publish/validate.h).
 /// rows_per_warp: 1 (one warp per row, the slot read before the row), 2 or 4 (a warp reads the slots and
 /// rows of that many rows at once, then stores), 0 = kDefaultCombineRowsPerWarp. pdl: see launch_dispatch.
 void launch_combine(const CombineParams* jobs, int num_jobs, CUstream_st* stream, int rows_per_warp = 0,
@@ -71,7 +72,7 @@ void launch_combine(const CombineParams* jobs, int num_jobs, CUstream_st* stream
 
 // ---- collect: quantize-and-insert --------------------------------------------------------------------------
 /// Both throw pcpkv::Error on a bad parameter, or when a job's caches overlap its inputs or another job's caches or
-/// inputs (validate_insert_jobs of pcpkv/publish/cpu.h); nothing is enqueued then.
+/// inputs (validate_insert_jobs of pcpkv/publish/validate.h); nothing is enqueued then.
 /// MLA cache rows of every job (kv_c, k_pe); the indexer part is ignored here.
 void launch_insert_mla(const InsertParams* jobs, int num_jobs, CUstream_st* stream);
 /// Indexer-K slots of every job (jobs whose fmt.has_indexer is false are skipped).
@@ -117,4 +118,4 @@ void launch_fence(const FenceArgs& args, int num_blocks, CUstream_st* stream, bo
 /// Call after synchronizing the stream that ran the fence.
 void throw_if_fence_timeout(const FenceError& error, double timeout_ms);
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

@@ -34,7 +34,7 @@ int64_t replica_hash_bytes_per_slot(const CacheFormat& fmt);
 /// as pcpkv_torch's ReplicaCheck.written_slots).
 std::vector<int64_t> written_slots(const PcpPlan& plan);
 
-/// CPU oracle of cuda_detail::launch_slot_hashes: hashes[i] = the replica hash of slot slots[i] of `target`
+/// CPU oracle of cuda::launch_slot_hashes: hashes[i] = the replica hash of slot slots[i] of `target`
 /// (docs/spec.md 5.2), for i < num_slots. Host pointers: target's bases, slots [num_slots] int64, hashes
 /// [num_slots] uint64. Reads only the hashed bytes of those slots. Throws pcpkv::Error (nothing written) on a bad
 /// target (validate_cache_target) or a slot outside [0, target.mla.num_slots()), naming its index and value.
@@ -58,7 +58,7 @@ struct ReplicaHashDiff {
   int64_t first = -1;
 };
 
-/// CPU oracle of cuda_detail::launch_compare_replica_hashes: hashes [W][n] (rank q's hashes of the same n slots)
+/// CPU oracle of cuda::launch_compare_replica_hashes: hashes [W][n] (rank q's hashes of the same n slots)
 /// -> [W] diffs against hashes[0] (rank 0's entry is always empty). Throws pcpkv::Error when W == 0 or the rows
 /// differ in length.
 std::vector<ReplicaHashDiff> compare_replica_hashes_reference(const std::vector<std::vector<uint64_t>>& hashes);

@@ -249,25 +249,4 @@ class AllReduce {
 /// device or on a device this one can access (cudaDeviceCanAccessPeer). *why says what failed.
 bool allreduce_local_capability(const std::vector<uint8_t*>& workspaces, std::string* why);
 
-// ---- bench (pcpkv bench-serving) ----
-
-struct AllReduceBenchRow {
-  int32_t world_size = 0;
-  int64_t bytes = 0;           // per rank
-  std::string variant;         // "oneshot", "twoshot", "fused-oneshot", "fused-twoshot", "auto"
-  int32_t num_blocks = 0;
-  double us = 0.0;             // median per call (graph replay)
-  double algbw_gbps = 0.0;     // bytes / time
-};
-struct AllReduceBenchOptions {
-  std::vector<int32_t> world_sizes = {2, 4, 8};
-  std::vector<int64_t> bytes = {4096, 16384, 65536, 262144, 1048576, 4194304, 16777216};
-  int64_t hidden = 6144;       // fused rows
-  int32_t iters = 50;
-  int32_t warmup = 10;
-};
-/// W logical ranks on one GPU: latency by size for each algorithm; checks the bytes against the CPU oracle
-/// once per (world, size, variant) before timing (throws on a mismatch).
-std::vector<AllReduceBenchRow> bench_allreduce(const AllReduceBenchOptions& options);
-
 }  // namespace pcpkv::cuda

@@ -9,7 +9,7 @@
 
 #include "core/cuda/check.h"
 
-namespace pcpkv::cuda_detail {
+namespace pcpkv::cuda {
 
 /// cudaMalloc'd bytes (256-byte aligned), freed on destruction. Move-only.
 class DeviceBuffer {
@@ -129,4 +129,4 @@ class Stream {
   cudaStream_t s_ = nullptr;
 };
 
-}  // namespace pcpkv::cuda_detail
+}  // namespace pcpkv::cuda

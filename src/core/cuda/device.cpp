@@ -26,7 +26,7 @@ int device_count(std::string* why_not) {
 
 }  // namespace cuda
 
-namespace cuda_detail {
+namespace cuda {
 
 int num_sms() {
   static std::mutex mu;
@@ -42,5 +42,5 @@ int num_sms() {
   return sms;
 }
 
-}  // namespace cuda_detail
+}  // namespace cuda
 }  // namespace pcpkv
