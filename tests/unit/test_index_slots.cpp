@@ -13,6 +13,7 @@
 #include "pcpkv/core/rope.h"
 #include "pcpkv/publish/cpu.h"
 #include "support/bytes.h"
+#include "support/publish_case.h"
 #include "support/error_of.h"
 #include "support/guard.h"
 #include "support/random_bf16.h"
@@ -296,6 +297,85 @@ TEST(IndexSlots, BadIndexerSlotsAreNamedBeforeAnyWrite) {
   EXPECT_TRUE(c.mla.untouched("combine / insert MLA cache"));
   EXPECT_TRUE(c.idx.untouched("combine / insert indexer cache"));
   (void)t;
+}
+
+
+// The CPU backend's three transports with a plan whose indexer cache has its own block table (another
+// permutation, 3 spare blocks, a padded block stride): every replica byte-identical, staging == direct, no
+// byte outside the written rows touched, and each token's indexer row equal to the one-slot plan's (same seed,
+// same MLA block tables) moved to its indexer slot.
+TEST(IndexSlots, EveryTransportPublishesTheIndexerRowsAtTheirOwnSlots) {
+  for (int32_t pcp : {2, 3}) {
+    test::CaseSpec spec;
+    spec.pcp = pcp;
+    spec.block_size = 8;
+    spec.requests = {{RequestKind::kPrefill, 37, 0}, {RequestKind::kDecode, 1, 20}, {RequestKind::kPrefill, 13, 9}};
+    spec.alloc.index_block_pad = 64;
+    spec.seed = 7;
+    auto plain = test::make_case(spec);
+    spec.own_index_blocks = true;
+    spec.index_extra_blocks = 3;
+    auto own = test::make_case(spec);
+    ASSERT_TRUE(own->plan.has_index_slots());
+    ASSERT_EQ(own->plan.gathered_slot_mapping, plain->plan.gathered_slot_mapping);
+    ASSERT_NE(own->plan.gathered_index_slot_mapping, own->plan.gathered_slot_mapping);
+    auto backend = make_cpu_backend(2);
+    const CacheFormat& f = own->setup.fmt;
+    const PublishResult ref = backend->publish(plain->setup, plain->inputs, Transport::kDirect);
+    PublishResult direct;
+    for (Transport tr : {Transport::kDirect, Transport::kStaging, Transport::kCollect}) {
+      const std::string what = fmt::format("pcp {} {}", pcp, to_string(tr));
+      const PublishResult r = backend->publish(own->setup, own->inputs, tr);
+      EXPECT_EQ(r.index_geometry.num_blocks, own->plan.index_num_blocks) << what;
+      EXPECT_TRUE(test::replicas_identical(r, f)) << what;
+      EXPECT_TRUE(test::all_untouched(r, own->plan, f)) << what;
+      if (tr == Transport::kDirect) direct = r;
+      if (tr == Transport::kStaging) {
+        EXPECT_TRUE(test::same_caches(direct, r, f, what + " vs direct"));
+      }
+      if (tr == Transport::kCollect) continue;  // collect quantizes from bf16: its own bytes
+      // The MLA caches equal the one-slot plan's; the indexer rows are that plan's, relocated.
+      EXPECT_TRUE(test::bytes_equal(ref.mla_alloc[0], r.mla_alloc[0], what + ": MLA cache"));
+      const std::vector<int64_t>& slots = own->plan.gathered_slot_mapping;
+      const std::vector<int64_t>& islots = own->plan.gathered_index_slot_mapping;
+      for (size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i] < 0) continue;
+        const uint8_t* a = ref.index_alloc[0].data() + ref.index_cache_offset;
+        const uint8_t* b = r.index_alloc[pcp - 1].data() + r.index_cache_offset;
+        ASSERT_TRUE(test::bytes_equal(a + ref.index_geometry.data_offset(slots[i]),
+                                      b + r.index_geometry.data_offset(islots[i]), 128, what + ": indexer data"));
+        ASSERT_TRUE(test::bytes_equal(a + ref.index_geometry.scale_offset(slots[i]),
+                                      b + r.index_geometry.scale_offset(islots[i]), 4, what + ": indexer scale"));
+      }
+    }
+  }
+}
+
+TEST(IndexSlots, PlanGivesTheIndexerItsOwnBlocksOnlyWhenAsked) {
+  PlanConfig c;
+  c.pcp_world = 2;
+  c.block_size = 4;
+  c.requests = {{RequestKind::kPrefill, 11, 0}, {RequestKind::kDecode, 1, 6}};
+  c.seed = 3;
+  const PcpPlan plain = make_plan(c);
+  EXPECT_FALSE(plain.has_index_slots());
+  EXPECT_EQ(plain.gathered_index_slots_or_null(), nullptr);
+  EXPECT_EQ(plain.ranks[0].index_slots_or_null(), nullptr);
+  c.own_index_blocks = true;
+  c.index_extra_blocks = 5;
+  const PcpPlan own = make_plan(c);
+  EXPECT_EQ(own.index_num_blocks, own.num_blocks + 5);
+  EXPECT_EQ(own.gathered_slot_mapping, plain.gathered_slot_mapping);
+  for (size_t i = 0; i < own.gathered_slot_mapping.size(); ++i)
+    EXPECT_EQ(own.gathered_index_slot_mapping[i] < 0, own.gathered_slot_mapping[i] < 0) << i;
+  PcpPlan bad = own;
+  bad.ranks[1].index_slot_mapping[0] = bad.ranks[1].index_slot_mapping[1];
+  bad.gathered_index_slot_mapping[static_cast<size_t>(bad.max_local_tokens)] = bad.ranks[1].index_slot_mapping[0];
+  EXPECT_NE(test::error_of([&] { validate_plan(bad); }).find("plan: rank 1 index_slot_mapping[0] = "),
+            std::string::npos);
+  c.index_extra_blocks = -1;
+  EXPECT_NE(test::error_of([&] { make_plan(c); }).find("plan: index_extra_blocks = -1 must be >= 0"),
+            std::string::npos);
 }
 
 }  // namespace
