@@ -297,6 +297,11 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     check_vector(*a.slot_mapping, "dispatch: slot_mapping", T, at::kLong, dev);
     p.slot_mapping = a.slot_mapping->data_ptr<int64_t>();
   }
+  if (has(a.indexer_slot_mapping)) {  // the indexer rows' own slots (docs/spec.md 4.2)
+    TORCH_CHECK_VALUE(a.has_indexer, "dispatch: indexer_slot_mapping is set but has_indexer=False");
+    check_vector(*a.indexer_slot_mapping, "dispatch: indexer_slot_mapping", T, at::kLong, dev);
+    p.indexer_slot_mapping = a.indexer_slot_mapping->data_ptr<int64_t>();
+  }
   check_written_devices("dispatch", a.written, "kv", dev);
   // The kernels write the outputs while they read the inputs, row by row in any order (on the GPU many blocks at
   // once): no output may share memory with an input, a table, a written tensor (the caches and staging behind the
@@ -314,7 +319,8 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
                {"index_k", maybe(a.index_k)},
                {"index_ln_w", maybe(a.index_ln_w)},
                {"index_ln_b", maybe(a.index_ln_b)},
-               {"slot_mapping", maybe(a.slot_mapping)}};
+               {"slot_mapping", maybe(a.slot_mapping)},
+               {"indexer_slot_mapping", maybe(a.indexer_slot_mapping)}};
   const char* const table_names[] = {"targets", "targets_host", "row_dests", "row_dests_host"};
   for (size_t i = 0; i < 4; ++i) ins.push_back({table_names[i], &a.tables[i]});
   const size_t num_ins = ins.size();
@@ -329,7 +335,7 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
 pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tensor& slot_mapping,
                                          const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
                                          c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
-                                         bool has_indexer) {
+                                         bool has_indexer, const std::optional<at::Tensor>& indexer_slot_mapping) {
   pcpkv::CombineParams p;
   p.fmt = make_format(std::string(kv_format), std::string(ds_mla_scale), k_scale, has_indexer);
   p.target = target_of(mla_cache, index_cache, p.fmt, "combine");
@@ -343,17 +349,26 @@ pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tenso
   p.row_bytes = rows.size(2);
   check_vector(slot_mapping, "combine: slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  if (has(indexer_slot_mapping)) {
+    TORCH_CHECK_VALUE(has_indexer, "combine: indexer_slot_mapping is set but has_indexer=False");
+    check_vector(*indexer_slot_mapping, "combine: indexer_slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
+    p.indexer_slot_mapping = indexer_slot_mapping->data_ptr<int64_t>();
+  }
   // Rows are copied in any order (on the GPU by many blocks at once): a cache overlapping the rows, the slots or
   // the other cache would read or clobber bytes another row writes.
   refuse_overlap("combine", written_caches(mla_cache, index_cache, p.fmt),
-                 {{"rows", &rows}, {"slot_mapping", &slot_mapping}}, true);
+                 {{"rows", &rows},
+                  {"slot_mapping", &slot_mapping},
+                  {"indexer_slot_mapping", maybe(indexer_slot_mapping)}},
+                 true);
   return p;
 }
 
 pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor& k_pe,
                                        const std::optional<at::Tensor>& index_k, const at::Tensor& slot_mapping,
                                        const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
-                                       c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale) {
+                                       c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
+                                       const std::optional<at::Tensor>& indexer_slot_mapping) {
   pcpkv::InsertParams p;
   p.fmt = make_format(std::string(kv_format), std::string(ds_mla_scale), k_scale, has(index_k));
   p.target = target_of(mla_cache, index_cache, p.fmt, "insert");
@@ -366,13 +381,19 @@ pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor&
   p.kv_c = static_cast<const uint16_t*>(kv_c.data_ptr());
   p.k_pe = static_cast<const uint16_t*>(k_pe.data_ptr());
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  if (has(indexer_slot_mapping)) {
+    TORCH_CHECK_VALUE(has(index_k), "insert: indexer_slot_mapping is set but index_k is None (no indexer)");
+    check_vector(*indexer_slot_mapping, "insert: indexer_slot_mapping", T, at::kLong, dev);
+    p.indexer_slot_mapping = indexer_slot_mapping->data_ptr<int64_t>();
+  }
   if (has(index_k)) {
     check_dense(*index_k, "insert: index_k", {T, 128}, at::kBFloat16, dev);
     p.index_k = static_cast<const uint16_t*>(index_k->data_ptr());
   }
   // As in combine: rows are quantized and stored in any order, so no cache may overlap an input or the other cache.
   refuse_overlap("insert", written_caches(mla_cache, index_cache, p.fmt),
-                 {{"kv_c", &kv_c}, {"k_pe", &k_pe}, {"index_k", maybe(index_k)}, {"slot_mapping", &slot_mapping}},
+                 {{"kv_c", &kv_c}, {"k_pe", &k_pe}, {"index_k", maybe(index_k)}, {"slot_mapping", &slot_mapping},
+                  {"indexer_slot_mapping", maybe(indexer_slot_mapping)}},
                  true);
   return p;
 }

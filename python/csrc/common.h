@@ -131,6 +131,7 @@ struct DispatchArgs {
   int64_t topk_indexer_rows = 0;        // tail: rows [0, n) the indexer top-k writes
   std::array<at::Tensor, 4> tables;     // targets, targets_host, row_dests, row_dests_host (undefined: not given)
   std::vector<at::Tensor> written;      // the op's `written`: the tensors behind the tables (may repeat each other)
+  std::optional<at::Tensor> indexer_slot_mapping;  // the indexer rows' own slots (docs/spec.md 4.2); none: slot_mapping
 };
 /// Checks every tensor of a dispatch (dtype, shape, device; no output sharing memory with an input, a table, a
 /// written tensor or another output; no written tensor with an input or a table) and fills the contract (no
@@ -138,14 +139,16 @@ struct DispatchArgs {
 pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a);
 
 /// Checks the tensors of a combine (staging rows -> local caches) and fills the contract.
+/// indexer_slot_mapping (combine and insert): the indexer rows' own gathered slots, or none (docs/spec.md 4.2).
 pcpkv::CombineParams make_combine_params(const at::Tensor& rows, const at::Tensor& slot_mapping,
                                          const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
                                          c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
-                                         bool has_indexer);
+                                         bool has_indexer, const std::optional<at::Tensor>& indexer_slot_mapping = {});
 /// Checks the tensors of an insert (collect path) and fills the contract; has_indexer = index_k given.
 pcpkv::InsertParams make_insert_params(const at::Tensor& kv_c, const at::Tensor& k_pe,
                                        const std::optional<at::Tensor>& index_k, const at::Tensor& slot_mapping,
                                        const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
-                                       c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale);
+                                       c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
+                                       const std::optional<at::Tensor>& indexer_slot_mapping = {});
 
 }  // namespace pcpkv_torch

@@ -156,7 +156,7 @@ PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_de
 
 at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& index_ptrs, int64_t num_blocks,
                               int64_t block_size, int64_t row_stride, int64_t block_stride, int64_t index_block_stride,
-                              c10::string_view kv_format, bool has_indexer) {
+                              c10::string_view kv_format, bool has_indexer, int64_t index_num_blocks) {
   const pcpkv::CacheFormat fmt = make_format(std::string(kv_format), "pow2", 1.0, has_indexer);
   const std::vector<uint8_t*> mla = read_pointer_table(mla_ptrs, "make_cache_targets: mla_ptrs");
   const std::vector<uint8_t*> idx = read_pointer_table(index_ptrs, "make_cache_targets: index_ptrs");
@@ -175,7 +175,7 @@ at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& inde
       t.mla.block_stride = block_stride;
       if (has_indexer) {
         t.index_base = idx[d];
-        t.index.num_blocks = num_blocks;
+        t.index.num_blocks = index_num_blocks < 0 ? num_blocks : index_num_blocks;  // its own (spec 4.2), or the MLA's
         t.index.block_size = static_cast<int32_t>(block_size);
         t.index.block_stride = index_block_stride;
       }
@@ -205,7 +205,8 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
                   at::TensorList written, c10::string_view kv_format, c10::string_view ds_mla_scale,
                   double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
                   bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard,
-                  c10::string_view topk_fill_mode, int64_t topk_indexer_rows) {
+                  c10::string_view topk_fill_mode, int64_t topk_indexer_rows,
+                  const std::optional<at::Tensor>& indexer_slot_mapping) {
   DispatchArgs a{kv,          k_pe,     positions, kv_norm_w, rope_cos_sin, q_c,
                  q_norm_w,    index_k,  index_ln_w, index_ln_b, slot_mapping, q_c_out,
                  kv_c_out,    k_pe_out, index_k_out, topk_fill, std::string(kv_format), std::string(ds_mla_scale),
@@ -213,6 +214,7 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
                  index_rope_interleaved, index_hadamard};
   a.topk_fill_mode = std::string(topk_fill_mode);
   a.topk_indexer_rows = topk_indexer_rows;
+  a.indexer_slot_mapping = indexer_slot_mapping;
   a.tables = {targets.value_or(at::Tensor()), targets_host.value_or(at::Tensor()), row_dests.value_or(at::Tensor()),
               row_dests_host.value_or(at::Tensor())};
   a.written = written.vec();
@@ -246,17 +248,19 @@ void dispatch_cpu(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tensor
 
 void combine_cpu(const at::Tensor& rows, const at::Tensor& slot_mapping, const at::Tensor& mla_cache,
                  const std::optional<at::Tensor>& index_cache, c10::string_view kv_format,
-                 c10::string_view ds_mla_scale, double k_scale, bool has_indexer) {
+                 c10::string_view ds_mla_scale, double k_scale, bool has_indexer,
+                 const std::optional<at::Tensor>& indexer_slot_mapping) {
   const pcpkv::CombineParams p = make_combine_params(rows, slot_mapping, mla_cache, index_cache, kv_format,
-                                                     ds_mla_scale, k_scale, has_indexer);
+                                                     ds_mla_scale, k_scale, has_indexer, indexer_slot_mapping);
   translate_errors([&] { pcpkv::combine_reference(p, cpu_threads()); });
 }
 
 void insert_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::optional<at::Tensor>& index_k,
                 const at::Tensor& slot_mapping, const at::Tensor& mla_cache, const std::optional<at::Tensor>& index_cache,
-                c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale) {
+                c10::string_view kv_format, c10::string_view ds_mla_scale, double k_scale,
+                const std::optional<at::Tensor>& indexer_slot_mapping) {
   const pcpkv::InsertParams p = make_insert_params(kv_c, k_pe, index_k, slot_mapping, mla_cache, index_cache, kv_format,
-                                                   ds_mla_scale, k_scale);
+                                                   ds_mla_scale, k_scale, indexer_slot_mapping);
   translate_errors([&] { pcpkv::insert_reference(p, cpu_threads()); });
 }
 
@@ -407,7 +411,7 @@ TORCH_LIBRARY(pcpkv, m) {
   m.def("choose_transport(str[] hosts, Tensor peer_access, bool nccl_available) -> (str transport, str reason)",
         &choose_transport);
   m.def("make_cache_targets(Tensor mla_ptrs, Tensor index_ptrs, int num_blocks, int block_size, int row_stride, "
-        "int block_stride, int index_block_stride, str kv_format, bool has_indexer) -> Tensor",
+        "int block_stride, int index_block_stride, str kv_format, bool has_indexer, int index_num_blocks=-1) -> Tensor",
         &make_cache_targets);
   m.def("dispatch(Tensor kv, Tensor k_pe, Tensor positions, Tensor kv_norm_w, Tensor rope_cos_sin, "
         "Tensor? q_c, Tensor? q_norm_w, Tensor? index_k, Tensor? index_ln_w, Tensor? index_ln_b, "
@@ -415,11 +419,13 @@ TORCH_LIBRARY(pcpkv, m) {
         "Tensor(a!)? q_c_out, Tensor(b!)? kv_c_out, Tensor(c!)? k_pe_out, Tensor(d!)? index_k_out, "
         "Tensor(e!)? topk_fill, Tensor(f!)[] written, str kv_format, str ds_mla_scale, float k_scale, "
         "bool has_indexer, float q_eps, float kv_eps, float index_eps, bool mla_rope_interleaved, "
-        "bool index_rope_interleaved, bool index_hadamard, str topk_fill_mode=\"full\", int topk_indexer_rows=0) -> ()");
+        "bool index_rope_interleaved, bool index_hadamard, str topk_fill_mode=\"full\", int topk_indexer_rows=0, "
+        "Tensor? indexer_slot_mapping=None) -> ()");
   m.def("combine(Tensor rows, Tensor slot_mapping, Tensor(a!) mla_cache, Tensor(b!)? index_cache, str kv_format, "
-        "str ds_mla_scale, float k_scale, bool has_indexer) -> ()");
+        "str ds_mla_scale, float k_scale, bool has_indexer, Tensor? indexer_slot_mapping=None) -> ()");
   m.def("insert(Tensor kv_c, Tensor k_pe, Tensor? index_k, Tensor slot_mapping, Tensor(a!) mla_cache, "
-        "Tensor(b!)? index_cache, str kv_format, str ds_mla_scale, float k_scale) -> ()");
+        "Tensor(b!)? index_cache, str kv_format, str ds_mla_scale, float k_scale, "
+        "Tensor? indexer_slot_mapping=None) -> ()");
   m.def("fence(Tensor pad_table, Tensor(a!) epochs, Tensor(b!) claim, Tensor(c!) error, int first_rank, int world, "
         "int num_barriers, int barrier_idx, int timeout_us, Tensor(d!)[] written) -> ()");
 }

@@ -56,7 +56,8 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
                    at::TensorList written, c10::string_view kv_format, c10::string_view ds_mla_scale,
                    double k_scale, bool has_indexer, double q_eps, double kv_eps, double index_eps,
                    bool mla_rope_interleaved, bool index_rope_interleaved, bool index_hadamard,
-                   c10::string_view topk_fill_mode, int64_t topk_indexer_rows) {
+                   c10::string_view topk_fill_mode, int64_t topk_indexer_rows,
+                  const std::optional<at::Tensor>& indexer_slot_mapping) {
   TORCH_CHECK_VALUE(kv.defined() && kv.is_cuda(), "dispatch: kv: expected a CUDA tensor, got ", describe(kv));
   const c10::Device dev = kv.device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -67,6 +68,7 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
                  index_rope_interleaved, index_hadamard};
   a.topk_fill_mode = std::string(topk_fill_mode);
   a.topk_indexer_rows = topk_indexer_rows;
+  a.indexer_slot_mapping = indexer_slot_mapping;
   a.tables = {targets.value_or(at::Tensor()), targets_host.value_or(at::Tensor()), row_dests.value_or(at::Tensor()),
               row_dests_host.value_or(at::Tensor())};
   a.written = written.vec();
@@ -99,12 +101,13 @@ void dispatch_cuda(const at::Tensor& kv, const at::Tensor& k_pe, const at::Tenso
 
 void combine_cuda(const at::Tensor& rows, const at::Tensor& slot_mapping, const at::Tensor& mla_cache,
                   const std::optional<at::Tensor>& index_cache, c10::string_view kv_format,
-                  c10::string_view ds_mla_scale, double k_scale, bool has_indexer) {
+                  c10::string_view ds_mla_scale, double k_scale, bool has_indexer,
+                  const std::optional<at::Tensor>& indexer_slot_mapping) {
   TORCH_CHECK_VALUE(mla_cache.defined() && mla_cache.is_cuda(), "combine: mla_cache: expected a CUDA tensor, got ",
                     describe(mla_cache));
   const c10::cuda::CUDAGuard guard(mla_cache.device());
   const pcpkv::CombineParams p = make_combine_params(rows, slot_mapping, mla_cache, index_cache, kv_format,
-                                                     ds_mla_scale, k_scale, has_indexer);
+                                                     ds_mla_scale, k_scale, has_indexer, indexer_slot_mapping);
   TORCH_CHECK_VALUE(addr(p.rows) % 16 == 0, "combine: rows must be 16-byte aligned, got ", describe(rows),
                     " at offset ", rows.storage_offset());
   translate_errors([&] { pcpkv::cuda_detail::launch_combine(&p, 1, current_stream(mla_cache.device())); });
@@ -113,12 +116,13 @@ void combine_cuda(const at::Tensor& rows, const at::Tensor& slot_mapping, const 
 void insert_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, const std::optional<at::Tensor>& index_k,
                  const at::Tensor& slot_mapping, const at::Tensor& mla_cache,
                  const std::optional<at::Tensor>& index_cache, c10::string_view kv_format,
-                 c10::string_view ds_mla_scale, double k_scale) {
+                 c10::string_view ds_mla_scale, double k_scale,
+                 const std::optional<at::Tensor>& indexer_slot_mapping) {
   TORCH_CHECK_VALUE(mla_cache.defined() && mla_cache.is_cuda(), "insert: mla_cache: expected a CUDA tensor, got ",
                     describe(mla_cache));
   const c10::cuda::CUDAGuard guard(mla_cache.device());
   const pcpkv::InsertParams p = make_insert_params(kv_c, k_pe, index_k, slot_mapping, mla_cache, index_cache,
-                                                   kv_format, ds_mla_scale, k_scale);
+                                                   kv_format, ds_mla_scale, k_scale, indexer_slot_mapping);
   // Two launches (MLA rows, then indexer slots): everything either launcher checks is checked here first,
   // so the second can not fail after the first was enqueued.
   TORCH_CHECK_VALUE(addr(p.kv_c) % 16 == 0, "insert: kv_c must be 16-byte aligned");

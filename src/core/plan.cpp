@@ -151,7 +151,8 @@ PcpPlan make_plan(const PlanConfig& c) {
       p.global_positions.push_back(pos);
       p.global_slots.push_back(block * B + pos % B);
       p.global_request.push_back(static_cast<int32_t>(i));
-      if (c.own_index_blocks) p.global_index_slots.push_back(index_tables[i][static_cast<size_t>(pos / B)] * B + pos % B);
+      if (c.own_index_blocks)
+        p.global_index_slots.push_back(index_tables[i][static_cast<size_t>(pos / B)] * B + pos % B);
     }
   }
 
@@ -206,7 +207,8 @@ PcpPlan make_plan(const PlanConfig& c) {
         rp.positions.push_back(p.global_positions[static_cast<size_t>(g)]);
         const bool writes = !s.decode || p.decode_owner[s.request] == r;
         rp.slot_mapping.push_back(writes ? p.global_slots[static_cast<size_t>(g)] : -1);
-        if (c.own_index_blocks) rp.index_slot_mapping.push_back(writes ? p.global_index_slots[static_cast<size_t>(g)] : -1);
+        if (c.own_index_blocks)
+          rp.indexer_slot_mapping.push_back(writes ? p.global_index_slots[static_cast<size_t>(g)] : -1);
         ++(s.decode ? rp.num_decode_tokens : rp.num_prefill_tokens);
       }
     }
@@ -219,9 +221,9 @@ PcpPlan make_plan(const PlanConfig& c) {
     rp.slot_mapping.resize(static_cast<size_t>(p.max_local_tokens), -1);
     p.gathered_slot_mapping.insert(p.gathered_slot_mapping.end(), rp.slot_mapping.begin(), rp.slot_mapping.end());
     if (!c.own_index_blocks) continue;
-    rp.index_slot_mapping.resize(static_cast<size_t>(p.max_local_tokens), -1);
-    p.gathered_index_slot_mapping.insert(p.gathered_index_slot_mapping.end(), rp.index_slot_mapping.begin(),
-                                         rp.index_slot_mapping.end());
+    rp.indexer_slot_mapping.resize(static_cast<size_t>(p.max_local_tokens), -1);
+    p.gathered_indexer_slot_mapping.insert(p.gathered_indexer_slot_mapping.end(), rp.indexer_slot_mapping.begin(),
+                                           rp.indexer_slot_mapping.end());
   }
   validate_plan(p);
   return p;
@@ -254,39 +256,40 @@ namespace {
 void validate_index_slots(const PcpPlan& p, int64_t null_slots) {
   const size_t M = static_cast<size_t>(p.max_local_tokens);
   if (!p.has_index_slots()) {
-    PCPKV_CHECK(p.index_num_blocks == 0 && p.gathered_index_slot_mapping.empty() && p.global_index_slots.empty(),
+    PCPKV_CHECK(p.index_num_blocks == 0 && p.gathered_indexer_slot_mapping.empty() && p.global_index_slots.empty(),
                 "plan: index_num_blocks = {} with {} gathered indexer slots: both or neither", p.index_num_blocks,
-                p.gathered_index_slot_mapping.size());
+                p.gathered_indexer_slot_mapping.size());
     for (size_t r = 0; r < p.ranks.size(); ++r)
-      PCPKV_CHECK(p.ranks[r].index_slot_mapping.empty(),
-                  "plan: rank {} has an index_slot_mapping but the plan has no indexer blocks", r);
+      PCPKV_CHECK(p.ranks[r].indexer_slot_mapping.empty(),
+                  "plan: rank {} has an indexer_slot_mapping but the plan has no indexer blocks", r);
     return;
   }
   PCPKV_CHECK(p.global_index_slots.size() == p.global_slots.size(),
               "plan: global_index_slots has {} entries, expected one per token ({})", p.global_index_slots.size(),
               p.global_slots.size());
-  PCPKV_CHECK(p.gathered_index_slot_mapping.size() == p.gathered_slot_mapping.size(),
-              "plan: gathered_index_slot_mapping has {} entries, expected pcp_world * max_local_tokens = {}",
-              p.gathered_index_slot_mapping.size(), p.gathered_slot_mapping.size());
+  PCPKV_CHECK(p.gathered_indexer_slot_mapping.size() == p.gathered_slot_mapping.size(),
+              "plan: gathered_indexer_slot_mapping has {} entries, expected pcp_world * max_local_tokens = {}",
+              p.gathered_indexer_slot_mapping.size(), p.gathered_slot_mapping.size());
   for (size_t r = 0; r < p.ranks.size(); ++r) {
     const RankPlan& rp = p.ranks[r];
-    PCPKV_CHECK(rp.index_slot_mapping.size() == M, "plan: rank {} index_slot_mapping has {} entries, expected {}", r,
-                rp.index_slot_mapping.size(), M);
+    PCPKV_CHECK(rp.indexer_slot_mapping.size() == M, "plan: rank {} indexer_slot_mapping has {} entries, expected {}",
+                r,
+                rp.indexer_slot_mapping.size(), M);
     for (size_t i = 0; i < M; ++i) {
-      const int64_t s = rp.index_slot_mapping[i];
-      PCPKV_CHECK((s >= 0) == (rp.slot_mapping[i] >= 0) && p.gathered_index_slot_mapping[r * M + i] == s,
-                  "plan: rank {} index_slot_mapping[{}] = {} disagrees with its slot_mapping ({}) or the gathered "
+      const int64_t s = rp.indexer_slot_mapping[i];
+      PCPKV_CHECK((s >= 0) == (rp.slot_mapping[i] >= 0) && p.gathered_indexer_slot_mapping[r * M + i] == s,
+                  "plan: rank {} indexer_slot_mapping[{}] = {} disagrees with its slot_mapping ({}) or the gathered "
                   "indexer mapping ({})",
-                  r, i, s, rp.slot_mapping[i], p.gathered_index_slot_mapping[r * M + i]);
+                  r, i, s, rp.slot_mapping[i], p.gathered_indexer_slot_mapping[r * M + i]);
       if (s >= 0 && rp.global_index[i] >= 0)
         PCPKV_CHECK(p.global_index_slots[static_cast<size_t>(rp.global_index[i])] == s,
-                    "plan: rank {} index_slot_mapping[{}] = {} is not its token's indexer slot {}", r, i, s,
+                    "plan: rank {} indexer_slot_mapping[{}] = {} is not its token's indexer slot {}", r, i, s,
                     p.global_index_slots[static_cast<size_t>(rp.global_index[i])]);
     }
   }
-  validate_slot_mapping(p.gathered_index_slot_mapping.data(),
-                        static_cast<int64_t>(p.gathered_index_slot_mapping.size()),
-                        p.index_num_blocks * p.block_size, "gathered_index_slot_mapping", null_slots);
+  validate_slot_mapping(p.gathered_indexer_slot_mapping.data(),
+                        static_cast<int64_t>(p.gathered_indexer_slot_mapping.size()),
+                        p.index_num_blocks * p.block_size, "gathered_indexer_slot_mapping", null_slots);
 }
 }  // namespace
 

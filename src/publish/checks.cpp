@@ -64,7 +64,7 @@ GuardReport check_untouched(const PublishResult& r, int32_t rank, const PcpPlan&
   std::vector<uint8_t> index_written;
   if (plan.has_index_slots()) {
     index_written.assign(static_cast<size_t>(ig.num_slots()), 0);
-    for (int64_t s : plan.gathered_index_slot_mapping)
+    for (int64_t s : plan.gathered_indexer_slot_mapping)
       if (s >= 0) index_written[static_cast<size_t>(s)] = 1;
   }
   const std::vector<uint8_t>& iwritten = plan.has_index_slots() ? index_written : written;

@@ -1,4 +1,4 @@
-// The indexer cache at its own slots (docs/spec.md section 4.2, issue 35 item 3): with an index_slot_mapping the
+// The indexer cache at its own slots (docs/spec.md section 4.2, issue 35 item 3): with an indexer_slot_mapping the
 // dispatch (direct), the staging combine and the collect insert put a token's indexer row at its own slot of an
 // indexer cache of its own geometry (block count, padded block stride), each mapping's -1 skipping its own cache.
 // Expected caches are built here from the token's transport row (the dispatch's row_dests output), byte for byte,
@@ -75,7 +75,7 @@ struct Step {
     p.rope_num_positions = rope.num_positions;
     p.fmt = fmt;
     p.slot_mapping = slots.data();
-    p.index_slot_mapping = index_slots.data();
+    p.indexer_slot_mapping = index_slots.data();
     return p;
   }
 
@@ -159,7 +159,7 @@ TEST(IndexSlots, CombineCarriesBothSlotsAndEqualsDirect) {
     c.max_local_tokens = kT / 2;
     c.row_bytes = transport_row_layout(s.fmt).row_bytes;
     c.slot_mapping = s.slots.data();
-    c.index_slot_mapping = s.index_slots.data();
+    c.indexer_slot_mapping = s.index_slots.data();
     c.fmt = s.fmt;
     c.target = s.target();
     combine_reference(c, 2);
@@ -183,7 +183,7 @@ TEST(IndexSlots, InsertPutsTheIndexerRowAtItsOwnSlot) {
     ip.k_pe = k_pe.data();
     ip.index_k = index_k.data();
     ip.slot_mapping = s.slots.data();
-    ip.index_slot_mapping = s.index_slots.data();
+    ip.indexer_slot_mapping = s.index_slots.data();
     ip.fmt = s.fmt;
     ip.target = s.target();
     insert_reference(ip, 2);
@@ -197,7 +197,7 @@ TEST(IndexSlots, InsertPutsTheIndexerRowAtItsOwnSlot) {
     for (int64_t t = 0; t < kT; ++t) seq[static_cast<size_t>(t)] = t;
     InsertParams pp = ip;
     pp.slot_mapping = seq.data();
-    pp.index_slot_mapping = nullptr;
+    pp.indexer_slot_mapping = nullptr;
     pp.target = CacheTarget{pmla.data(), pm, pidx.data(), pi};
     insert_reference(pp);
     std::vector<uint8_t> rows(static_cast<size_t>(kT * l.row_bytes), 0);
@@ -211,15 +211,15 @@ TEST(IndexSlots, InsertPutsTheIndexerRowAtItsOwnSlot) {
 }
 
 TEST(IndexSlots, TheSameMappingTwiceGivesTheSingleSlotBytes) {
-  // index_slot_mapping = slot_mapping's values (the single-slot form made explicit) writes what null writes.
+  // indexer_slot_mapping = slot_mapping's values (the single-slot form made explicit) writes what null writes.
   Step a(KvFormat::kFp8DsMla, 51), b(KvFormat::kFp8DsMla, 51);
   a.ig = b.ig = dense_indexer_geometry(8, kBlock);
   GuardedBuffer ia(a.ig.bytes(), kGuard), ib(b.ig.bytes(), kGuard);
   CacheTarget ta{a.mla.data(), a.mg, ia.data(), a.ig}, tb{b.mla.data(), b.mg, ib.data(), b.ig};
   DispatchParams pa = a.params(), pb = b.params();
-  pa.index_slot_mapping = nullptr;
+  pa.indexer_slot_mapping = nullptr;
   std::vector<int64_t> copy = b.slots;
-  pb.index_slot_mapping = copy.data();
+  pb.indexer_slot_mapping = copy.data();
   pa.targets = &ta;
   pb.targets = &tb;
   pa.num_targets = pb.num_targets = 1;
@@ -247,12 +247,13 @@ TEST(IndexSlots, BadIndexerSlotsAreNamedBeforeAnyWrite) {
   };
   // In range of the MLA cache (32 slots) but not of the indexer cache's 5 blocks x 4.
   EXPECT_NE(dispatch_error([](Step& f, DispatchParams&) { f.index_slots[2] = 20; })
-                .find("dispatch: index_slot_mapping[2] = 20 is out of range [0, 20)"),
+                .find("dispatch: indexer_slot_mapping[2] = 20 is out of range [0, 20)"),
             std::string::npos);
-  EXPECT_NE(dispatch_error([](Step& f, DispatchParams&) { f.index_slots[5] = -2; }).find("index_slot_mapping[5] = -2"),
-            std::string::npos);
+  EXPECT_NE(
+      dispatch_error([](Step& f, DispatchParams&) { f.index_slots[5] = -2; }).find("indexer_slot_mapping[5] = -2"),
+      std::string::npos);
   EXPECT_NE(dispatch_error([](Step& f, DispatchParams&) { f.index_slots[7] = 12; })
-                .find("index_slot_mapping[7] = 12 duplicates index_slot_mapping[0]"),
+                .find("indexer_slot_mapping[7] = 12 duplicates indexer_slot_mapping[0]"),
             std::string::npos);
   // The MLA mapping is checked against the MLA cache alone: slot 30 lies past the indexer cache, and is accepted
   // (Step's token 2); a slot past the MLA cache is named as slot_mapping.
@@ -262,7 +263,7 @@ TEST(IndexSlots, BadIndexerSlotsAreNamedBeforeAnyWrite) {
   EXPECT_NE(dispatch_error([](Step&, DispatchParams& p) {
               p.fmt.has_indexer = false;
               p.index_k = nullptr;
-            }).find("dispatch: index_slot_mapping is set but fmt.has_indexer = false"),
+            }).find("dispatch: indexer_slot_mapping is set but fmt.has_indexer = false"),
             std::string::npos);
   // An indexer geometry that cannot hold its rows is named as the indexer cache's.
   EXPECT_NE(dispatch_error([](Step&, DispatchParams& p) {
@@ -279,20 +280,21 @@ TEST(IndexSlots, BadIndexerSlotsAreNamedBeforeAnyWrite) {
   cp.max_local_tokens = kT;
   cp.row_bytes = transport_row_layout(c.fmt).row_bytes;
   cp.slot_mapping = c.slots.data();
-  cp.index_slot_mapping = c.index_slots.data();
+  cp.indexer_slot_mapping = c.index_slots.data();
   cp.fmt = c.fmt;
   cp.target = c.target();
-  EXPECT_NE(test::error_of([&] { combine_reference(cp); }).find("combine: index_slot_mapping[3] = 99 is out of range"),
-            std::string::npos);
+  EXPECT_NE(
+      test::error_of([&] { combine_reference(cp); }).find("combine: indexer_slot_mapping[3] = 99 is out of range"),
+      std::string::npos);
   std::vector<uint16_t> bf16(kT * 512, 0x3f80);
   InsertParams ip;
   ip.num_tokens = kT;
   ip.kv_c = ip.k_pe = ip.index_k = bf16.data();
   ip.slot_mapping = c.slots.data();
-  ip.index_slot_mapping = c.index_slots.data();
+  ip.indexer_slot_mapping = c.index_slots.data();
   ip.fmt = c.fmt;
   ip.target = c.target();
-  EXPECT_NE(test::error_of([&] { insert_reference(ip); }).find("insert: index_slot_mapping[3] = 99 is out of range"),
+  EXPECT_NE(test::error_of([&] { insert_reference(ip); }).find("insert: indexer_slot_mapping[3] = 99 is out of range"),
             std::string::npos);
   EXPECT_TRUE(c.mla.untouched("combine / insert MLA cache"));
   EXPECT_TRUE(c.idx.untouched("combine / insert indexer cache"));
@@ -318,7 +320,7 @@ TEST(IndexSlots, EveryTransportPublishesTheIndexerRowsAtTheirOwnSlots) {
     auto own = test::make_case(spec);
     ASSERT_TRUE(own->plan.has_index_slots());
     ASSERT_EQ(own->plan.gathered_slot_mapping, plain->plan.gathered_slot_mapping);
-    ASSERT_NE(own->plan.gathered_index_slot_mapping, own->plan.gathered_slot_mapping);
+    ASSERT_NE(own->plan.gathered_indexer_slot_mapping, own->plan.gathered_slot_mapping);
     auto backend = make_cpu_backend(2);
     const CacheFormat& f = own->setup.fmt;
     const PublishResult ref = backend->publish(plain->setup, plain->inputs, Transport::kDirect);
@@ -337,7 +339,7 @@ TEST(IndexSlots, EveryTransportPublishesTheIndexerRowsAtTheirOwnSlots) {
       // The MLA caches equal the one-slot plan's; the indexer rows are that plan's, relocated.
       EXPECT_TRUE(test::bytes_equal(ref.mla_alloc[0], r.mla_alloc[0], what + ": MLA cache"));
       const std::vector<int64_t>& slots = own->plan.gathered_slot_mapping;
-      const std::vector<int64_t>& islots = own->plan.gathered_index_slot_mapping;
+      const std::vector<int64_t>& islots = own->plan.gathered_indexer_slot_mapping;
       for (size_t i = 0; i < slots.size(); ++i) {
         if (slots[i] < 0) continue;
         const uint8_t* a = ref.index_alloc[0].data() + ref.index_cache_offset;
@@ -367,11 +369,11 @@ TEST(IndexSlots, PlanGivesTheIndexerItsOwnBlocksOnlyWhenAsked) {
   EXPECT_EQ(own.index_num_blocks, own.num_blocks + 5);
   EXPECT_EQ(own.gathered_slot_mapping, plain.gathered_slot_mapping);
   for (size_t i = 0; i < own.gathered_slot_mapping.size(); ++i)
-    EXPECT_EQ(own.gathered_index_slot_mapping[i] < 0, own.gathered_slot_mapping[i] < 0) << i;
+    EXPECT_EQ(own.gathered_indexer_slot_mapping[i] < 0, own.gathered_slot_mapping[i] < 0) << i;
   PcpPlan bad = own;
-  bad.ranks[1].index_slot_mapping[0] = bad.ranks[1].index_slot_mapping[1];
-  bad.gathered_index_slot_mapping[static_cast<size_t>(bad.max_local_tokens)] = bad.ranks[1].index_slot_mapping[0];
-  EXPECT_NE(test::error_of([&] { validate_plan(bad); }).find("plan: rank 1 index_slot_mapping[0] = "),
+  bad.ranks[1].indexer_slot_mapping[0] = bad.ranks[1].indexer_slot_mapping[1];
+  bad.gathered_indexer_slot_mapping[static_cast<size_t>(bad.max_local_tokens)] = bad.ranks[1].indexer_slot_mapping[0];
+  EXPECT_NE(test::error_of([&] { validate_plan(bad); }).find("plan: rank 1 indexer_slot_mapping[0] = "),
             std::string::npos);
   c.index_extra_blocks = -1;
   EXPECT_NE(test::error_of([&] { make_plan(c); }).find("plan: index_extra_blocks = -1 must be >= 0"),

@@ -74,9 +74,12 @@ struct RankPlan {
   std::vector<int64_t> global_index;   // [max_local_tokens], index into the global token order; -1 padding
   /// [max_local_tokens] indexer-cache slots when the plan has its own indexer blocks (-1 where slot_mapping is -1),
   /// else empty: slot_mapping addresses both caches.
-  std::vector<int64_t> index_slot_mapping;
-  /// index_slot_mapping's data, or null when slot_mapping addresses both caches (DispatchParams::index_slot_mapping).
-  const int64_t* index_slots_or_null() const { return index_slot_mapping.empty() ? nullptr : index_slot_mapping.data(); }
+  std::vector<int64_t> indexer_slot_mapping;
+  /// indexer_slot_mapping's data, or null when slot_mapping addresses both caches
+  /// (DispatchParams::indexer_slot_mapping).
+  const int64_t* index_slots_or_null() const {
+    return indexer_slot_mapping.empty() ? nullptr : indexer_slot_mapping.data();
+  }
 };
 
 struct PcpPlan {
@@ -103,14 +106,14 @@ struct PcpPlan {
   /// slot_mapping addresses both caches (the vectors below are then empty).
   int64_t index_num_blocks = 0;
   std::vector<int64_t> global_index_slots;            // [num_global_tokens]
-  std::vector<int64_t> gathered_index_slot_mapping;   // [pcp_world * max_local_tokens], rank-major like the above
+  std::vector<int64_t> gathered_indexer_slot_mapping;  // [pcp_world * max_local_tokens], rank-major like the above
 
   bool has_index_slots() const { return index_num_blocks > 0; }
   /// Blocks of the indexer cache: index_num_blocks, or num_blocks when one slot addresses both caches.
   int64_t indexer_blocks() const { return has_index_slots() ? index_num_blocks : num_blocks; }
-  /// gathered_index_slot_mapping's data, or null (CombineParams / InsertParams::index_slot_mapping).
+  /// gathered_indexer_slot_mapping's data, or null (CombineParams / InsertParams::indexer_slot_mapping).
   const int64_t* gathered_index_slots_or_null() const {
-    return has_index_slots() ? gathered_index_slot_mapping.data() : nullptr;
+    return has_index_slots() ? gathered_indexer_slot_mapping.data() : nullptr;
   }
   int64_t num_global_tokens() const { return static_cast<int64_t>(global_slots.size()); }
   int64_t num_slots() const { return num_blocks * block_size; }

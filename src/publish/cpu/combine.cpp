@@ -15,7 +15,7 @@ void combine_reference(const CombineParams& p, int num_threads) {
   cpu_detail::parallel_for(n, num_threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = p.slot_mapping[i];
-      const int64_t index_slot = p.index_slot_mapping ? p.index_slot_mapping[i] : slot;
+      const int64_t index_slot = p.indexer_slot_mapping ? p.indexer_slot_mapping[i] : slot;
       if (slot >= 0 || index_slot >= 0)
         cpu_detail::write_cache_row(p.target, layout, slot, index_slot, p.rows + i * p.row_bytes);
     }
@@ -30,7 +30,7 @@ void insert_reference(const InsertParams& p, int num_threads) {
     alignas(16) uint8_t row[cpu_detail::kMaxRowBytes];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = p.slot_mapping[t];
-      const int64_t index_slot = p.index_slot_mapping ? p.index_slot_mapping[t] : slot;
+      const int64_t index_slot = p.indexer_slot_mapping ? p.indexer_slot_mapping[t] : slot;
       if (slot < 0 && index_slot < 0) continue;
       // Quantize from the bf16 values (collect baseline): exact widening, then the same encoders.
       for (int i = 0; i < 512; ++i) kv_c[i] = codec::bf16_to_float(p.kv_c[t * 512 + i]);

@@ -241,7 +241,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
       case mp::Op::kDispatchDirect: {
         DispatchParams d = base_dispatch(r, st, sc);
         d.slot_mapping = sc.in.slot_mapping.data();
-        d.index_slot_mapping = plan.ranks[static_cast<size_t>(r)].index_slots_or_null();
+        d.indexer_slot_mapping = plan.ranks[static_cast<size_t>(r)].index_slots_or_null();
         d.targets = targets.data();
         d.num_targets = W;
         dispatch_reference(d, threads_per_rank);
@@ -264,7 +264,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         p.k_pe = sc.k_pe_all.data();
         p.index_k = fmt.has_indexer ? sc.index_k_all.data() : nullptr;
         p.slot_mapping = plan.gathered_slot_mapping.data();
-        p.index_slot_mapping = plan.gathered_index_slots_or_null();
+        p.indexer_slot_mapping = plan.gathered_index_slots_or_null();
         p.fmt = fmt;
         p.target = st.target;
         insert_reference(p, threads_per_rank);
@@ -278,7 +278,7 @@ PublishResult CpuBackend::publish(const PublishSetup& setup, const GlobalInputs&
         p.max_local_tokens = M;
         p.row_bytes = row_layout.row_bytes;
         p.slot_mapping = plan.gathered_slot_mapping.data();
-        p.index_slot_mapping = plan.gathered_index_slots_or_null();
+        p.indexer_slot_mapping = plan.gathered_index_slots_or_null();
         p.fmt = fmt;
         p.target = st.target;
         combine_reference(p, threads_per_rank);

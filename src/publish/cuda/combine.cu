@@ -32,7 +32,7 @@ constexpr int kMaxChunkIters = 3;  // up to 96 chunks of 16 B per row (bf16 + in
 struct CombineJobArgs {
   const uint8_t* rows;
   const int64_t* slot_mapping;
-  const int64_t* index_slot_mapping;  // null: slot_mapping's
+  const int64_t* indexer_slot_mapping;  // null: slot_mapping's
   uint8_t* mla_base;
   int64_t row_stride, block_stride;
   uint8_t* index_base;
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     const CombineJobArgs& j = a.j[jn];
     const int64_t i = g - j.row_begin;
     const int64_t slot = __ldg(j.slot_mapping + i);
-    const int64_t islot = j.index_slot_mapping != nullptr ? __ldg(j.index_slot_mapping + i) : slot;
+    const int64_t islot = j.indexer_slot_mapping != nullptr ? __ldg(j.indexer_slot_mapping + i) : slot;
     if (slot < 0 && islot < 0) continue;
     const uint8_t* row = j.rows + i * a.row_bytes;
     // All loads of the row first, then the stores.
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
         const CombineJobArgs& j = a.j[jn[r]];
         const int64_t i = g - j.row_begin;
         slot[r] = __ldg(j.slot_mapping + i);
-        islot[r] = j.index_slot_mapping != nullptr ? __ldg(j.index_slot_mapping + i) : slot[r];
+        islot[r] = j.indexer_slot_mapping != nullptr ? __ldg(j.indexer_slot_mapping + i) : slot[r];
         const uint8_t* row = j.rows + i * a.row_bytes;
 #pragma unroll
         for (int k = 0; k < kIters; ++k) {
@@ -249,7 +249,7 @@ void launch_combine(const CombineParams* jobs, int num_jobs, cudaStream_t stream
       CombineJobArgs& j = a.j[k];
       j.rows = p.rows;
       j.slot_mapping = p.slot_mapping;
-      j.index_slot_mapping = p.index_slot_mapping;
+      j.indexer_slot_mapping = p.indexer_slot_mapping;
       j.mla_base = p.target.mla_base;
       j.row_stride = p.target.mla.row_stride;
       j.block_stride = p.target.mla.block_stride;

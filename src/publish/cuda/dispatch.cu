@@ -76,7 +76,7 @@ __device__ __forceinline__ void load_token(const DispatchArgs& a, int64_t g, Tok
   }
   if (tid < 128) {
     // Warp 3 writes only the indexer row: its slot comes from the indexer mapping when there is one.
-    const int64_t* sm = warp == 3 && ra.index_slot_mapping != nullptr ? ra.index_slot_mapping : ra.slot_mapping;
+    const int64_t* sm = warp == 3 && ra.indexer_slot_mapping != nullptr ? ra.indexer_slot_mapping : ra.slot_mapping;
     if (sm != nullptr) v.slot = __ldg(sm + t);
   }
   if (warp == 2 || warp == 3) v.pos = __ldg(ra.positions + t);
@@ -518,7 +518,7 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
     r.index_k_stride = p.index_k_stride;
     r.positions = p.positions;
     r.slot_mapping = p.slot_mapping;
-    r.index_slot_mapping = p.index_slot_mapping;
+    r.indexer_slot_mapping = p.indexer_slot_mapping;
     r.q_c_out = p.q_c_out;
     r.kv_c_out = p.kv_c_out;
     r.k_pe_out = p.k_pe_out;

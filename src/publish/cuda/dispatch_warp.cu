@@ -420,7 +420,7 @@ __device__ __forceinline__ void kv_part(const CommonArgs& c, const RankArgs& ra,
     const int leaf = lane - 16;
     // The indexer row's slot: its own mapping's entry (loaded here, so the default form, null, keeps its
     // registers and loads), else the token's slot.
-    const int64_t index_slot = ra.index_slot_mapping != nullptr ? __ldg(ra.index_slot_mapping + t) : slot;
+    const int64_t index_slot = ra.indexer_slot_mapping != nullptr ? __ldg(ra.indexer_slot_mapping + t) : slot;
     float rc[8] = {}, rs[8] = {};
     if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
     float xf[8];

@@ -183,7 +183,8 @@ void launch_insert(const InsertParams* jobs, int num_jobs, cudaStream_t stream, 
       j.k_pe = p.k_pe;
       j.index_k = p.index_k;
       // The indexer kernel reads the job's indexer mapping when it has one: same kernel, same loads.
-      j.slot_mapping = part == Part::kIndexer && p.index_slot_mapping != nullptr ? p.index_slot_mapping : p.slot_mapping;
+      j.slot_mapping =
+          part == Part::kIndexer && p.indexer_slot_mapping != nullptr ? p.indexer_slot_mapping : p.slot_mapping;
       if (part == Part::kMla) {
         j.mla_base = p.target.mla_base;
         j.row_stride = p.target.mla.row_stride;
