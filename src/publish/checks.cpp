@@ -269,6 +269,9 @@ Fp8Report check_fp8_bound(const PublishResult& r, int32_t rank, const GlobalInpu
   PCPKV_CHECK(rank >= 0 && rank < static_cast<int32_t>(r.mla_alloc.size()),
               "check_fp8_bound: rank {} is out of range [0, {})", rank, r.mla_alloc.size());
   validate_inputs(in, model, plan, fmt.has_indexer);
+  PCPKV_CHECK(!plan.has_index_slots(),
+              "check_fp8_bound: the plan gives the indexer cache its own slots (docs/spec.md 4.2); this check decodes "
+              "both rows of a token at one slot");
   const uint8_t* mla = r.mla_alloc[static_cast<size_t>(rank)].data() + r.mla_cache_offset;
   const uint8_t* idx = fmt.has_indexer ? r.index_alloc[static_cast<size_t>(rank)].data() + r.index_cache_offset
                                        : nullptr;

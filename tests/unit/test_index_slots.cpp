@@ -12,6 +12,7 @@
 
 #include "pcpkv/core/rope.h"
 #include "pcpkv/publish/cpu.h"
+#include "pcpkv/publish/replica_hash.h"
 #include "support/bytes.h"
 #include "support/publish_case.h"
 #include "support/error_of.h"
@@ -375,6 +376,10 @@ TEST(IndexSlots, PlanGivesTheIndexerItsOwnBlocksOnlyWhenAsked) {
   bad.gathered_indexer_slot_mapping[static_cast<size_t>(bad.max_local_tokens)] = bad.ranks[1].indexer_slot_mapping[0];
   EXPECT_NE(test::error_of([&] { validate_plan(bad); }).find("plan: rank 1 indexer_slot_mapping[0] = "),
             std::string::npos);
+  // Not covered yet, refused by name: the run-time replica hash (one slot for both rows, docs/spec.md 5.2).
+  EXPECT_NE(test::error_of([&] { written_slots(own); }).find("replica check: the plan gives the indexer cache its own"),
+            std::string::npos);
+  EXPECT_EQ(written_slots(plain).size(), static_cast<size_t>(plain.num_written_slots()));
   c.index_extra_blocks = -1;
   EXPECT_NE(test::error_of([&] { make_plan(c); }).find("plan: index_extra_blocks = -1 must be >= 0"),
             std::string::npos);
