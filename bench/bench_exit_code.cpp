@@ -1,5 +1,5 @@
 // `pcpkv bench`'s verdict (bench_exit_code of pcpkv/publish/cuda.h): host code, built without CUDA too, so the
-// decision is tested on the CPU (tests/unit/test_bench_exit_code.cpp).
+// decision is tested on the CPU (tests/cli/test_bench_exit_code.cpp).
 #include <fmt/format.h>
 
 #include "pcpkv/core/layout.h"

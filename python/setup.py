@@ -40,7 +40,9 @@ def _sources():
     own = sorted(glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     # pcpkv's rendezvous and host symmetric memory (pcpkv_torch.distributed: csrc/bootstrap.cpp, symmetric.cpp)
     ranks = [os.path.join(src, f) for f in ("core/input_limits.cpp", "core/interrupt.cpp", "ranks/bootstrap.cpp",
-                                            "ranks/bootstrap_wire.cpp", "ranks/tombstone.cpp",
+                                            "ranks/bootstrap_rendezvous.cpp", "ranks/bootstrap_star.cpp",
+                                            "ranks/bootstrap_socket.cpp", "ranks/bootstrap_wire.cpp",
+                                            "ranks/tombstone.cpp",
                                             "ranks/symmetric_shm.cpp", "ranks/fd_limit.cpp")]
     return core + cpu + ranks + [s for s in own if not s.endswith("_cuda.cpp")]
 

@@ -150,7 +150,7 @@ md() { grep -h '^md|' "$@" 2>/dev/null | sed 's/^md|//'; }
   printf '%s\n' "${steps[@]}"
   echo
   if [ -f "$out/tests.log" ]; then
-    echo "Tests (tests/multigpu): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$out/tests.log" | tr '\n' ' ' | sed 's/  */ /g')"
+    echo "Tests (multigpu_launch_gpus): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$out/tests.log" | tr '\n' ' ' | sed 's/  */ /g')"
     grep -E '^\[  FAILED  \] [A-Za-z]' "$out/tests.log" | sed 's/^/- /'
     echo
   fi

@@ -117,19 +117,154 @@ _ARRIVED, _GAVE_UP = 1, 2
 
 
 def arrival_check(group, timeout_s: float, what: str) -> None:
-    """Every rank of a gloo group exchanges one token with every peer and waits at most timeout_s in all; a peer
-    whose token did not come is named in a RuntimeError on this rank ("rank 1 did not arrive within timeout_s =
-    3.0 s", or "left the group" when its connection closed). Each rank names the peers it misses itself: gloo's
+    """Every rank of a gloo group checks that every peer arrived, waiting at most timeout_s; a peer that did not is
+    named in a RuntimeError on this rank ("rank 1 did not arrive within timeout_s = 3.0 s", or "left the group"
+    when it gave up, was interrupted or its process exited). Each rank names the peers it misses itself: gloo's
     monitored_barrier bounds only rank 0's wait, while the others wait for rank 0 the group's own timeout (30 min
-    by default) and learn no name. gloo closes a pair whose wait timed out, so a late rank finds its connection
-    to a peer that gave up closed; a second exchange carries each rank's verdict to the peers it did reach, so
-    no rank goes on into the collective that follows while another has given up.
-    Other backends: nothing (their collectives carry the group's timeout)."""
-    import torch
+    by default) and learn no name. A second round carries each rank's verdict, so no rank goes on into the
+    collective that follows while another has given up.
+    The check runs over the process group's store (_store_arrival: polled, so Ctrl-C raises KeyboardInterrupt at
+    once); where torch gives no store, over gloo point-to-point tokens (_gloo_arrival: bounded by timeout_s, but
+    a wait in C++ that Ctrl-C does not end). Other backends: nothing (their collectives carry the group's
+    timeout)."""
     import torch.distributed as dist
 
     if "gloo" not in str(dist.get_backend(group)) or dist.get_world_size(group) == 1:
         return
+    store = _group_store(group)
+    if store is None:
+        _gloo_arrival(group, timeout_s, what)
+    else:
+        _store_arrival(group, store, timeout_s, what)
+
+
+def _group_store(group):
+    """The store of a torch.distributed group (keys set there are seen by its members only), None where this torch
+    does not expose it."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    try:
+        return c10d._get_process_group_store(group if group is not None else c10d._get_default_group())
+    except Exception:  # noqa: BLE001 - private torch API: absent or changed, fall back to gloo tokens
+        return None
+
+
+def _store_arrival(group, store, timeout_s: float, what: str) -> None:
+    """arrival_check over the group's store. Round 1: each rank sets its arrived key and polls for its peers'
+    (short sleeps: Python's signal handlers run between polls). Round 2: each rank sets its verdict ("ok", or why
+    it gave up: timed out, interrupted) and polls for every peer's. A peer whose process on this host has exited
+    is named at once (its pid is in the store from any earlier check), not after timeout_s."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = [r for r in range(world) if r != me]
+    host = socket.gethostname()
+
+    def fail(lines) -> RuntimeError:
+        return RuntimeError(f"{what}: " + "; ".join(lines) + f" (seen from rank {me} of {world})")
+
+    def store_op(fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a TCPStore whose serving process exited, a removed file store
+            raise fail([f"the process group's store failed ({type(e).__name__}: {e}; the process serving it "
+                        "exited?)"]) from e
+
+    def left(r: int, why: str) -> str:
+        return f"rank {r} left the group (it exited, was killed, or gave up waiting for a rank: {why})"
+
+    def gave_up(why: str) -> None:  # told to the peers: they raise too instead of going on into the collective
+        try:
+            store.set(f"{base}/verdict/{me}", why)
+            store.add(f"{base}/gave_up", 1)
+        except Exception:  # noqa: BLE001 - a store that failed: the peers find that themselves
+            pass
+
+    def verdicts_of_those_who_gave_up() -> list:
+        if store_op(store.add, f"{base}/gave_up", 0) == 0:
+            return []
+        out = []
+        for r in peers:
+            key = f"{base}/verdict/{r}"
+            if store_op(store.check, [key]):
+                v = store_op(store.get, key).decode()
+                if v != "ok":
+                    out.append(left(r, v))
+        return out
+
+    def exited(r: int) -> Optional[str]:
+        key = f"pcpkv_arrival/pid/{r}"
+        if not store_op(store.check, [key]):
+            return None
+        peer_host, pid = store_op(store.get, key).decode().split("\n")
+        return left(r, f"its process {pid} has exited") if peer_host == host and not _alive(int(pid)) else None
+
+    def wait_for(kind: str, missing_why: str) -> None:
+        keys = {r: f"{base}/{kind}/{r}" for r in peers}
+        deadline = time.monotonic() + min(float(timeout_s), 1e6)
+        pause, next_look = 1e-4, time.monotonic() + 0.05
+        while not store_op(store.check, list(keys.values())):
+            now = time.monotonic()
+            if now >= next_look or now >= deadline:  # who gave up, who exited: 20 times a second at most
+                next_look = now + 0.05
+                missing = [r for r in peers if not store_op(store.check, [keys[r]])]
+                lines = verdicts_of_those_who_gave_up() + [x for x in map(exited, missing) if x]
+                if not lines and now >= deadline:
+                    lines = [f"rank {r} {missing_why} within timeout_s = {timeout_s} s" for r in missing]
+                if lines:
+                    gave_up("its timeout_s ran out before every rank arrived" if now >= deadline else
+                            "a peer left the group")
+                    raise fail(lines)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    # The checks this rank made on this group, counted in the group's store: every rank makes the same checks in
+    # the same order, and a new group (a restarted job) starts again at 0 with its new store.
+    base = f"pcpkv_arrival/{store_op(store.add, f'pcpkv_arrival/checks/{me}', 1)}"
+    try:
+        store_op(store.set, f"pcpkv_arrival/pid/{me}", f"{host}\n{os.getpid()}")
+        store_op(store.set, f"{base}/arrived/{me}", "1")
+        wait_for("arrived", "did not arrive")
+        store_op(store.set, f"{base}/verdict/{me}", "ok")
+        wait_for("verdict", "did not confirm its arrival")
+        lines = verdicts_of_those_who_gave_up()
+        if lines:
+            raise fail(lines)
+    except KeyboardInterrupt:
+        gave_up("it was interrupted (KeyboardInterrupt)")
+        raise
+
+
+def _alive(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie (a killed rank its parent has not reaped yet)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 says whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _gloo_arrival(group, timeout_s: float, what: str) -> None:
+    """arrival_check by gloo point-to-point tokens: every rank exchanges one token with every peer and waits at
+    most timeout_s in all. gloo closes a pair whose wait timed out, so a late rank finds its connection to a peer
+    that gave up closed; a second exchange carries each rank's verdict to the peers it did reach."""
+    import torch
+    import torch.distributed as dist
+
     me, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [r for r in range(world) if r != me]
     _, missing, works = _exchange(group, peers, 0, timeout_s)

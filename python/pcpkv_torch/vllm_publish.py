@@ -79,6 +79,22 @@ VLLM_SOURCES = (
     ("vllm/models/deepseek_v32/common/kernels.py", "c73a65140a2101ea93979278cd326ee77d0b7bfb"),
 )
 
+#: The ops' C++ entries (the OpOverloads' Python frames skipped), for the fast path of publish().
+_DISPATCH = torch.ops.pcpkv.dispatch.default._op
+_FENCE = torch.ops.pcpkv.fence.default._op
+
+
+class _Fast:
+    """One layer's memo for publish()'s fast path (see _remember)."""
+
+    __slots__ = ("held", "versions", "q_lora", "topk_rows", "has_indexer", "weights", "rope", "dispatch_tail",
+                 "dispatch_cfg", "fence")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
 def _desc(t) -> str:
     if not isinstance(t, torch.Tensor):
         return f"{type(t).__name__} {t!r}"[:80]
@@ -150,6 +166,7 @@ class VllmPcpPublisher:
                     f" ({self.transport_reason})" if self.transport_reason else "")
         self._tables: dict = {}   # memo: cos/sin tables and weights as float32, the index table's agreement
         self._staging_calls = 0   # staging publications so far: the buffer of the next one is its parity
+        self._fast: dict = {}     # layer -> _Fast: what publish() checked and converted once (check=False, direct)
         if self.transport in ("direct", "staging"):
             staging = None
             if self.transport == "staging":
@@ -283,6 +300,17 @@ class VllmPcpPublisher:
         the argument (on every rank with check=True) before anything is written."""
         if self._closed:
             raise RuntimeError(f"{_WHERE}: publish() used after close()")
+        # (own indexer slots, docs/spec.md 4.2, take the full path: the fast path's dispatch has one mapping)
+        memo = self._fast.get(layer_idx) if type(layer_idx) is int and indexer_slot_mapping is None else None
+        if memo is not None and self._fast_ok(memo, positions, q_c, q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w,
+                                              kv_rms_eps, k_pe, k_rope_cos_sin_cache, index_k, index_k_layer_norm_w,
+                                              index_k_layer_norm_bias, index_k_layer_norm_eps,
+                                              index_k_rope_cos_sin_cache, topk_indices_buffer, slot_mapping,
+                                              num_decode_tokens, index_rope_interleave, q_c_out) \
+                and not torch.compiler.is_compiling():
+            return self._publish_fast(memo, positions, q_c, q_rms_eps, kv_c, kv_rms_eps, k_pe, index_k,
+                                      index_k_layer_norm_eps, topk_indices_buffer, slot_mapping, num_decode_tokens,
+                                      index_rope_interleave, q_c_out)
         args = dict(positions=positions, q_c=q_c, kv_c=kv_c, k_pe=k_pe, index_k=index_k, q_rms_norm_w=q_rms_norm_w,
                     kv_rms_norm_w=kv_rms_norm_w,
                     index_k_layer_norm_w=index_k_layer_norm_w, index_k_layer_norm_bias=index_k_layer_norm_bias,
@@ -323,7 +351,7 @@ class VllmPcpPublisher:
         kw_slots = {} if islots is None else {"islots": islots}
         if q_c_out is None:
             q_c_out = torch.empty((T, q_c.shape[1]), dtype=torch.bfloat16, device=q_c.device)
-        kv_rms_norm_w = self._f32(kv_rms_norm_w)  # the norm weights as float32 once, as the tables
+        kv_w32 = self._f32(kv_rms_norm_w)  # the norm weights as float32 once, as the tables
         kw = dict(fmt=fmt, q_c=q_c, q_norm_w=self._f32(q_rms_norm_w), q_c_out=q_c_out,
                   index_k=index_k if fmt.has_indexer else None,
                   index_ln_w=self._f32(index_k_layer_norm_w) if fmt.has_indexer else None,
@@ -332,12 +360,105 @@ class VllmPcpPublisher:
                   q_eps=float(q_rms_eps), kv_eps=float(kv_rms_eps), index_eps=float(index_k_layer_norm_eps),
                   mla_rope_interleaved=True, index_rope_interleaved=index_rope_interleave)
         k_pe = k_pe.reshape(T, 64) if k_pe.dim() == 3 else k_pe
+        if not self.check and self.transport == "direct" and not torch.compiler.is_compiling():
+            self._remember(layer_idx, fmt, q_c, q_rms_norm_w, kv_rms_norm_w, k_rope_cos_sin_cache,
+                           index_k_layer_norm_w, index_k_layer_norm_bias, index_k_rope_cos_sin_cache,
+                           topk_indices_buffer, kw, kv_w32, rope)
         if self.transport == "direct":
-            self._direct(layer_idx, fmt, kv_c, k_pe, positions, kv_rms_norm_w, rope, gathered, kw, **kw_slots)
+            self._direct(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
         elif self.transport == "staging":
-            self._staging(layer_idx, fmt, kv_c, k_pe, positions, kv_rms_norm_w, rope, gathered, kw, **kw_slots)
+            self._staging(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
         else:
-            self._collect(layer_idx, fmt, kv_c, k_pe, positions, kv_rms_norm_w, rope, gathered, kw, **kw_slots)
+            self._collect(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
+        return q_c_out
+
+    # ---- the per-layer fast path (check=False, direct): issue 35 item 4 ----------------------------------------
+    # A layer's weights, tables and top-k buffer are the same tensors call after call (vLLM's parameters and
+    # persistent buffers): once one call has passed every check with them, a later call with the same tensors at the
+    # same versions checks only what changes per call (the activations, positions, slot mapping and scalars; each
+    # test implies _check_call's) and reuses their float32 copies and the fence and cache tables. Anything else
+    # takes the full path, whose checks name the argument. The ops are called without their Python wrappers (what
+    # the wrappers check is fixed here: the format, the fill mode, float32 weights).
+
+    def _remember(self, layer, fmt, q_c, q_w, kv_w, k_table, ln_w, ln_b, index_table, topk, kw, kv_w32, rope):
+        ec = self.caches
+        state = ec.fence_state
+        held = (q_w, kv_w, k_table, ln_w, ln_b, index_table, topk)
+        tgt = ec.targets[layer]
+        self._fast[layer] = _Fast(
+            held=held, versions=tuple(_version(t) if t is not None else None for t in held),
+            q_lora=q_c.shape[1], topk_rows=topk.shape[0] if topk is not None else 0, has_indexer=fmt.has_indexer,
+            weights=(kv_w32, kw["q_norm_w"], kw["index_ln_w"], kw["index_ln_b"]), rope=rope,
+            dispatch_tail=(tgt.table, tgt.host, None, None),
+            dispatch_cfg=(list(tgt.tensors), fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale, fmt.has_indexer),
+            fence=(state.pad_table, state.epochs, state.claim, state.error, state.first_rank, state.world,
+                   state.num_barriers, 0, self._fence_timeout_us,
+                   list(ec.mla[layer]) + list(ec.index[layer] or []) + list(state.pads)))
+
+    def _fast_ok(self, m, pos, q_c, q_w, q_eps, kv_c, kv_w, kv_eps, k_pe, k_table, index_k, ln_w, ln_b, index_eps,
+                 index_table, topk, sm, nd, interleave, q_c_out) -> bool:
+        """Whether this call may take the fast path: the layer's held tensors unchanged, and every per-call check of
+        _check_call passes (stricter is fine: the full path then decides)."""
+        held = m.held
+        if not (q_w is held[0] and kv_w is held[1] and k_table is held[2] and ln_w is held[3] and ln_b is held[4]
+                and index_table is held[5] and topk is held[6]):
+            return False
+        v = m.versions
+        try:
+            now = (q_w._version, kv_w._version, k_table._version)
+            if m.has_indexer:
+                now += (ln_w._version, ln_b._version, index_table._version)
+        except RuntimeError:  # an inference-mode tensor has no version counter (None, as _f32's memo reads it)
+            now = tuple(map(_version, held[:6] if m.has_indexer else held[:3]))
+        if now != (v[:6] if m.has_indexer else v[:3]):
+            return False
+        Tensor, bf16 = torch.Tensor, torch.bfloat16
+        if not (isinstance(pos, Tensor) and pos.dtype is torch.int64 and pos.dim() == 1):
+            return False
+        T = pos.shape[0]
+        if not (T <= self.max_num_tokens and type(nd) is int and 0 <= nd <= T and type(interleave) is bool and
+                type(q_eps) is float and 0 <= q_eps < 1 and type(kv_eps) is float and 0 <= kv_eps < 1 and
+                type(index_eps) is float and 0 <= index_eps < 1):
+            return False
+        if not (isinstance(q_c, Tensor) and q_c.dtype is bf16 and q_c.dim() == 2 and q_c.shape[0] == T and
+                q_c.shape[1] == m.q_lora and isinstance(kv_c, Tensor) and kv_c.dtype is bf16 and
+                kv_c.shape == (T, 512) and isinstance(k_pe, Tensor) and k_pe.dtype is bf16 and
+                k_pe.shape == (T, 64) and isinstance(sm, Tensor) and sm.dtype is torch.int64 and sm.dim() == 1 and
+                sm.shape[0] >= self.world * T):
+            return False
+        if m.has_indexer:
+            if not (isinstance(index_k, Tensor) and index_k.dtype is bf16 and index_k.shape == (T, 128) and
+                    T <= m.topk_rows):
+                return False
+            on = (pos, q_c, kv_c, k_pe, sm, index_k)
+        elif index_k is not None:
+            return False
+        else:
+            on = (pos, q_c, kv_c, k_pe, sm)
+        if q_c_out is not None:
+            if not isinstance(q_c_out, Tensor):
+                return False
+            on += (q_c_out,)
+        if self.device.type == "cpu":
+            return all(t.is_cpu for t in on)
+        index = self.device.index
+        return all(t.is_cuda and t.get_device() == index for t in on)
+
+    def _publish_fast(self, m, pos, q_c, q_eps, kv_c, kv_eps, k_pe, index_k, index_eps, topk, sm, nd, interleave,
+                      q_c_out):
+        T, rank = pos.shape[0], self.rank
+        mine = sm[rank * T:(rank + 1) * T]
+        if nd > 0 and rank > 0:  # the decode copies of ranks > 0 never write (vLLM writes rank 0's)
+            mine = mine.clone()
+            mine[:nd] = -1
+        if q_c_out is None:
+            q_c_out = torch.empty((T, m.q_lora), dtype=torch.bfloat16, device=q_c.device)
+        kv_w, q_w, ln_w, ln_b = m.weights
+        written, kv_format, scale_rule, k_scale, has_indexer = m.dispatch_cfg
+        _DISPATCH(kv_c, k_pe, pos, kv_w, m.rope, q_c, q_w, index_k if has_indexer else None, ln_w, ln_b, mine,
+                  *m.dispatch_tail, q_c_out, None, None, None, topk[:T] if has_indexer else None, written, kv_format,
+                  scale_rule, k_scale, has_indexer, q_eps, kv_eps, index_eps, True, interleave, False, "full", 0)
+        _FENCE(*m.fence)
         return q_c_out
 
     def _direct(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw, islots=None):
@@ -510,7 +631,7 @@ class VllmPcpPublisher:
         """Releases every peer mapping (local; the peers need not be alive). Later publish() raises."""
         if self.caches is not None:
             self.caches.close()
-        self._tables, self._closed = {}, True
+        self._tables, self._fast, self._closed = {}, {}, True
 
     def __enter__(self):
         return self

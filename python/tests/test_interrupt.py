@@ -20,7 +20,7 @@ def interrupt_in_1s():
     time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGINT)
 
-if sys.argv[1] == "group":  # rank 0 of a gloo group of 2; rank 1 joins the group, then never exchanges
+if sys.argv[1] in ("group", "arrival", "caches"):  # rank 0 of a gloo group of 2; rank 1 joins, never exchanges
     import subprocess
     import torch.distributed as dist
     init = os.path.join(tempfile.mkdtemp(), "init")
@@ -35,6 +35,18 @@ try:
         from pcpkv_torch.rank_agreement import torch_gather
         try:
             torch_gather(None, "test")("verdict")
+        finally:
+            peer.kill()
+    elif sys.argv[1] == "arrival":  # the same exchange with timeout_s: its arrival check first
+        from pcpkv_torch.rank_agreement import torch_gather
+        try:
+            torch_gather(None, "test", 20.0)("verdict")
+        finally:
+            peer.kill()
+    elif sys.argv[1] == "caches":  # SymmetricCaches' setup, the peer alive but not calling
+        try:
+            from pcpkv_torch.distributed import SymmetricCaches
+            SymmetricCaches(num_layers=1, num_blocks=4, block_size=16, device="cpu", timeout_s=20.0)
         finally:
             peer.kill()
     elif sys.argv[1] == "fence":  # this process hosts rank 0 of 2; rank 1 never arrives
@@ -58,7 +70,9 @@ sys.exit(1)
 
 # "group": the torch group's all-gather (all_gather_object) blocked in C++ until the peer arrived, so Ctrl-C in
 # SymmetricCaches' setup waited for a live peer that never called (issue 31's break test: not ended 10 s on)
-@pytest.mark.parametrize("wait", ["fence", "rendezvous", "group"])
+# "arrival", "caches": the gloo arrival check before that all-gather (timeout_s given: SymmetricCaches,
+# EngineCaches, Bootstrap) waited on point-to-point tokens in C++, so Ctrl-C came at timeout_s (20 s here)
+@pytest.mark.parametrize("wait", ["fence", "rendezvous", "group", "arrival", "caches"])
 def test_ctrl_c_ends_a_long_wait_at_once(wait):
     source = os.path.dirname(os.path.dirname(os.path.abspath(pk.__file__)))
     env = dict(os.environ, PYTHONPATH=source + os.pathsep + os.environ.get("PYTHONPATH", ""))

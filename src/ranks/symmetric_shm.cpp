@@ -36,8 +36,8 @@ int64_t page_round(int64_t bytes) {
   return (bytes + page - 1) / page * page;
 }
 
-// The fill below makes every page resident, and /dev/shm (tmpfs) pages are RAM: a buffer past its free space did
-// not fail cleanly (3.4 TB asked through pcpkv_torch's SymmetricCaches: the OOM killer ended the process with
+// The fill below makes every page resident, and /dev/shm (tmpfs) pages are RAM: a buffer past its free space does
+// not fail cleanly (3.4 TB asked through pcpkv_torch's SymmetricCaches: the OOM killer ends the process with
 // SIGKILL). The ranks of a group share this host (they meet on a Unix socket), so it must hold world x the
 // buffer. Empty when it fits or when statvfs cannot tell (ftruncate and the mapping then decide).
 std::string shm_space_problem(int64_t map_bytes, int32_t world) {

@@ -10,6 +10,7 @@
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/layout.h"
 
+#include "list_flags.h"
 #include "pcpkv/flag_checks.h"
 
 namespace pcpkv::cli {
@@ -83,10 +84,7 @@ const Row kRows[] = {
 std::vector<Transport> parse_transport_list(const std::string& s) {
   if (s == "all") return {Transport::kCollect, Transport::kStaging, Transport::kDirect};
   std::vector<Transport> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    const size_t comma = s.find(',', start);
-    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+  for (const std::string& item : split_commas(s)) {
     PCPKV_CHECK(item == "collect" || item == "staging" || item == "direct",
                 "--transport: unknown transport '{}' in '{}'; use all, auto or a comma list of collect, staging, "
                 "direct",
@@ -95,8 +93,6 @@ std::vector<Transport> parse_transport_list(const std::string& s) {
     PCPKV_CHECK(std::find(out.begin(), out.end(), t) == out.end(), "--transport: '{}' is listed twice in '{}'", item,
                 clip(s));
     out.push_back(t);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
   }
   return out;
 }

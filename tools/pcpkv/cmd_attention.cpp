@@ -4,7 +4,6 @@
 // against the one-rank run byte for byte (and against the CPU reference, and DCP shards + LSE merge
 // within the stated bound). --bench times the CUDA consumers for one layer.
 // Exit code: 0 every check passed, 1 a check failed, 2 bad input.
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -19,6 +18,7 @@
 #include "batch_flags.h"
 #include "error_line.h"
 #include "footprint.h"
+#include "list_flags.h"
 #include "pcpkv/consumers/attention_check.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
@@ -73,44 +73,6 @@ struct AttentionOptions : BatchFlags {
     return false;
   }
 };
-
-// "2,4,8" -> {"2", "4", "8"}. An empty entry ("2,,3", "2,", ",2") is refused, not dropped: a dropped entry
-// would quietly check fewer cases than asked. An empty list is refused unless allow_empty.
-std::vector<std::string> split_list(const std::string& s, const char* flag, bool allow_empty = false) {
-  std::vector<std::string> v;
-  if (s.empty()) {
-    PCPKV_CHECK(allow_empty, "{}: the list is empty", flag);
-    return v;
-  }
-  size_t pos = 0;
-  while (true) {
-    const size_t comma = s.find(',', pos);
-    v.push_back(s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
-    PCPKV_CHECK(!v.back().empty(), "{}: '{}' has an empty entry", flag, clip(s));
-    if (comma == std::string::npos) break;
-    pos = comma + 1;
-  }
-  return v;
-}
-
-// Comma list of integers in [lo, hi]; the message names the flag, the entry and the whole value.
-std::vector<int64_t> parse_int_list(const std::string& s, const char* flag, int64_t lo, int64_t hi,
-                                    bool allow_empty = false) {
-  std::vector<int64_t> v;
-  for (const std::string& item : split_list(s, flag, allow_empty)) {
-    int64_t x = 0;
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), x);
-    PCPKV_CHECK(ec == std::errc() && end == item.data() + item.size(), "{}: '{}' is not an integer (in '{}')", flag,
-                clip(item), clip(s));
-    if (hi == std::numeric_limits<int64_t>::max()) {
-      PCPKV_CHECK(x >= lo, "{}: {} must be >= {} (in '{}')", flag, x, lo, clip(s));
-    } else {
-      PCPKV_CHECK(x >= lo && x <= hi, "{}: {} is not in [{}, {}] (in '{}')", flag, x, lo, hi, clip(s));
-    }
-    v.push_back(x);
-  }
-  return v;
-}
 
 SparseMlaKernel parse_attention_kernel(const std::string& name, const char* flag) {
   if (name == "mma") return SparseMlaKernel::kMma;
@@ -397,7 +359,7 @@ CheckedOptions check_flags(const AttentionOptions& o) {
 
   c.worlds = parse_int_list(o.pcp, "--pcp", 1, 64);
   const std::vector<int64_t> prefills =
-      parse_int_list(o.prefill, "--prefill", 1, std::numeric_limits<int64_t>::max(), true);
+      parse_int_list(o.prefill, "--prefill", 1, std::numeric_limits<int64_t>::max(), /*none=*/"");
   PCPKV_CHECK(o.prefill_context >= 0, "--prefill-context: must be >= 0, got {}", o.prefill_context);
   PCPKV_CHECK(o.decodes >= 0, "--decodes: must be >= 0, got {}", o.decodes);
   PCPKV_CHECK(o.decodes == 0 || o.decode_context >= 1, "--decode-context: must be >= 1, got {}", o.decode_context);

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "launch_cmds.h"
+#include "list_flags.h"
 #include "pcpkv/flag_checks.h"
 #include "pcpkv/core/error.h"
 #if defined(PCPKV_HAVE_CUDA)

@@ -16,6 +16,7 @@
 
 #include "error_line.h"
 #include "launch_cmds.h"
+#include "list_flags.h"
 #include "pcpkv/publish/backend.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/core/error.h"
@@ -95,8 +96,8 @@ void add_launch_command(CLI::App& app) {
   sub->add_option("--output", f->output,
                   "prefix: every line as '[rank k] ...'; rank0: rank 0 as is, others' stderr prefixed; raw")
       ->capture_default_str();
-  sub->add_option("--gpus", f->gpus, "Comma list of device indices, assigned round-robin (default: local rank % "
-                                     "visible GPUs, chosen by each rank)");
+  CLI::Option* gpus = sub->add_option("--gpus", f->gpus, "Comma list of device indices, assigned round-robin "
+                                                         "(default: local rank % visible GPUs, chosen by each rank)");
   sub->add_option("--program", f->program,
                   "Executable to start instead of this pcpkv (its arguments follow --)");
   sub->add_option("--socket-dir", f->socket_dir, "Directory for the private rendezvous directory (default $TMPDIR "
@@ -104,7 +105,7 @@ void add_launch_command(CLI::App& app) {
   // Everything after -- is the ranks' command line (options included).
   sub->add_option("command", f->command, "The ranks' command after --: a pcpkv subcommand and its flags")
       ->expected(-1);
-  sub->callback([f] {
+  sub->callback([f, gpus] {
     std::vector<std::string> cmd = f->command;
     PCPKV_CHECK(!cmd.empty(),
                 "launch: no command; usage: pcpkv launch --nproc N -- <pcpkv subcommand> [args], e.g. pcpkv launch "
@@ -117,6 +118,10 @@ void add_launch_command(CLI::App& app) {
     o.max_time_s = f->max_time_s;
     o.output = parse_launch_output(f->output);
     o.socket_dir = f->socket_dir;
+    // Given but empty ('' from an unset shell variable) read as "not given" and the job ran on the default devices.
+    PCPKV_CHECK(gpus->count() == 0 || !f->gpus.empty(),
+                "--gpus: '' is not a device list (comma-separated device indices, decimal, in [0, 1024); leave "
+                "--gpus out for the default)");
     o.gpus = parse_device_list(f->gpus, "--gpus");
     if (!o.gpus.empty() && ranks_use_cpu_backend(cmd)) {
       print_stderr(fmt::format("pcpkv launch: note: --gpus {} is not used: the ranks run --backend cpu\n", f->gpus));

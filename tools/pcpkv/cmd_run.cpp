@@ -158,7 +158,8 @@ void add_run_command(CLI::App& app) {
       PCPKV_CHECK(sub->count(flag) == 0 || !value->empty(), "{}: the path is empty", flag);
     }
     // The flag alone means full; an empty value stands for "no flag" in RunOptions, so a given value goes
-    // through the one parser here (an explicit '' ran with no top-k buffer at all, without a word).
+    // through the one parser here: an explicit '' is refused by name rather than read as no flag (which would run
+    // with no top-k buffer at all, without a word).
     if (sub->count("--topk-fill") > 0) (void)parse_topk_fill(o->topk_fill, "--topk-fill");
     const int code = run_command(*o);
     if (code != 0) throw CLI::RuntimeError("", code);  // the verdict already says why

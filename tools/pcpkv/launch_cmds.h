@@ -1,6 +1,7 @@
 // tools/pcpkv/launch_cmds.h: the multi-process subcommands registered by add_launch_command
 // (cmd_launch.cpp): `launch` (spawn N ranks), `mp-publish` (one rank of a publication), `bench-fence`
-// (fence latency per layer), `bench-allreduce`, `bench-link`, and what they share (rank_command.cpp).
+// (fence latency per layer), `bench-allreduce`, `bench-link`, and what they share (rank_command.cpp; the --gpus
+// lists: list_flags.h).
 #pragma once
 
 #include <functional>
@@ -28,9 +29,6 @@ void add_mp_publish_command(CLI::App& app);   // cmd_mp_publish.cpp (mp_publish.
 void add_bench_fence_command(CLI::App& app);  // cmd_bench_fence.cpp
 void add_bench_allreduce_command(CLI::App& app);  // cmd_bench_allreduce.cpp (launched, one GPU per rank)
 void add_bench_link_command(CLI::App& app);   // cmd_bench_link.cpp (one process, every GPU)
-
-/// "0,1,3" -> {0, 1, 3}; "" -> {}. Throws pcpkv::Error naming `flag` and the bad item.
-std::vector<int32_t> parse_device_list(const std::string& s, const char* flag);
 
 /// This process's place in the job: from `pcpkv launch` / torchrun variables, or a world of one.
 std::unique_ptr<Bootstrap> connect_world();

@@ -31,8 +31,8 @@ std::string command_names(CLI::App& app) {
 }
 
 // The message for an integer option's argument that is not plain decimal ("" when it is): [+-]?digits with no
-// leading zero. CLI11 reads integers with strtoll base 0, so `--tokens 064` was 52 (octal) and `--pcp 0x8` 8,
-// and it skips leading spaces (' 64' passed, '64 ' did not).
+// leading zero. CLI11 reads integers with strtoll base 0, so `--tokens 064` would be 52 (octal) and `--pcp 0x8` 8,
+// and it skips leading spaces (' 64' would pass, '64 ' not).
 std::string non_decimal_integer(const std::string& v) {
   const size_t sign = !v.empty() && (v[0] == '-' || v[0] == '+') ? 1 : 0;
   const size_t digits = v.size() - sign;
@@ -45,8 +45,8 @@ std::string non_decimal_integer(const std::string& v) {
   return fmt::format("'{}' is not a decimal integer (digits with an optional sign; no hex, spaces or exponent)", q);
 }
 
-// CLI11 converts an empty argument of a numeric option to 0 without a word (`run --tokens ""` published an empty
-// prefill and passed, `--memory-limit-gb ""` dropped the limit): every option that takes a number refuses it,
+// CLI11 converts an empty argument of a numeric option to 0 without a word (`run --tokens ""` would publish an empty
+// prefill and pass, `--memory-limit-gb ""` drop the limit): every option that takes a number refuses it,
 // and every integer option refuses spellings other than plain decimal.
 void check_number_spellings(CLI::App& app) {
   for (CLI::Option* o : app.get_options()) {

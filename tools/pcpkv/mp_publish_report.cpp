@@ -117,7 +117,7 @@ bool report_mp(const MpPublishFlags& f, const Bootstrap& world, const MpJob& job
                               dispatch_ms / (b.max_received / (f.link_gbps * 1e6)));
         text += "\n";
       }
-      // The wording mp-publish has always printed (tests/multiproc and tests/multigpu count these lines).
+      // The wording mp-publish has always printed (tests/cli/launch_*.cpp count these lines).
       if (r.checked) {
         if (const Check* c = r.find("replicas == single-process CPU reference"))
           text += fmt::format("           replicas == single-process CPU reference: {} ({} bytes compared{})\n",

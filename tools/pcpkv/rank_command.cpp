@@ -1,7 +1,5 @@
 // The pieces every rank-side subcommand shares (launch_cmds.h): meeting the other ranks, the rank
-// publisher of a --backend, running as one rank (errors told to the peers, exit codes), --gpus lists.
-#include <algorithm>
-#include <charconv>
+// publisher of a --backend, running as one rank (errors told to the peers, exit codes).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +14,7 @@
 
 #include "error_line.h"
 #include "launch_cmds.h"
+#include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/publish/backend.h"
@@ -60,8 +59,8 @@ int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& f
   // "pcpkv: error: mp-publish rank 1: ...", the one-line form of every CLI error.
   // Before the rendezvous there is no world yet: the launcher's rank variable names the rank, pcpkv launch's
   // PCPKV_RANK first, as the bootstrap reads them (checked when it is read; clipped here, since it is not yet).
-  const char* env_rank = std::getenv(kEnvRank);
-  if (!env_rank || !*env_rank) env_rank = std::getenv("RANK");
+  const char* env_rank = read_env(kEnvRank);
+  if (!env_rank || !*env_rank) env_rank = read_env("RANK");
   const std::string who = world ? fmt::format("{} rank {}", cmd, world->rank())
                                 : fmt::format("{} rank {}", cmd, env_rank && *env_rank ? clip(env_rank) : "?");
   try {
@@ -88,26 +87,6 @@ int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& f
     if (world) world->abort(clip_middle(e.what()));
     return 3;
   }
-}
-
-std::vector<int32_t> parse_device_list(const std::string& s, const char* flag) {
-  std::vector<int32_t> out;
-  if (s.empty()) return out;
-  size_t pos = 0;
-  while (pos <= s.size()) {
-    const size_t comma = std::min(s.find(',', pos), s.size());
-    const std::string item = s.substr(pos, comma - pos);
-    // Plain decimal in [0, 1024), as every integer flag: strtol wrapped 4294967296 to device 0 and took ' 3', '01'.
-    int32_t d = -1;
-    const bool digits =
-        !item.empty() && std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), d);
-    PCPKV_CHECK(digits && (item.size() == 1 || item[0] != '0') && ec == std::errc() && d < 1024,
-                "{}: '{}' is not a device index (decimal, in [0, 1024); in '{}')", flag, clip(item), clip(s));
-    out.push_back(d);
-    pos = comma + 1;
-  }
-  return out;
 }
 
 }  // namespace pcpkv::cli

@@ -85,7 +85,7 @@ long double resident_bytes() {
 //   --tokens 65536 --transport collect 3.75 / 3.30 GB = 1.14    --tokens 65536 --pcp 1              1.33
 //   --tokens 0 --decodes 32 --decode-context 16000 --pcp 4      3.29 / 3.01 GB = 1.09
 //   --tokens 65536 --topk-fill --pcp 2 --kv-format bf16         4.09 / 3.69 GB = 1.11
-// so the estimate stays >= the measured peak with a margin of at least 9% (tests/unit/test_cli_run_edge_cases.cpp
+// so the estimate stays >= the measured peak with a margin of at least 9% (tests/cli/test_cli_run_edge_cases.cpp
 // keeps these peaks as lower bounds). The CUDA backend keeps host copies of the same results and a
 // single-rank CPU reference, so the same model bounds its host memory too (not measured: no GPU here).
 struct Footprint {

@@ -34,7 +34,11 @@ __device__ __forceinline__ unsigned long long global_ns() {
   } while (0)
 #endif
 
+#ifdef DISPATCH_SRC  // -DDISPATCH_SRC='"path"': another kernel source (the A/B of perf-log 40)
+#include DISPATCH_SRC
+#else
 #include "../../../src/publish/cuda/dispatch_warp.cu"
+#endif
 
 using namespace pcpkv;
 using namespace pcpkv::cuda_detail::dispatch_impl;

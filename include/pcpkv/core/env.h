@@ -5,6 +5,8 @@
 // python/setup.py (PCPKV_TORCH_CUDA, ...) are not read by the library and are documented with them.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -34,5 +36,10 @@ const char* read_env(const char* name);
 /// got 'yes'"): a typo must not turn a switch off silently. The one rule of every switch (PCPKV_CHECK_REPLICAS,
 /// PCPKV_PDL, PCPKV_ALLOW_NONLOCAL_MASTER).
 bool read_env_switch(const char* name);
+
+/// An integer variable, read through read_env: nullopt when unset or empty. A value that is not a whole base-10
+/// integer (strtol's spelling) in [lo, hi] throws pcpkv::Error "<who>: NAME='value' is not an integer in [lo, hi]"
+/// (the value clipped); `who` names the reader, as its other messages do ("bootstrap").
+std::optional<int64_t> read_env_int(const char* name, int64_t lo, int64_t hi, std::string_view who);
 
 }  // namespace pcpkv

@@ -119,7 +119,6 @@ class PcpAttention(torch.nn.Module):
         layer, W, chunk = self.layer_idx, self.runtime.world.W, self.runtime.row_chunk
         x = hidden_states[0]
         fmt = world.fmts[layer]
-        H = self.num_heads
         ranks = world.local_ranks  # every rank (PcpWorld) or this process's one (DistPcpWorld); others stay None
         t = rt.tick()
         # 1. projections of every rank's own rows
@@ -148,6 +147,33 @@ class PcpAttention(torch.nn.Module):
         world.publish(layer, rt.transport, local, step, self._weights(), q_c_out)
         world.check_published(layer, step)  # the replica check (check_replicas; a no-op when off)
         t = rt.add_time(layer, "publication", t)
+        # 3. on each rank's own replica. A failure here on one process's rank (a DistPcpWorld) is held until the
+        # attention all-gather, which every rank then reaches: raised before it, it left the peers inside that
+        # all-gather and a retry's first exchange paired with theirs (gloo aborted the rank).
+        try:
+            topk, ys, t = self._attend(x, q_c_out, weights_idx, prev_topk_indices, t)
+            failure = None
+        except Exception as e:  # noqa: BLE001 - raised by owned_to_global on every rank, naming this one
+            topk, ys, failure = None, None, e
+        # 4. owned rows back to global order (across processes: an all-gather of every rank's rows)
+        out = world.owned_to_global(ys, step, x, failure=failure)
+        decode_rows = []
+        for r, y in ys.items():
+            copies = (step.global_index[r] >= 0) & ~step.owner[r]  # replicated decodes another rank owns
+            if rt.check_replicated and bool(copies.any()):
+                decode_rows.append((r, step.global_index[r][copies], y[copies]))
+        if decode_rows:
+            self._check_replicated_rows(decode_rows, out)
+        rt.add_time(layer, "attention", t)
+        res = out.unsqueeze(0)
+        return (res, None, topk) if self.returns_topk else (res, None)
+
+    def _attend(self, x, q_c_out, weights_idx, prev_topk_indices, t):
+        """Steps 3a and 3b on this process's ranks: (topk [W], ys {rank: attention output rows [M, hidden]}, the
+        time the indexer stage ended)."""
+        rt, world, step = self.runtime, self.runtime.world, self.runtime.step
+        layer, W, chunk, H = self.layer_idx, world.W, rt.row_chunk, self.num_heads
+        fmt, ranks = world.fmts[layer], world.local_ranks
         # 3a. the indexer on each rank's own replica (or the shared layer's reuse)
         if fmt.has_indexer:
             topk = [None] * W
@@ -170,7 +196,7 @@ class PcpAttention(torch.nn.Module):
         if rt.record_topk:
             rt.topk[layer] = [k.clone() if k is not None else None for k in topk]
         t = rt.add_time(layer, "indexer", t)
-        # 3b. sparse MLA on each rank's own replica, W_UV, o_proj; 4. owned rows back to global order
+        # 3b. sparse MLA on each rank's own replica, W_UV, o_proj
         w_uk, w_uv = self._absorbed_weights()
         ys = {}
         for r in ranks:
@@ -190,17 +216,7 @@ class PcpAttention(torch.nn.Module):
                 return self.hf.o_proj(v.reshape(oc.shape[0], H * self.v_dim))
 
             ys[r] = chunked(up, chunk, o)
-        out = world.owned_to_global(ys, step, x)  # across processes: an all-gather of every rank's rows
-        decode_rows = []
-        for r, y in ys.items():
-            copies = (step.global_index[r] >= 0) & ~step.owner[r]  # replicated decodes another rank owns
-            if rt.check_replicated and bool(copies.any()):
-                decode_rows.append((r, step.global_index[r][copies], y[copies]))
-        if decode_rows:
-            self._check_replicated_rows(decode_rows, out)
-        rt.add_time(layer, "attention", t)
-        res = out.unsqueeze(0)
-        return (res, None, topk) if self.returns_topk else (res, None)
+        return topk, ys, t
 
     def _check_replicated_rows(self, rows, out):
         """A replicated decode computed on every rank from its own replica must give the same bytes as its

@@ -152,8 +152,29 @@ class DistPcpWorld(PcpWorld):
 
         self._named(f"layer {layer_idx} publication ({transport})", run)
 
-    def owned_to_global(self, ys: dict, step, like: torch.Tensor) -> torch.Tensor:
-        g = self._named("the attention output all-gather", lambda: self.all_gather(ys[self.rank]))
+    def owned_to_global(self, ys: dict, step, like: torch.Tensor,
+                        failure: Optional[Exception] = None) -> torch.Tensor:
+        """Every rank reaches this all-gather, failed or not (a rank that raised before it left its peers inside it,
+        and its retry's first exchange paired with theirs: gloo aborted it). Each rank's rows carry one more
+        element, its verdict; when a rank failed, every rank raises RuntimeError naming it and its error, the
+        collectives in step, so the step can be retried."""
+        if failure is None:
+            mine = ys[self.rank].contiguous().reshape(-1).view(torch.uint8)
+        else:  # rows of the size every rank sends, never read
+            mine = torch.zeros(step.max_local_tokens * like[0].numel() * like.element_size(), dtype=torch.uint8,
+                               device=like.device)
+        k = like.element_size()  # the verdict takes one element: every rank's rows stay aligned for like's dtype
+        flag = torch.full((k,), failure is not None, dtype=torch.uint8, device=mine.device)
+        g = self._named("the attention output all-gather", lambda: self.all_gather(torch.cat([mine, flag])))
+        failed = [r for r in range(self.W) if int(g[r, -1])]
+        if failed:
+            why = f"{type(failure).__name__}: {failure}" if failure is not None else ""
+            share = torch_gather(self.group, "DistPcpModel.step")
+            whys = self._named("sharing the step's failure", lambda: share(why))
+            raise RuntimeError("DistPcpModel.step failed between the fence and the attention all-gather, on " +
+                               "; ".join(f"rank {r}: {whys[r]}" for r in failed) +
+                               " (every rank rolled the step back; it can be retried)") from failure
+        g = g[:, :-k].view(like.dtype).view(self.W, -1, *like.shape[1:])
         out = torch.zeros_like(like)
         for r in range(self.W):
             step.scatter_owned(out, g[r], r)

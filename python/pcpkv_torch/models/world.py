@@ -158,8 +158,11 @@ class PcpWorld:
         if self.replica_check.enabled:
             self.replica_check.check_local(self, layer_idx, step)
 
-    def owned_to_global(self, ys: dict, step, like: torch.Tensor) -> torch.Tensor:
-        """[N, ...] in global order from every rank's rows ys[r] [M, ...] (each token from its owner)."""
+    def owned_to_global(self, ys: dict, step, like: torch.Tensor, failure: Optional[Exception] = None) -> torch.Tensor:
+        """[N, ...] in global order from every rank's rows ys[r] [M, ...] (each token from its owner). failure: the
+        exception that kept this process from computing ys (raised here; DistPcpWorld raises it on every rank)."""
+        if failure is not None:
+            raise failure
         out = torch.zeros_like(like)
         for r, y in ys.items():
             step.scatter_owned(out, y, r)
