@@ -25,6 +25,7 @@ struct CombineArgs {
   std::string kv_format, ds_mla_scale;
   double k_scale = 1.0;
   bool has_indexer = true;
+  std::optional<at::Tensor> indexer_slot_mapping;  // the indexer rows' own gathered slots (docs/spec.md 4.2)
 };
 
 constexpr Binding kCombine{"pcpkv::combine",
@@ -35,7 +36,8 @@ constexpr Binding kCombine{"pcpkv::combine",
                            PCPKV_ARG(CombineArgs, kv_format),
                            PCPKV_ARG(CombineArgs, ds_mla_scale),
                            PCPKV_ARG(CombineArgs, k_scale),
-                           PCPKV_ARG(CombineArgs, has_indexer)};
+                           PCPKV_ARG(CombineArgs, has_indexer),
+                           PCPKV_ARG(CombineArgs, indexer_slot_mapping)};
 
 /// Checks the tensors of a combine (staging rows -> local caches) and fills the contract.
 pcpkv::CombineParams make_combine_params(const CombineArgs& a) {
@@ -53,10 +55,18 @@ pcpkv::CombineParams make_combine_params(const CombineArgs& a) {
   p.row_bytes = rows.size(2);
   check_vector(a.slot_mapping, "combine: slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
   p.slot_mapping = a.slot_mapping.data_ptr<int64_t>();
+  if (has(a.indexer_slot_mapping)) {
+    TORCH_CHECK_VALUE(a.has_indexer, "combine: indexer_slot_mapping is set but has_indexer=False");
+    check_vector(*a.indexer_slot_mapping, "combine: indexer_slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
+    p.indexer_slot_mapping = a.indexer_slot_mapping->data_ptr<int64_t>();
+  }
   // Rows are copied in any order (on the GPU by many blocks at once): a cache overlapping the rows, the slots or
   // the other cache would read or clobber bytes another row writes.
   refuse_overlap("combine", written_caches(a.mla_cache, a.index_cache, p.fmt),
-                 {{"rows", &rows}, {"slot_mapping", &a.slot_mapping}}, true);
+                 {{"rows", &rows},
+                  {"slot_mapping", &a.slot_mapping},
+                  {"indexer_slot_mapping", maybe(a.indexer_slot_mapping)}},
+                 true);
   return p;
 }
 

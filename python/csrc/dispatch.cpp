@@ -121,6 +121,11 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     check_vector(*a.slot_mapping, "dispatch: slot_mapping", T, at::kLong, dev);
     p.slot_mapping = a.slot_mapping->data_ptr<int64_t>();
   }
+  if (has(a.indexer_slot_mapping)) {  // the indexer rows' own slots (docs/spec.md 4.2)
+    TORCH_CHECK_VALUE(a.has_indexer, "dispatch: indexer_slot_mapping is set but has_indexer=False");
+    check_vector(*a.indexer_slot_mapping, "dispatch: indexer_slot_mapping", T, at::kLong, dev);
+    p.indexer_slot_mapping = a.indexer_slot_mapping->data_ptr<int64_t>();
+  }
   check_written_devices("dispatch", a.written, "kv", dev);
   // The kernels write the outputs while they read the inputs, row by row in any order (on the GPU many blocks at
   // once): no output may share memory with an input, a table, a written tensor (the caches and staging behind the
@@ -138,7 +143,8 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
                {"index_k", maybe(a.index_k)},
                {"index_ln_w", maybe(a.index_ln_w)},
                {"index_ln_b", maybe(a.index_ln_b)},
-               {"slot_mapping", maybe(a.slot_mapping)}};
+               {"slot_mapping", maybe(a.slot_mapping)},
+               {"indexer_slot_mapping", maybe(a.indexer_slot_mapping)}};
   ins.insert(ins.end(), {{"targets", maybe(a.targets)},
                          {"targets_host", maybe(a.targets_host)},
                          {"row_dests", maybe(a.row_dests)},

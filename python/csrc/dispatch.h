@@ -30,6 +30,7 @@ struct DispatchArgs {
   bool mla_rope_interleaved = true, index_rope_interleaved = false, index_hadamard = false;
   std::string topk_fill_mode = "full";  // pcpkv::TopkFill: full | tail | none
   int64_t topk_indexer_rows = 0;        // tail: rows [0, n) the indexer top-k writes
+  std::optional<at::Tensor> indexer_slot_mapping;  // the indexer rows' own slots (docs/spec.md 4.2); none: slot_mapping
 };
 
 /// The schema's arguments onto DispatchArgs, by name (binding.h): the one place they meet.
@@ -68,6 +69,7 @@ inline constexpr Binding kDispatch{
     PCPKV_ARG(DispatchArgs, index_hadamard),
     PCPKV_ARG(DispatchArgs, topk_fill_mode),
     PCPKV_ARG(DispatchArgs, topk_indexer_rows),
+    PCPKV_ARG(DispatchArgs, indexer_slot_mapping),
 };
 
 /// Checks every tensor of a dispatch (dtype, shape, device; no output sharing memory with an input, a table, a

@@ -27,6 +27,7 @@ struct InsertArgs {
   std::optional<at::Tensor> index_cache;
   std::string kv_format, ds_mla_scale;
   double k_scale = 1.0;
+  std::optional<at::Tensor> indexer_slot_mapping;  // the indexer rows' own slots (docs/spec.md 4.2)
 };
 
 constexpr Binding kInsert{"pcpkv::insert",
@@ -38,7 +39,8 @@ constexpr Binding kInsert{"pcpkv::insert",
                           PCPKV_ARG(InsertArgs, index_cache),
                           PCPKV_ARG(InsertArgs, kv_format),
                           PCPKV_ARG(InsertArgs, ds_mla_scale),
-                          PCPKV_ARG(InsertArgs, k_scale)};
+                          PCPKV_ARG(InsertArgs, k_scale),
+                          PCPKV_ARG(InsertArgs, indexer_slot_mapping)};
 
 /// Checks the tensors of an insert and fills the contract; has_indexer = index_k given.
 pcpkv::InsertParams make_insert_params(const InsertArgs& a) {
@@ -54,6 +56,11 @@ pcpkv::InsertParams make_insert_params(const InsertArgs& a) {
   p.kv_c = static_cast<const uint16_t*>(a.kv_c.data_ptr());
   p.k_pe = static_cast<const uint16_t*>(a.k_pe.data_ptr());
   p.slot_mapping = a.slot_mapping.data_ptr<int64_t>();
+  if (has(a.indexer_slot_mapping)) {
+    TORCH_CHECK_VALUE(has(a.index_k), "insert: indexer_slot_mapping is set but index_k is None (no indexer)");
+    check_vector(*a.indexer_slot_mapping, "insert: indexer_slot_mapping", T, at::kLong, dev);
+    p.indexer_slot_mapping = a.indexer_slot_mapping->data_ptr<int64_t>();
+  }
   if (has(a.index_k)) {
     check_dense(*a.index_k, "insert: index_k", {T, 128}, at::kBFloat16, dev);
     p.index_k = static_cast<const uint16_t*>(a.index_k->data_ptr());
@@ -63,7 +70,8 @@ pcpkv::InsertParams make_insert_params(const InsertArgs& a) {
                  {{"kv_c", &a.kv_c},
                   {"k_pe", &a.k_pe},
                   {"index_k", maybe(a.index_k)},
-                  {"slot_mapping", &a.slot_mapping}},
+                  {"slot_mapping", &a.slot_mapping},
+                  {"indexer_slot_mapping", maybe(a.indexer_slot_mapping)}},
                  true);
   return p;
 }

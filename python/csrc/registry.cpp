@@ -29,7 +29,7 @@ TORCH_LIBRARY(pcpkv, m) {
         "Tensor decode_owner)");
   m.def("choose_transport(str[] hosts, Tensor peer_access, bool nccl_available) -> (str transport, str reason)");
   m.def("make_cache_targets(Tensor mla_ptrs, Tensor index_ptrs, int num_blocks, int block_size, int row_stride, "
-        "int block_stride, int index_block_stride, str kv_format, bool has_indexer) -> Tensor");
+        "int block_stride, int index_block_stride, str kv_format, bool has_indexer, int index_num_blocks=-1) -> Tensor");
 
   // ---- the publication (dispatch.cpp, combine.cpp, insert.cpp, fence.cpp)
   m.def("dispatch(Tensor kv, Tensor k_pe, Tensor positions, Tensor kv_norm_w, Tensor rope_cos_sin, "
@@ -38,11 +38,13 @@ TORCH_LIBRARY(pcpkv, m) {
         "Tensor(a!)? q_c_out, Tensor(b!)? kv_c_out, Tensor(c!)? k_pe_out, Tensor(d!)? index_k_out, "
         "Tensor(e!)? topk_fill, Tensor(f!)[] written, str kv_format, str ds_mla_scale, float k_scale, "
         "bool has_indexer, float q_eps, float kv_eps, float index_eps, bool mla_rope_interleaved, "
-        "bool index_rope_interleaved, bool index_hadamard, str topk_fill_mode=\"full\", int topk_indexer_rows=0) -> ()");
+        "bool index_rope_interleaved, bool index_hadamard, str topk_fill_mode=\"full\", int topk_indexer_rows=0, "
+        "Tensor? indexer_slot_mapping=None) -> ()");
   m.def("combine(Tensor rows, Tensor slot_mapping, Tensor(a!) mla_cache, Tensor(b!)? index_cache, str kv_format, "
-        "str ds_mla_scale, float k_scale, bool has_indexer) -> ()");
+        "str ds_mla_scale, float k_scale, bool has_indexer, Tensor? indexer_slot_mapping=None) -> ()");
   m.def("insert(Tensor kv_c, Tensor k_pe, Tensor? index_k, Tensor slot_mapping, Tensor(a!) mla_cache, "
-        "Tensor(b!)? index_cache, str kv_format, str ds_mla_scale, float k_scale) -> ()");
+        "Tensor(b!)? index_cache, str kv_format, str ds_mla_scale, float k_scale, "
+        "Tensor? indexer_slot_mapping=None) -> ()");
   m.def("fence(Tensor pad_table, Tensor(a!) epochs, Tensor(b!) claim, Tensor(c!) error, int first_rank, int world, "
         "int num_barriers, int barrier_idx, int timeout_us, Tensor(d!)[] written) -> ()");
 #ifdef PCPKV_TORCH_CUDA

@@ -18,7 +18,7 @@ namespace {
 
 at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& index_ptrs, int64_t num_blocks,
                               int64_t block_size, int64_t row_stride, int64_t block_stride, int64_t index_block_stride,
-                              c10::string_view kv_format, bool has_indexer) {
+                              c10::string_view kv_format, bool has_indexer, int64_t index_num_blocks) {
   const pcpkv::CacheFormat fmt = make_format(std::string(kv_format), "pow2", 1.0, has_indexer);
   const std::vector<uint8_t*> mla = read_pointer_table(mla_ptrs, "make_cache_targets: mla_ptrs");
   const std::vector<uint8_t*> idx = read_pointer_table(index_ptrs, "make_cache_targets: index_ptrs");
@@ -37,7 +37,7 @@ at::Tensor make_cache_targets(const at::Tensor& mla_ptrs, const at::Tensor& inde
       t.mla.block_stride = block_stride;
       if (has_indexer) {
         t.index_base = idx[d];
-        t.index.num_blocks = num_blocks;
+        t.index.num_blocks = index_num_blocks < 0 ? num_blocks : index_num_blocks;  // its own (spec 4.2), or the MLA's
         t.index.block_size = static_cast<int32_t>(block_size);
         t.index.block_stride = index_block_stride;
       }

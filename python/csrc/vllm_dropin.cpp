@@ -406,9 +406,11 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
     fail("q_c_out", fmt::format("expected a contiguous bfloat16 [{}, {}] on {}", T, r, device.str()), q_c_out);
 
   const double k_scale = cd.format == pcpkv::KvFormat::kFp8 ? k_scale_of(mla_k_scale, mla_k_scale_value) : 1.0;
+  // vLLM's indexer_slot_mapping (docs/spec.md 4.2): the indexer rows' own slots in a cache of its own block count.
+  // None or slot_mapping itself is the one-slot form (no second mapping reaches the kernel).
+  at::Tensor index_slots;
   if (indexer_slot_mapping.defined() && !(slot_mapping.defined() && same_tensor(slot_mapping, indexer_slot_mapping)))
-    fail("indexer_slot_mapping",
-         "must be None or slot_mapping itself: pcpkv writes the MLA and indexer rows of a token at one slot");
+    index_slots = indexer_slot_mapping;
   if (!has_indexer) indexer_k_cache = at::Tensor();  // a shared layer writes no indexer row (vLLM drops it too)
   bool writes_caches = false, writes_idx = false;
   if (slot_mapping.defined() && (mla_kv_cache.defined() || indexer_k_cache.defined())) {
@@ -435,16 +437,22 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
         fail("indexer_k_cache", "expected uint8 or float8_e4m3fn [num_blocks, block_size, 132]", x);
       if (x.device() != c.device())
         fail("indexer_k_cache", fmt::format("is on {} but mla_kv_cache on {}", x.device().str(), c.device().str()));
-      if (x.size(0) != c.size(0) || x.size(1) != c.size(1))
+      if (x.size(1) != c.size(1) || (!index_slots.defined() && x.size(0) != c.size(0)))
+        // (with an indexer_slot_mapping its num_blocks may differ: spec 4.2; its block_size never does)
         fail("indexer_k_cache", fmt::format("has (num_blocks, block_size) = ({}, {}) but mla_kv_cache ({}, {}); pcpkv "
                                             "writes both caches at one slot",
                                             x.size(0), x.size(1), c.size(0), c.size(1)));
+      if (index_slots.defined() && (index_slots.scalar_type() != at::kLong || index_slots.dim() != 1 ||
+                                    index_slots.size(0) != T || index_slots.device() != device))
+        fail("indexer_slot_mapping", fmt::format("expected None or int64 [{}] on {}", T, device.str()), index_slots);
     }
+    if (!writes_idx) index_slots = at::Tensor();  // no indexer row is written: nothing to address
     if (has_indexer && !writes_idx && index_k_out.defined())
       fail("index_k_out",
            "needs indexer_k_cache when mla_kv_cache is given (pcpkv's MLA-only write has no indexer output)");
   } else {
     slot_mapping = at::Tensor();  // vLLM's profiling run: no cache is written
+    index_slots = at::Tensor();
   }
   const pcpkv::CacheFormat cf = make_format(cd.format_name, std::string(ds_mla_scale), k_scale,
                                             writes_caches ? writes_idx : has_indexer);
@@ -459,7 +467,7 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
   const std::pair<const char*, const at::Tensor*> reads[] = {
       {"positions", &positions}, {"q_c", &q_c}, {"q_rms_norm_w", &q_rms_norm_w}, {"kv_c", &kv_c},
       {"kv_rms_norm_w", &kv_rms_norm_w}, {"k_pe", &k_pe}, {"k_rope_cos_sin_cache", &k_rope_cos_sin_cache},
-      {"slot_mapping", &slot_mapping}, {"mla_k_scale", &mla_k_scale},
+      {"slot_mapping", &slot_mapping}, {"indexer_slot_mapping", &index_slots}, {"mla_k_scale", &mla_k_scale},
       {"index_k", cf.has_indexer ? &index_k : &none}, {"index_k_layer_norm_w", cf.has_indexer ? &index_ln_w : &none},
       {"index_k_layer_norm_bias", cf.has_indexer ? &index_ln_b : &none},
       {"index_k_rope_cos_sin_cache", cf.has_indexer ? &index_table : &none}};
@@ -519,7 +527,8 @@ void fused_norm_rope(const at::Tensor& positions, const at::Tensor& q_c, const a
                     .index_rope_interleaved = index_rope_interleave,
                     .index_hadamard = false,
                     .topk_fill_mode = "full",
-                    .topk_indexer_rows = 0});
+                    .topk_indexer_rows = 0,
+                    .indexer_slot_mapping = opt(index_slots)});
 }
 
 }  // namespace

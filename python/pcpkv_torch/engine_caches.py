@@ -85,7 +85,8 @@ class _Refused(Exception):
 class EngineCaches:
     """Peer tables over this rank's engine-allocated caches (collective over `group`; every rank passes its own):
       mla_caches      [L] uint8 [num_blocks, block_size, fmts[l].mla_row_bytes] per layer (vLLM's MLA cache)
-      index_caches    [L] uint8 [num_blocks, block_size, 132] where fmts[l].has_indexer (entries of other layers
+      index_caches    [L] uint8 [index_num_blocks, block_size, 132] where fmts[l].has_indexer (its own block count
+                      allowed, docs/spec.md 4.2; entries of other layers
                       are ignored; None when no layer has an indexer)
       fmts            one CacheFormat, or one per layer
       staging         optional: one staging workspace uint8 [2, U, W, M, row_bytes] (allocate_staging), or a
@@ -257,9 +258,10 @@ class EngineCaches:
                 mla = _mla_geometry(named[f"mla_caches[{i}]"], f, f"mla_caches[{i}]")
                 if f.has_indexer:
                     nb, bs, _ = _index_geometry(named[f"index_caches[{i}]"], f"index_caches[{i}]")
-                    if (nb, bs) != mla[:2]:
+                    # its own num_blocks is fine (an indexer slot mapping addresses it, docs/spec.md 4.2)
+                    if bs != mla[1]:
                         raise ValueError(f"index_caches[{i}] has blocks [{nb}, {bs}] but mla_caches[{i}] "
-                                         f"{list(mla[:2])}: one slot addresses both caches")
+                                         f"{list(mla[:2])}: the indexer cache's block_size must be the MLA cache's")
             rows = {}
             for name in self._staging_names:
                 s = named[name]

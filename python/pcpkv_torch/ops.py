@@ -66,7 +66,7 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
              kv_eps: float = 1e-6, index_eps: float = 1e-6, mla_rope_interleaved: bool = True,
              index_rope_interleaved: bool = False, index_hadamard: bool = False,
              written: Sequence[Tensor] = (), topk_fill_mode: str = "full",
-             topk_indexer_rows: Optional[int] = None) -> None:
+             topk_indexer_rows: Optional[int] = None, indexer_slot_mapping: Optional[Tensor] = None) -> None:
     """The fused dispatch (SPEC section 2) of T local tokens, dual-mode: any combination of
       * materialize: q_c_out [T, q_lora_rank] bf16 = RMSNorm(q_c); kv_c_out [T, 512], k_pe_out [T, 64],
         index_k_out [T, 128] bf16 (normalized / roped, the "collect" path); topk_fill int32 [T, width] = -1
@@ -83,7 +83,10 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     Inputs: kv bf16 [T, 512], k_pe bf16 [T, 64], positions int64 [T] (rows of rope_cos_sin),
     kv_norm_w [512], rope_cos_sin float32 [num_positions, 64] (rope_table()), q_c bf16 [T, q_lora_rank]
     (q_lora_rank a multiple of 8, <= 4096) with q_norm_w [q_lora_rank] and q_c_out; index_k bf16 [T, 128]
-    with index_ln_w / index_ln_b [128] when fmt.has_indexer; slot_mapping int64 [T] (-1: no cache row).
+    with index_ln_w / index_ln_b [128] when fmt.has_indexer; slot_mapping int64 [T] (-1: no cache row);
+    indexer_slot_mapping int64 [T] (indexer layers, docs/spec.md 4.2): token t's indexer row goes to its own slot
+    indexer_slot_mapping[t] of an indexer cache of its own block count (-1: no indexer row), its MLA row to
+    slot_mapping[t]; None (the default): slot_mapping addresses both caches.
     Rope styles: MLA k_pe interleaved pairs (2i, 2i+1) by default; indexer NeoX (i, i+32) for DeepSeek-V3.2,
     interleaved for GLM-5 (ModelSpec.dispatch_kwargs() gives the model's eps and styles). Rotation is in
     place: interleaved output keeps the pair layout (HF transformers emits it de-interleaved, [even | odd]).
@@ -126,36 +129,38 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
         (row_dests.tensors if row_dests is not None else []),
         fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale, fmt.has_indexer, q_eps, kv_eps, index_eps,
         mla_rope_interleaved, index_rope_interleaved, index_hadamard, topk_fill_mode,
-        topk_indexer_rows if topk_indexer_rows is not None else 0)
+        topk_indexer_rows if topk_indexer_rows is not None else 0, indexer_slot_mapping)
 
 
 def combine(rows: Tensor, slot_mapping: Tensor, mla_cache: Tensor, index_cache: Optional[Tensor], *,
-            fmt: CacheFormat) -> None:
+            fmt: CacheFormat, indexer_slot_mapping: Optional[Tensor] = None) -> None:
     """Staging rows -> this rank's caches (SPEC section 5, "staging"): row i of rows uint8
     [num_src_ranks, max_local_tokens, fmt.row_bytes] (contiguous; staging[buffer, ubatch]) with
     slot_mapping[i] >= 0 (int64 [num_src_ranks * max_local_tokens], the plan's gathered_slot_mapping) is
     copied byte for byte into mla_cache uint8 [num_blocks, block_size, fmt.mla_row_bytes] and, with an
     indexer, index_cache uint8 [num_blocks, block_size, 132]. Raises ValueError on a bad argument (CPU: also a
     slot out of range or repeated), and, naming both, when a cache shares memory with rows, slot_mapping or the
-    other cache (by address range; checked before anything is written, on every device)."""
+    other cache (by address range; checked before anything is written, on every device). indexer_slot_mapping
+    (int64, slot_mapping's shape; None: slot_mapping): the indexer parts' own gathered slots (docs/spec.md 4.2)."""
     check_cache_format(fmt, "combine")
     torch.ops.pcpkv.combine(rows, slot_mapping, mla_cache, index_cache, fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale,
-                            fmt.has_indexer)
+                            fmt.has_indexer, indexer_slot_mapping)
 
 
 def insert(kv_c: Tensor, k_pe: Tensor, index_k: Optional[Tensor], slot_mapping: Tensor, mla_cache: Tensor,
-           index_cache: Optional[Tensor], *, fmt: CacheFormat) -> None:
+           index_cache: Optional[Tensor], *, fmt: CacheFormat, indexer_slot_mapping: Optional[Tensor] = None) -> None:
     """Collect path (SPEC section 5): quantize-and-insert gathered bf16 rows kv_c [N, 512], k_pe [N, 64],
     index_k [N, 128] (None when the layer has no indexer; fmt.has_indexer must agree), contiguous, with
     slot_mapping int64 [N], into the caches (shapes as in combine). Quantizes from the bf16 values, so the
     bytes differ from the fused path's (each has its own CPU reference). Raises ValueError on a bad argument, and,
-    naming both, when a cache shares memory with an input or the other cache (as combine)."""
+    naming both, when a cache shares memory with an input or the other cache (as combine). indexer_slot_mapping: as
+    combine's."""
     check_cache_format(fmt, "insert")
     if (index_k is not None) != fmt.has_indexer:
         raise ValueError(f"insert: index_k is {'given' if index_k is not None else 'missing'} but "
                          f"fmt.has_indexer = {fmt.has_indexer}")
     torch.ops.pcpkv.insert(kv_c, k_pe, index_k, slot_mapping, mla_cache, index_cache, fmt.kv_format,
-                           fmt.ds_mla_scale, fmt.k_scale)
+                           fmt.ds_mla_scale, fmt.k_scale, indexer_slot_mapping)
 
 
 def fence(state: FenceState, barrier_idx: int = 0, *, timeout_us: int = 10_000_000,

@@ -146,9 +146,10 @@ class CacheTargets:
         (uint8 [num_blocks, block_size, fmt.mla_row_bytes]) and like_index (uint8 [num_blocks, block_size, 132]):
         the memory at every address must be at least that large (pcpkv cannot check a raw address). The table
         lives on `device` (default: like_mla's), which must be of like_mla's device type.
-        Raises ValueError naming the argument when a geometry cannot hold fmt's rows, the two caches' blocks
-        differ, a pointer list is empty, has a null entry or the wrong length, the devices disagree, or two
-        replicas (of those sizes at those addresses, MLA and indexer caches alike) overlap, naming both."""
+        Raises ValueError naming the argument when a geometry cannot hold fmt's rows, the two caches' block sizes
+        differ (the indexer cache may have its own block count: docs/spec.md 4.2), a pointer list is empty, has a null
+        entry or the wrong length, the devices disagree, or two replicas (of those sizes at those addresses, MLA and
+        indexer caches alike) overlap, naming both."""
         check_cache_format(fmt, "CacheTargets")
         mla_ptrs = _pointers(mla_ptrs, "CacheTargets: mla_ptrs")
         mla = _mla_geometry(like_mla, fmt, "CacheTargets: like_mla")
@@ -156,7 +157,7 @@ class CacheTargets:
         if device.type != like_mla.device.type:
             raise ValueError(f"CacheTargets: device = {device} but like_mla is on {like_mla.device}: the dispatch "
                              f"on {device} would write through {like_mla.device.type} addresses")
-        idx_ptrs, idx_stride = [], 0
+        idx_ptrs, idx_stride, nb = [], 0, mla[0]
         if fmt.has_indexer:
             if like_index is None or index_ptrs is None:
                 raise ValueError("CacheTargets: a layer with an indexer (fmt.has_indexer) needs index_ptrs and like_index")
@@ -164,9 +165,11 @@ class CacheTargets:
             if len(idx_ptrs) != len(mla_ptrs):
                 raise ValueError(f"CacheTargets: {len(mla_ptrs)} mla_ptrs but {len(idx_ptrs)} index_ptrs")
             nb, bs, idx_stride = _index_geometry(like_index, "CacheTargets: like_index")
-            if (nb, bs) != mla[:2]:
-                raise ValueError(f"CacheTargets: indexer cache blocks {[nb, bs]} differ from the MLA cache's "
-                                 f"{list(mla[:2])}")
+            # Its own block count is fine (an indexer slot mapping addresses it, docs/spec.md 4.2; without one, slots
+            # are checked against the smaller cache); its block_size is the MLA cache's.
+            if bs != mla[1]:
+                raise ValueError(f"CacheTargets: indexer cache block_size {bs} differs from the MLA cache's {mla[1]} "
+                                 f"(indexer cache [num_blocks, block_size] = {[nb, bs]}, MLA {list(mla[:2])})")
             if like_index.device != like_mla.device:
                 raise ValueError(f"CacheTargets: like_index is on {like_index.device} but like_mla on {like_mla.device}")
         for i, t in enumerate(tensors):
@@ -174,12 +177,12 @@ class CacheTargets:
                 raise ValueError(f"CacheTargets: tensors[{i}] ({_describe(t)}) is not a tensor on {device.type}")
         # the bytes a dispatch writes through each record (the geometry's last slot ends there)
         mla_bytes = (mla[0] - 1) * mla[3] + (mla[1] - 1) * mla[2] + fmt.mla_row_bytes
-        idx_bytes = (mla[0] - 1) * idx_stride + mla[1] * 132
+        idx_bytes = (nb - 1) * idx_stride + mla[1] * 132
         _refuse_overlapping("CacheTargets", [(f"mla_ptrs[{i}]", p, mla_bytes) for i, p in enumerate(mla_ptrs)] +
                             [(f"index_ptrs[{i}]", p, idx_bytes) for i, p in enumerate(idx_ptrs)])
         host = torch.ops.pcpkv.make_cache_targets(
             pointer_table(mla_ptrs), pointer_table(idx_ptrs), mla[0], mla[1], mla[2], mla[3], idx_stride,
-            fmt.kv_format, fmt.has_indexer)
+            fmt.kv_format, fmt.has_indexer, nb)
         return CacheTargets(host, host.to(device), tensors)
 
     @staticmethod

@@ -45,7 +45,8 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
     For "fp8" it must be a finite, positive, normal float32: 0, negatives, nan, inf and subnormals (1e-45,
     where vLLM's x / scale would saturate every value) raise.
   * Caches: pcpkv honours the caches' real block and row strides and requires the indexer cache to have the
-    MLA cache's (num_blocks, block_size); vLLM derives its indexer block stride from the shape. Identical
+    MLA cache's (num_blocks, block_size), or with an ``indexer_slot_mapping`` its block_size and any num_blocks
+    (and any padded block stride); vLLM derives its indexer block stride from the shape. Identical
     for the contiguous caches vLLM allocates. An indexer cache without an MLA cache raises (pcpkv's cache
     table always has the MLA row); an MLA cache without an indexer cache on an indexer layer writes the MLA
     rows only (and still fills the top-k buffer).
@@ -56,7 +57,10 @@ Differences from vLLM's kernel (each converted, or refused with ValueError namin
     (the outputs, those top-k rows, the caches written) may share memory with an input or another output (an
     in-place q_c_out = q_c included): pcpkv's kernels read and write rows in any order.
   * ``write_kv_output=True`` (in-place kv_c / k_pe outputs) raises: pass ``kv_c_out`` / ``k_pe_out``.
-    ``indexer_slot_mapping`` must be None or ``slot_mapping`` itself (pcpkv writes both caches at one slot).
+    ``indexer_slot_mapping`` (as vLLM's, whose hybrid allocator can give the indexer cache its own block table):
+    int64 [T], token t's indexer row goes to slot indexer_slot_mapping[t] of indexer_k_cache (-1: none), its MLA
+    row to slot_mapping[t] (docs/spec.md 4.2); None or ``slot_mapping`` itself: one slot addresses both caches
+    (the default form, no second mapping read). Ignored where no indexer row is written (vLLM drops it too).
   * Activations must be bf16 (the only activation dtype of pcpkv's kernels).
 
 Like vLLM's, the work is one custom op (``torch.ops.pcpkv_vllm.fused_norm_rope``, mutation marks on the
@@ -192,7 +196,8 @@ def fused_norm_rope(
     with slot_mapping int64 [T] (-1: no row) and mla_kv_cache (format mla_kv_cache_dtype) the token's MLA row
     (RMSNorm(kv_c), interleaved-RoPE k_pe) and, with indexer_k_cache uint8 [num_blocks, block_size, 132], its
     indexer row (LayerNorm + RoPE, NeoX or interleaved per index_rope_interleave, UE8M0 fp8); optionally the
-    bf16 rows kv_c_out [T, 512], k_pe_out [T, 64], index_k_out [T, 128] (contiguous).
+    bf16 rows kv_c_out [T, 512], k_pe_out [T, 64], index_k_out [T, 128] (contiguous). indexer_slot_mapping
+    int64 [T] (keyword): the indexer rows' own slots (module docstring), else slot_mapping's.
     Keyword-only additions: ds_mla_scale ("raw", vLLM's rule, or "pow2"), mla_k_scale may be a float.
 
     Raises ValueError naming the argument (before anything is written) for a dtype, shape or device the

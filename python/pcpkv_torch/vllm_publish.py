@@ -43,6 +43,9 @@ What vLLM passes, read at these pinned commits of vllm-project/vllm (facts only;
 Slot conventions taken here: slot_mapping int64 [>= W * T] (vLLM may hand a longer buffer: its first W * T entries
 are used), rank-major, -1 = no row (padding, CUDA-graph padding). The decode copies of ranks > 0 are never
 written, whatever they hold (as vLLM's cache slot mapping drops them), so -1 or rank 0's slot both work.
+indexer_slot_mapping (keyword, optional, the same form): the indexer rows' own slots, for an indexer cache that
+vLLM's hybrid allocator gave its own block table (docs/spec.md 4.2; its own num_blocks, the MLA cache's block_size);
+None: slot_mapping addresses both caches.
 """
 
 from __future__ import annotations
@@ -277,7 +280,8 @@ class VllmPcpPublisher:
                 index_k_layer_norm_w: Optional[torch.Tensor], index_k_layer_norm_bias: Optional[torch.Tensor],
                 index_k_layer_norm_eps: float, index_k_rope_cos_sin_cache: Optional[torch.Tensor],
                 topk_indices_buffer: Optional[torch.Tensor], slot_mapping: torch.Tensor, num_decode_tokens: int, *,
-                index_rope_interleave: bool = False, q_c_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                index_rope_interleave: bool = False, q_c_out: Optional[torch.Tensor] = None,
+                indexer_slot_mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Publishes layer layer_idx's rows of this rank's T = positions.shape[0] local tokens into every rank's
         replica (collective: every rank calls it for the same layer of the same step). Returns q_c_out (bf16
         [T, q_lora_rank] = RMSNorm(q_c); allocated when None), as vLLM's fused_norm_rope does.
@@ -291,11 +295,13 @@ class VllmPcpPublisher:
         set to -1, as vLLM's kernel does); on a layer without one index_k and its weights are None.
         slot_mapping int64 [>= W * T]: vLLM's gathered, rank-major layer slot mapping (-1 = no row; decode copies of
         ranks > 0 are skipped whatever they hold); num_decode_tokens: the decodes at the front of every rank's
-        local tokens. Raises ValueError naming the argument (on every rank with check=True) before anything is
-        written."""
+        local tokens. indexer_slot_mapping (keyword; layers with an indexer cache; ignored on others): the indexer
+        rows' own slots in the same gathered form (docs/spec.md 4.2), None: slot_mapping's. Raises ValueError naming
+        the argument (on every rank with check=True) before anything is written."""
         if self._closed:
             raise RuntimeError(f"{_WHERE}: publish() used after close()")
-        memo = self._fast.get(layer_idx) if type(layer_idx) is int else None
+        # (own indexer slots, docs/spec.md 4.2, take the full path: the fast path's dispatch has one mapping)
+        memo = self._fast.get(layer_idx) if type(layer_idx) is int and indexer_slot_mapping is None else None
         if memo is not None and self._fast_ok(memo, positions, q_c, q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w,
                                               kv_rms_eps, k_pe, k_rope_cos_sin_cache, index_k, index_k_layer_norm_w,
                                               index_k_layer_norm_bias, index_k_layer_norm_eps,
@@ -309,7 +315,8 @@ class VllmPcpPublisher:
                     kv_rms_norm_w=kv_rms_norm_w,
                     index_k_layer_norm_w=index_k_layer_norm_w, index_k_layer_norm_bias=index_k_layer_norm_bias,
                     index_k_rope_cos_sin_cache=index_k_rope_cos_sin_cache, k_rope_cos_sin_cache=k_rope_cos_sin_cache,
-                    topk_indices_buffer=topk_indices_buffer, slot_mapping=slot_mapping, q_c_out=q_c_out)
+                    topk_indices_buffer=topk_indices_buffer, slot_mapping=slot_mapping, q_c_out=q_c_out,
+                    indexer_slot_mapping=indexer_slot_mapping)
         why = self._check_call(layer_idx, num_decode_tokens, index_rope_interleave,
                                (q_rms_eps, kv_rms_eps, index_k_layer_norm_eps), args)
         rope = None
@@ -324,7 +331,7 @@ class VllmPcpPublisher:
             what = f"{_WHERE}.publish (layer {layer_idx})"
             share_verdicts_and_agree_on(self._gather, what, why, lambda: self._step_fields(
                 layer_idx, T, num_decode_tokens, slot_mapping, index_rope_interleave, q_rms_eps, kv_rms_eps,
-                index_k_layer_norm_eps))
+                index_k_layer_norm_eps, indexer_slot_mapping))
         elif why:
             raise ValueError(f"{_WHERE}.publish (layer {layer_idx}) on rank {self.rank}: {why}")
         fmt = self.fmts[layer_idx]
@@ -334,6 +341,14 @@ class VllmPcpPublisher:
         if num_decode_tokens > 0 and W > 1:
             gathered = gathered.clone()
             gathered[1:, :num_decode_tokens] = -1
+        # The indexer rows' own slots (spec 4.2), in the same form; None (or slot_mapping itself): one slot for both.
+        islots = None
+        if fmt.has_indexer and indexer_slot_mapping is not None and indexer_slot_mapping is not slot_mapping:
+            islots = indexer_slot_mapping[:W * T].view(W, T)
+            if num_decode_tokens > 0 and W > 1:
+                islots = islots.clone()
+                islots[1:, :num_decode_tokens] = -1
+        kw_slots = {} if islots is None else {"islots": islots}
         if q_c_out is None:
             q_c_out = torch.empty((T, q_c.shape[1]), dtype=torch.bfloat16, device=q_c.device)
         kv_w32 = self._f32(kv_rms_norm_w)  # the norm weights as float32 once, as the tables
@@ -350,11 +365,11 @@ class VllmPcpPublisher:
                            index_k_layer_norm_w, index_k_layer_norm_bias, index_k_rope_cos_sin_cache,
                            topk_indices_buffer, kw, kv_w32, rope)
         if self.transport == "direct":
-            self._direct(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw)
+            self._direct(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
         elif self.transport == "staging":
-            self._staging(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw)
+            self._staging(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
         else:
-            self._collect(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw)
+            self._collect(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
         return q_c_out
 
     # ---- the per-layer fast path (check=False, direct): issue 35 item 4 ----------------------------------------
@@ -446,13 +461,14 @@ class VllmPcpPublisher:
         _FENCE(*m.fence)
         return q_c_out
 
-    def _direct(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw):
+    def _direct(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw, islots=None):
         ec = self.caches
-        dispatch(kv_c, k_pe, positions, kv_w, rope, slot_mapping=gathered[self.rank], targets=ec.targets[layer], **kw)
+        dispatch(kv_c, k_pe, positions, kv_w, rope, slot_mapping=gathered[self.rank], targets=ec.targets[layer],
+                 indexer_slot_mapping=None if islots is None else islots[self.rank], **kw)
         fence(ec.fence_state, 0, timeout_us=self._fence_timeout_us, written=ec.mla[layer] + (ec.index[layer] or []))
         self._fence_check()
 
-    def _staging(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw):
+    def _staging(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw, islots=None):
         ec, W, T = self.caches, self.world, gathered.shape[1]
         ws, dests = ec.staging_for(fmt, max(T, 1))
         # Alternate buffers per call (every rank makes the same calls): a rank past this fence may write the next
@@ -463,13 +479,17 @@ class VllmPcpPublisher:
         fence(ec.fence_state, 0, timeout_us=self._fence_timeout_us, written=ws)
         self._fence_check()
         cap = ws[0].shape[3]
-        rows = gathered
+        rows, irows = gathered, islots
         if cap != T:  # a workspace sized for max_num_tokens: the rows past T of every rank are skipped
             rows = torch.full((W, cap), -1, dtype=torch.int64, device=gathered.device)
             rows[:, :T] = gathered
-        combine(ws[self.rank][buf, 0], rows.reshape(-1), self._mla[layer], self._index[layer], fmt=fmt)
+            if islots is not None:
+                irows = torch.full((W, cap), -1, dtype=torch.int64, device=gathered.device)
+                irows[:, :T] = islots
+        combine(ws[self.rank][buf, 0], rows.reshape(-1), self._mla[layer], self._index[layer], fmt=fmt,
+                indexer_slot_mapping=None if irows is None else irows.reshape(-1))
 
-    def _collect(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw):
+    def _collect(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw, islots=None):
         T, dev = positions.shape[0], positions.device
         kv_out = torch.empty((T, 512), dtype=torch.bfloat16, device=dev)
         pe_out = torch.empty((T, 64), dtype=torch.bfloat16, device=dev)
@@ -477,7 +497,8 @@ class VllmPcpPublisher:
         dispatch(kv_c, k_pe, positions, kv_w, rope, kv_c_out=kv_out, k_pe_out=pe_out, index_k_out=ix_out, **kw)
         rows = [self._all_gather(t) for t in (kv_out, pe_out, ix_out) if t is not None]  # rank-major [W * T, ...]
         insert(rows[0], rows[1], rows[2] if fmt.has_indexer else None, gathered.reshape(-1).contiguous(),
-               self._mla[layer], self._index[layer], fmt=fmt)
+               self._mla[layer], self._index[layer], fmt=fmt,
+               indexer_slot_mapping=None if islots is None else islots.reshape(-1).contiguous())
 
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -564,6 +585,11 @@ class VllmPcpPublisher:
         if not isinstance(sm, torch.Tensor) or sm.dim() != 1 or sm.dtype != torch.int64 or sm.shape[0] < W * T:
             return (f"slot_mapping: expected int64 [>= W * T = {W} * {T}] (vLLM's gathered, rank-major layer slot "
                     f"mapping), got {_desc(sm)}")
+        ism = a["indexer_slot_mapping"]
+        if ism is not None and (not isinstance(ism, torch.Tensor) or ism.dim() != 1 or ism.dtype != torch.int64 or
+                                ism.shape[0] < W * T):
+            return (f"indexer_slot_mapping: expected None or int64 [>= W * T = {W} * {T}] (the indexer rows' own "
+                    f"slots, gathered and rank-major as slot_mapping), got {_desc(ism)}")
         tbl = a["k_rope_cos_sin_cache"]
         if not isinstance(tbl, torch.Tensor) or tbl.dim() != 2 or tbl.shape[1] != 64 or not tbl.is_floating_point():
             return f"k_rope_cos_sin_cache: expected a float [max_position, 64] table, got {_desc(tbl)}"
@@ -586,14 +612,18 @@ class VllmPcpPublisher:
                 return f"{name} is on {t.device}, the caches on {self.device}"
         return ""
 
-    def _step_fields(self, layer_idx, T, num_decode_tokens, slot_mapping, interleave, q_eps, kv_eps, index_eps):
-        """What every rank must share for one layer of one step; the slot mapping by its sha256 (host copy)."""
-        sm = slot_mapping[:self.world * T].detach().cpu().contiguous()
-        digest = hashlib.sha256(sm.numpy().tobytes()).hexdigest()[:16]
+    def _step_fields(self, layer_idx, T, num_decode_tokens, slot_mapping, interleave, q_eps, kv_eps, index_eps,
+                     indexer_slot_mapping=None):
+        """What every rank must share for one layer of one step; the slot mappings by their sha256 (host copies)."""
+        def digest_of(m):
+            return hashlib.sha256(m[:self.world * T].detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+        own = indexer_slot_mapping is not None and indexer_slot_mapping is not slot_mapping
         return [("layer_idx", layer_idx), ("T (local tokens)", T), ("num_decode_tokens", num_decode_tokens),
-                ("slot_mapping (sha256 of its first W * T entries)", digest),
+                ("slot_mapping (sha256 of its first W * T entries)", digest_of(slot_mapping)),
                 ("index_rope_interleave", interleave), ("q_rms_eps", float(q_eps)), ("kv_rms_eps", float(kv_eps)),
-                ("index_k_layer_norm_eps", float(index_eps))]
+                ("index_k_layer_norm_eps", float(index_eps))] + \
+            ([("indexer_slot_mapping (sha256 of its first W * T entries)", digest_of(indexer_slot_mapping))]
+             if own else [])
 
     # ---- teardown ---------------------------------------------------------------------------------------------
 

@@ -200,7 +200,7 @@ def bad_cases(device):
         (dict(indexer_k_cache=lambda a: a["indexer_k_cache"][:, :8]), "indexer_k_cache"),
         (dict(mla_k_scale=0.0, mla_kv_cache_dtype="fp8", mla_kv_cache=lambda a: a["mla_kv_cache"][..., :576]),
          "mla_k_scale"),
-        (dict(indexer_slot_mapping=lambda a: a["slot_mapping"].clone()), "indexer_slot_mapping"),
+        (dict(indexer_slot_mapping=lambda a: a["slot_mapping"].int()), "indexer_slot_mapping"),
         (dict(write_kv_output=True), "write_kv_output"),
         # refused by the op as pcpkv's "q_eps" / "kv_eps" / "k_scale" (1e300: as float32 inf), without these names
         (dict(q_rms_eps=float("nan")), "q_rms_eps"), (dict(kv_rms_eps=1e300), "kv_rms_eps"),

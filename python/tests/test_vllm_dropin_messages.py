@@ -101,8 +101,9 @@ MESSAGES = [
     'mla_kv_cache (6, 16); pcpkv writes both caches at one slot',
     'ValueError: fused_norm_rope: mla_k_scale: = 0.0 must be a finite, positive, normal float32 (in '
     '[2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, nan and inf are refused)',
-    'ValueError: fused_norm_rope: indexer_slot_mapping: must be None or slot_mapping itself: pcpkv '
-    'writes the MLA and indexer rows of a token at one slot',
+    # issue 35 item 3: the indexer rows may have their own slots; a mapping of the wrong dtype is refused
+    'ValueError: fused_norm_rope: indexer_slot_mapping: expected None or int64 [24] on cpu, got '
+    'torch.int32 [24] strides [1] on cpu',
     'ValueError: fused_norm_rope: write_kv_output: = True (in-place kv_c / k_pe outputs) is not '
     'supported; pass kv_c_out / k_pe_out',
     'ValueError: fused_norm_rope: q_rms_eps: = nan must be finite (as float32) and >= 0',

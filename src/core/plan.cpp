@@ -122,6 +122,24 @@ PcpPlan make_plan(const PlanConfig& c) {
   for (size_t i = 0; i < c.requests.size(); ++i)
     for (int64_t b = 0; b < need[i]; ++b) p.block_tables[i].push_back(ids[next++]);
 
+  // The indexer cache's own block table (docs/spec.md section 4.2): another permutation, its own size.
+  std::vector<std::vector<int32_t>> index_tables;
+  if (c.own_index_blocks) {
+    PCPKV_CHECK(c.index_extra_blocks >= 0, "plan: index_extra_blocks = {} must be >= 0", c.index_extra_blocks);
+    PCPKV_CHECK(total + c.index_extra_blocks + first <= int64_t{INT32_MAX},
+                "plan: {} indexer cache blocks needed; block ids are int32, at most {}",
+                total + c.index_extra_blocks + first, INT32_MAX);
+    p.index_num_blocks = first + total + c.index_extra_blocks;
+    std::vector<int32_t> iids(static_cast<size_t>(p.index_num_blocks - first));
+    std::iota(iids.begin(), iids.end(), static_cast<int32_t>(first));
+    uint64_t state = c.seed ^ 0x2545f4914f6cdd1dull;
+    for (size_t i = iids.size(); i > 1; --i) std::swap(iids[i - 1], iids[splitmix64(state) % i]);
+    size_t inext = 0;
+    index_tables.resize(c.requests.size());
+    for (size_t i = 0; i < c.requests.size(); ++i)
+      for (int64_t b = 0; b < need[i]; ++b) index_tables[i].push_back(iids[inext++]);
+  }
+
   // Global order: requests in order, each request's new tokens contiguous.
   std::vector<int64_t> request_start(c.requests.size());
   for (size_t i = 0; i < c.requests.size(); ++i) {
@@ -133,6 +151,8 @@ PcpPlan make_plan(const PlanConfig& c) {
       p.global_positions.push_back(pos);
       p.global_slots.push_back(block * B + pos % B);
       p.global_request.push_back(static_cast<int32_t>(i));
+      if (c.own_index_blocks)
+        p.global_index_slots.push_back(index_tables[i][static_cast<size_t>(pos / B)] * B + pos % B);
     }
   }
 
@@ -187,6 +207,8 @@ PcpPlan make_plan(const PlanConfig& c) {
         rp.positions.push_back(p.global_positions[static_cast<size_t>(g)]);
         const bool writes = !s.decode || p.decode_owner[s.request] == r;
         rp.slot_mapping.push_back(writes ? p.global_slots[static_cast<size_t>(g)] : -1);
+        if (c.own_index_blocks)
+          rp.indexer_slot_mapping.push_back(writes ? p.global_index_slots[static_cast<size_t>(g)] : -1);
         ++(s.decode ? rp.num_decode_tokens : rp.num_prefill_tokens);
       }
     }
@@ -198,6 +220,10 @@ PcpPlan make_plan(const PlanConfig& c) {
     rp.positions.resize(static_cast<size_t>(p.max_local_tokens), 0);
     rp.slot_mapping.resize(static_cast<size_t>(p.max_local_tokens), -1);
     p.gathered_slot_mapping.insert(p.gathered_slot_mapping.end(), rp.slot_mapping.begin(), rp.slot_mapping.end());
+    if (!c.own_index_blocks) continue;
+    rp.indexer_slot_mapping.resize(static_cast<size_t>(p.max_local_tokens), -1);
+    p.gathered_indexer_slot_mapping.insert(p.gathered_indexer_slot_mapping.end(), rp.indexer_slot_mapping.begin(),
+                                           rp.indexer_slot_mapping.end());
   }
   validate_plan(p);
   return p;
@@ -223,6 +249,49 @@ void validate_slot_mapping(const int64_t* slots, int64_t n, int64_t num_slots, c
     PCPKV_CHECK(inserted, "{}[{}] = {} duplicates {}[{}]", name, i, s, field, it->second);
   }
 }
+
+namespace {
+// The indexer cache's own slots (docs/spec.md section 4.2): none, or one per local row, -1 exactly where the MLA
+// slot is -1, the gathered mapping their rank-major concatenation, every token's indexer slot written once.
+void validate_index_slots(const PcpPlan& p, int64_t null_slots) {
+  const size_t M = static_cast<size_t>(p.max_local_tokens);
+  if (!p.has_index_slots()) {
+    PCPKV_CHECK(p.index_num_blocks == 0 && p.gathered_indexer_slot_mapping.empty() && p.global_index_slots.empty(),
+                "plan: index_num_blocks = {} with {} gathered indexer slots: both or neither", p.index_num_blocks,
+                p.gathered_indexer_slot_mapping.size());
+    for (size_t r = 0; r < p.ranks.size(); ++r)
+      PCPKV_CHECK(p.ranks[r].indexer_slot_mapping.empty(),
+                  "plan: rank {} has an indexer_slot_mapping but the plan has no indexer blocks", r);
+    return;
+  }
+  PCPKV_CHECK(p.global_index_slots.size() == p.global_slots.size(),
+              "plan: global_index_slots has {} entries, expected one per token ({})", p.global_index_slots.size(),
+              p.global_slots.size());
+  PCPKV_CHECK(p.gathered_indexer_slot_mapping.size() == p.gathered_slot_mapping.size(),
+              "plan: gathered_indexer_slot_mapping has {} entries, expected pcp_world * max_local_tokens = {}",
+              p.gathered_indexer_slot_mapping.size(), p.gathered_slot_mapping.size());
+  for (size_t r = 0; r < p.ranks.size(); ++r) {
+    const RankPlan& rp = p.ranks[r];
+    PCPKV_CHECK(rp.indexer_slot_mapping.size() == M, "plan: rank {} indexer_slot_mapping has {} entries, expected {}",
+                r,
+                rp.indexer_slot_mapping.size(), M);
+    for (size_t i = 0; i < M; ++i) {
+      const int64_t s = rp.indexer_slot_mapping[i];
+      PCPKV_CHECK((s >= 0) == (rp.slot_mapping[i] >= 0) && p.gathered_indexer_slot_mapping[r * M + i] == s,
+                  "plan: rank {} indexer_slot_mapping[{}] = {} disagrees with its slot_mapping ({}) or the gathered "
+                  "indexer mapping ({})",
+                  r, i, s, rp.slot_mapping[i], p.gathered_indexer_slot_mapping[r * M + i]);
+      if (s >= 0 && rp.global_index[i] >= 0)
+        PCPKV_CHECK(p.global_index_slots[static_cast<size_t>(rp.global_index[i])] == s,
+                    "plan: rank {} indexer_slot_mapping[{}] = {} is not its token's indexer slot {}", r, i, s,
+                    p.global_index_slots[static_cast<size_t>(rp.global_index[i])]);
+    }
+  }
+  validate_slot_mapping(p.gathered_indexer_slot_mapping.data(),
+                        static_cast<int64_t>(p.gathered_indexer_slot_mapping.size()),
+                        p.index_num_blocks * p.block_size, "gathered_indexer_slot_mapping", null_slots);
+}
+}  // namespace
 
 void validate_plan(const PcpPlan& p) {
   PCPKV_CHECK(p.pcp_world >= 1, "plan: pcp_world = {} must be >= 1", p.pcp_world);
@@ -292,6 +361,7 @@ void validate_plan(const PcpPlan& p) {
                         p.num_slots(), "gathered_slot_mapping", null_slots);
   PCPKV_CHECK(p.num_written_slots() == N, "plan: {} slots written over all ranks, expected one per token ({})",
               p.num_written_slots(), N);
+  validate_index_slots(p, null_slots);
 }
 
 void validate_positions(const PcpPlan& p, int64_t max_position_embeddings, const std::string& origin) {

@@ -52,6 +52,7 @@ struct BackendCase {
   std::string model = "glm-5";
   int32_t block_size = 16;
   int32_t layer_idx = 0;
+  bool own_index_blocks = false;  // the indexer cache at its own slots (docs/spec.md 4.2)
 };
 std::string backend_name(const ::testing::TestParamInfo<BackendCase>& info) { return info.param.name; }
 
@@ -68,6 +69,8 @@ TEST_P(CudaVsCpuBackend, EveryTransportByteIdentical) {
   spec.block_size = bc.block_size;
   if (bc.padded) spec.alloc = padded_alloc();
   spec.topk_width = bc.topk_width;
+  spec.own_index_blocks = bc.own_index_blocks;
+  spec.index_extra_blocks = bc.own_index_blocks ? 2 : 0;
   auto c = test::make_case(spec);
   c->setup.layer_idx = bc.layer_idx;
   auto cpu = make_cpu_backend(2);
@@ -166,6 +169,14 @@ std::vector<BackendCase> backend_cases() {
     c.layer_idx = 1;
     c.block_size = 64;
     c.topk_width = 2048;
+    v.push_back(c);
+  }
+  for (int32_t P : {2, 4}) {  // the indexer cache's own block table: distinct indexer slots, padded blocks
+    BackendCase c;
+    c.name = fmt::format("pcp{}_own_index_blocks", P);
+    c.pcp = P;
+    c.requests = mixed_requests(P);
+    c.own_index_blocks = true;
     v.push_back(c);
   }
   {  // no top-k fill

@@ -83,6 +83,8 @@ struct DispatchCase {
   int64_t topk_width = 2048;   // 0: no fill
   bool nonfinite = false;
   uint64_t seed = 7;
+  int64_t index_slots = 0;     // > 0: the indexer cache at its own slots (docs/spec.md 4.2): an indexer_slot_mapping
+                               // into an indexer cache of this many slots (rounded up to blocks), padded blocks
 };
 
 std::string case_name(const ::testing::TestParamInfo<DispatchCase>& info) { return info.param.name; }
@@ -92,8 +94,8 @@ struct RankData {
   int64_t T = 0, q_rank = 0;
   int64_t q_stride = 0, kv_stride = 0, kpe_stride = 0, idx_stride = 0;
   std::vector<uint16_t> q_c, kv, k_pe, index_k;
-  std::vector<int64_t> positions, slots;
-  DeviceBuffer d_q_c, d_kv, d_k_pe, d_index_k, d_positions, d_slots;
+  std::vector<int64_t> positions, slots, index_slots;
+  DeviceBuffer d_q_c, d_kv, d_k_pe, d_index_k, d_positions, d_slots, d_index_slots;
   Mirror q_out, kv_out, kpe_out, idx_out, topk;
   std::vector<Mirror> dests;
 
@@ -117,7 +119,12 @@ struct RankData {
       positions.push_back(static_cast<int64_t>(test::hash64(seed, 100 + t) % 4096));
       // Distinct slots spread over the cache, every 7th token padding (-1).
       slots.push_back(t % 7 == 3 ? -1 : (slot_base + t * 3 + 1) % num_slots);
+      // Own indexer slots: reversed, every 5th token's -1 (its MLA row still lands; token 3's indexer row lands
+      // without an MLA row).
+      if (c.index_slots > 0)
+        index_slots.push_back(t % 5 == 1 ? -1 : c.index_slots - 1 - (slot_base + t) % c.index_slots);
     }
+    d_index_slots = upload(index_slots);
     d_q_c = upload(q_c);
     d_kv = upload(kv);
     d_k_pe = upload(k_pe);
@@ -150,8 +157,9 @@ struct Targets {
       MlaCacheGeometry mg = dense_mla_geometry(c.fmt.kv_format, blocks, bs);
       mg.row_stride += 16 * g;
       mg.block_stride = mg.row_stride * bs + 32 * g;
-      IndexerCacheGeometry ig = dense_indexer_geometry(blocks, bs);
-      ig.block_stride += 16 * g;
+      const int64_t index_blocks = c.index_slots > 0 ? (c.index_slots + bs - 1) / bs : blocks;
+      IndexerCacheGeometry ig = dense_indexer_geometry(index_blocks, bs);
+      ig.block_stride += 16 * g + (c.index_slots > 0 ? 48 : 0);
       mla.emplace_back(mg.bytes(), c.misalign);
       idx.emplace_back(ig.bytes(), c.misalign);
       CacheTarget h, v;
@@ -232,6 +240,7 @@ DispatchParams make_params(const DispatchCase& c, RankData& r, Shared& s, Target
     p.topk_width = c.topk_width;
   }
   p.slot_mapping = device ? r.d_slots.as<const int64_t>() : r.slots.data();
+  if (c.index_slots > 0) p.indexer_slot_mapping = device ? r.d_index_slots.as<const int64_t>() : r.index_slots.data();
   if (tg != nullptr && c.num_targets > 0) {
     p.targets = device ? tg->table.as<const CacheTarget>() : tg->host.data();
     p.num_targets = c.num_targets;
@@ -444,6 +453,34 @@ std::vector<DispatchCase> dispatch_cases() {
     c.fmt = make_fmt(f, DsMlaScale::kPow2, true, 0.3f);
     add(c);
   }
+  // The indexer cache at its own slots (a smaller cache, padded blocks): every format, misaligned, few tokens
+  // (warp's split items), many tokens into replicas of one geometry.
+  for (KvFormat f : {KvFormat::kFp8DsMla, KvFormat::kFp8, KvFormat::kBf16}) {
+    DispatchCase c;
+    c.name = fmt::format("own_index_slots_{}", to_string(f));
+    c.index_slots = c.num_tokens + 5;
+    c.fmt = make_fmt(f, DsMlaScale::kPow2, true, f == KvFormat::kFp8 ? 0.0173f : 1.0f);
+    add(c);
+  }
+  const struct {
+    const char* name;
+    int64_t tokens, misalign, index_slots;
+    int targets;
+  } own[] = {{"own_index_slots_misaligned_4", 37, 4, 39, 2},
+             {"own_index_slots_tokens_3", 3, 0, 9, 2},
+             {"own_index_slots_4096_rows_4_replicas", 4096, 0, 4100, 4}};
+  for (const auto& o : own) {
+    DispatchCase c;
+    c.name = o.name;
+    c.num_tokens = o.tokens;
+    c.misalign = o.misalign;
+    c.index_slots = o.index_slots;
+    c.num_targets = o.targets;
+    c.same_geometry = o.targets == 4;  // replicas of one geometry, no transport rows: the per-GPU shape
+    if (c.same_geometry) c.num_dests = 0;
+    c.fmt = make_fmt(KvFormat::kFp8DsMla, DsMlaScale::kPow2, true);
+    add(c);
+  }
   return v;
 }
 
@@ -519,6 +556,7 @@ struct CopyCase {
   std::string name;
   CacheFormat fmt;
   int64_t misalign = 0;
+  bool own_index_slots = false;  // gathered indexer slot mappings into a smaller padded indexer cache (spec 4.2)
 };
 std::string copy_name(const ::testing::TestParamInfo<CopyCase>& info) { return info.param.name; }
 
@@ -539,6 +577,12 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
   tc.fmt = cc.fmt;
   tc.num_targets = 2;
   tc.misalign = cc.misalign;
+  if (cc.own_index_slots) tc.index_slots = N + 3;
+  // Own indexer slots (cc.own_index_slots): reversed, -1 on other rows than the MLA mapping's.
+  std::vector<int64_t> islots;
+  if (cc.own_index_slots)
+    for (int64_t i = 0; i < N; ++i) islots.push_back(i % 7 == 4 ? -1 : N + 2 - i);
+  DeviceBuffer d_islots = upload(islots);
   Targets insert_tg(tc, num_slots);
 
   // Combine: random transport rows (every byte random: a pure copy must move them unchanged).
@@ -554,12 +598,24 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     prefill[static_cast<size_t>(i)] = i;
     shifted[static_cast<size_t>(i)] = i % M == M - 1 ? -1 : i + 2;
   }
+  // Own indexer slots per pattern: reversed; consecutive from 0 (the batched scale stores) with the MLA's
+  // strided slots; consecutive from 1 with each rank's first row -1.
+  std::vector<int64_t> iprefill, ishifted;
+  for (int64_t i = 0; cc.own_index_slots && i < N; ++i) {
+    iprefill.push_back(i);
+    ishifted.push_back(i % M == 0 ? -1 : i + 1);
+  }
   const std::pair<const char*, const std::vector<int64_t>*> patterns[] = {
       {"strided", &slots}, {"prefill", &prefill}, {"shifted", &shifted}};
-  for (const auto& [pattern, combine_slots] : patterns) {
+  const std::vector<int64_t>* index_patterns[] = {&islots, &iprefill, &ishifted};
+  const std::vector<int64_t>* mla_for_index[] = {&slots, &slots, &shifted};
+  for (int k = 0; k < 3; ++k) {
+    const char* pattern = patterns[k].first;
+    const std::vector<int64_t>* combine_slots = cc.own_index_slots ? mla_for_index[k] : patterns[k].second;
+    const std::vector<int64_t>& combine_islots = *index_patterns[k];
     SCOPED_TRACE(fmt::format("combine slots {}", pattern));
     Targets combine_tg(tc, num_slots);
-    DeviceBuffer d_combine_slots = upload(*combine_slots);
+    DeviceBuffer d_combine_slots = upload(*combine_slots), d_combine_islots = upload(combine_islots);
     std::vector<CombineParams> dev_jobs;
     for (int d = 0; d < tc.num_targets; ++d) {
       CombineParams p;
@@ -568,11 +624,13 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
       p.max_local_tokens = M;
       p.row_bytes = layout.row_bytes;
       p.slot_mapping = combine_slots->data();
+      p.indexer_slot_mapping = cc.own_index_slots ? combine_islots.data() : nullptr;
       p.fmt = cc.fmt;
       p.target = combine_tg.host[static_cast<size_t>(d)];
       combine_reference(p);
       p.rows = d_rows.data();
       p.slot_mapping = d_combine_slots.as<const int64_t>();
+      p.indexer_slot_mapping = cc.own_index_slots ? d_combine_islots.as<const int64_t>() : nullptr;
       p.target = combine_tg.dev_view[static_cast<size_t>(d)];
       dev_jobs.push_back(p);
     }
@@ -606,6 +664,7 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     p.k_pe = kpe.data();
     p.index_k = cc.fmt.has_indexer ? idx.data() : nullptr;
     p.slot_mapping = slots.data();
+    p.indexer_slot_mapping = cc.own_index_slots ? islots.data() : nullptr;
     p.fmt = cc.fmt;
     p.target = insert_tg.host[static_cast<size_t>(d)];
     insert_reference(p);
@@ -613,6 +672,7 @@ TEST_P(CombineInsertKernels, BytesEqualCpu) {
     p.k_pe = d_kpe.as<const uint16_t>();
     p.index_k = cc.fmt.has_indexer ? d_idx.as<const uint16_t>() : nullptr;
     p.slot_mapping = d_slots.as<const int64_t>();
+    p.indexer_slot_mapping = cc.own_index_slots ? d_islots.as<const int64_t>() : nullptr;
     p.target = insert_tg.dev_view[static_cast<size_t>(d)];
     ins_jobs.push_back(p);
   }
@@ -658,6 +718,15 @@ std::vector<CopyCase> copy_cases() {
   raw.fmt = make_fmt(KvFormat::kFp8DsMla, DsMlaScale::kRaw, true);
   raw.name = "fp8_ds_mla_raw";
   v.push_back(raw);
+  for (KvFormat f : {KvFormat::kFp8DsMla, KvFormat::kFp8, KvFormat::kBf16})
+    for (int64_t m : {0, 4}) {
+      CopyCase c;
+      c.fmt = make_fmt(f, DsMlaScale::kPow2, true, f == KvFormat::kFp8 ? 0.0371f : 1.0f);
+      c.misalign = m;
+      c.own_index_slots = true;
+      c.name = fmt::format("{}_own_index_slots_{}", to_string(f), m ? "misaligned" : "aligned");
+      v.push_back(c);
+    }
   return v;
 }
 

@@ -20,6 +20,8 @@ std::unique_ptr<PublishCase> make_case(const CaseSpec& spec) {
   pc.seed = spec.seed;
   pc.local_order = spec.local_order;
   pc.decode_ownership = spec.decode_ownership;
+  pc.own_index_blocks = spec.own_index_blocks;
+  pc.index_extra_blocks = spec.index_extra_blocks;
   c->plan = make_plan(pc);
   c->inputs = generate_inputs(c->model, c->plan, spec.fmt.has_indexer, spec.seed);
   c->setup.model = &c->model;

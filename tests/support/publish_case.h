@@ -28,6 +28,8 @@ struct CaseSpec {
   uint64_t seed = 1;                // plan and inputs
   LocalOrder local_order = LocalOrder::kRequest;
   DecodeOwnership decode_ownership = DecodeOwnership::kReplicated;
+  bool own_index_blocks = false;    // PlanConfig: the indexer cache at its own slots (docs/spec.md 4.2)
+  int64_t index_extra_blocks = 0;
 };
 
 /// Owns everything a PublishSetup points to (so it is neither copied nor moved).

@@ -57,6 +57,11 @@ struct PlanConfig {
   uint64_t seed = 0;
   LocalOrder local_order = LocalOrder::kRequest;
   DecodeOwnership decode_ownership = DecodeOwnership::kReplicated;
+  /// The indexer cache gets its own block table (docs/spec.md section 4.2: vLLM's hybrid allocator): its blocks
+  /// drawn as another seeded permutation of first + needed + index_extra_blocks blocks, so a token's indexer slot
+  /// differs from its MLA slot. false: one slot addresses both caches (the default).
+  bool own_index_blocks = false;
+  int64_t index_extra_blocks = 0;
 };
 
 /// One rank's local view. Every vector has max_local_tokens entries.
@@ -67,6 +72,14 @@ struct RankPlan {
   std::vector<int64_t> positions;      // [max_local_tokens], global positions; 0 for padding
   std::vector<int64_t> slot_mapping;   // [max_local_tokens], -1: padding or a decode copy another rank writes
   std::vector<int64_t> global_index;   // [max_local_tokens], index into the global token order; -1 padding
+  /// [max_local_tokens] indexer-cache slots when the plan has its own indexer blocks (-1 where slot_mapping is -1),
+  /// else empty: slot_mapping addresses both caches.
+  std::vector<int64_t> indexer_slot_mapping;
+  /// indexer_slot_mapping's data, or null when slot_mapping addresses both caches
+  /// (DispatchParams::indexer_slot_mapping).
+  const int64_t* index_slots_or_null() const {
+    return indexer_slot_mapping.empty() ? nullptr : indexer_slot_mapping.data();
+  }
 };
 
 struct PcpPlan {
@@ -89,7 +102,19 @@ struct PcpPlan {
   /// Rank-major concatenation of the local slot mappings: [pcp_world * max_local_tokens]. Row
   /// r * max_local_tokens + i of a staging buffer or an all-gathered tensor lands in this slot.
   std::vector<int64_t> gathered_slot_mapping;
+  /// The indexer cache's own blocks (docs/spec.md section 4.2), or 0: the indexer cache has num_blocks blocks and
+  /// slot_mapping addresses both caches (the vectors below are then empty).
+  int64_t index_num_blocks = 0;
+  std::vector<int64_t> global_index_slots;            // [num_global_tokens]
+  std::vector<int64_t> gathered_indexer_slot_mapping;  // [pcp_world * max_local_tokens], rank-major like the above
 
+  bool has_index_slots() const { return index_num_blocks > 0; }
+  /// Blocks of the indexer cache: index_num_blocks, or num_blocks when one slot addresses both caches.
+  int64_t indexer_blocks() const { return has_index_slots() ? index_num_blocks : num_blocks; }
+  /// gathered_indexer_slot_mapping's data, or null (CombineParams / InsertParams::indexer_slot_mapping).
+  const int64_t* gathered_index_slots_or_null() const {
+    return has_index_slots() ? gathered_indexer_slot_mapping.data() : nullptr;
+  }
   int64_t num_global_tokens() const { return static_cast<int64_t>(global_slots.size()); }
   int64_t num_slots() const { return num_blocks * block_size; }
   /// Slots written by the batch (each exactly once over the gathered mapping).

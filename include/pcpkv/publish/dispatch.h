@@ -46,7 +46,9 @@ inline int64_t topk_fill_first_row(TopkFill mode, int64_t indexer_rows, int64_t 
 /// Fused dispatch over num_tokens local tokens (SPEC section 2). Modes combine freely:
 ///  * materialize: each non-null *_out pointer receives that tensor (bf16);
 ///  * cache write: num_targets > 0 -> every token with slot_mapping[t] >= 0 writes its MLA row (and
-///    indexer slot) into each of targets[0..num_targets) ("direct" when num_targets = PCP world);
+///    indexer slot) into each of targets[0..num_targets) ("direct" when num_targets = PCP world); with an
+///    indexer_slot_mapping, its indexer row goes to slot indexer_slot_mapping[t] (>= 0) of the indexer cache instead,
+///    and each mapping's -1 skips its own cache only (docs/spec.md section 4.2);
 ///  * transport rows: num_row_dests > 0 -> token t's packed row (TransportRowLayout) is stored at
 ///    row_dests[d] + t * row_bytes for every d (the "staging" publish into every peer's slot), for every
 ///    t < num_tokens, padding included (a padded row's bytes are unspecified; its slot is -1).
@@ -89,6 +91,8 @@ struct DispatchParams {
                                           //   step's real tokens); in [0, T]. 0 = fill every row (= kFull)
   // ---- cache writes ----
   const int64_t* slot_mapping = nullptr;  // [T], -1 = no cache row
+  const int64_t* indexer_slot_mapping = nullptr;  // [T] indexer-cache slots (indexer layers), -1 = no indexer row;
+                                                //   null: slot_mapping addresses both caches (the default)
   const CacheTarget* targets = nullptr;   // [num_targets] (a device table on the GPU)
   int32_t num_targets = 0;
   // ---- transport rows ----
@@ -98,13 +102,15 @@ struct DispatchParams {
 };
 
 /// Staging rows -> local caches. rows: [num_src_ranks][max_local_tokens][row_bytes] (one ubatch of one
-/// double-buffer half); slot_mapping: the gathered mapping [num_src_ranks * max_local_tokens].
+/// double-buffer half); slot_mapping: the gathered mapping [num_src_ranks * max_local_tokens];
+/// indexer_slot_mapping: the gathered indexer mapping (same shape), null: slot_mapping addresses both caches.
 struct CombineParams {
   const uint8_t* rows = nullptr;
   int32_t num_src_ranks = 0;
   int64_t max_local_tokens = 0;
   int64_t row_bytes = 0;
   const int64_t* slot_mapping = nullptr;
+  const int64_t* indexer_slot_mapping = nullptr;
   CacheFormat fmt;
   CacheTarget target;
 };
@@ -116,6 +122,7 @@ struct InsertParams {
   const uint16_t* k_pe = nullptr;         // [num_tokens, 64]
   const uint16_t* index_k = nullptr;      // [num_tokens, 128]; null when !fmt.has_indexer
   const int64_t* slot_mapping = nullptr;  // [num_tokens]
+  const int64_t* indexer_slot_mapping = nullptr;  // [num_tokens] indexer slots; null: slot_mapping (the default)
   CacheFormat fmt;
   CacheTarget target;
 };

@@ -52,13 +52,22 @@ GuardReport check_untouched(const PublishResult& r, int32_t rank, const PcpPlan&
   PCPKV_CHECK(static_cast<int64_t>(idx.size()) >= r.index_cache_offset + ig.bytes(),
               "check_untouched: rank {} index_alloc has {} B, the cache needs {} B from offset {}", rank, idx.size(),
               ig.bytes(), r.index_cache_offset);
-  PCPKV_CHECK(plan.num_slots() <= mg.num_slots() && plan.num_slots() <= ig.num_slots(),
-              "check_untouched: the plan has {} slots, the caches {} / {}", plan.num_slots(), mg.num_slots(),
-              ig.num_slots());
+  const int64_t plan_index_slots = plan.indexer_blocks() * plan.block_size;
+  PCPKV_CHECK(plan.num_slots() <= mg.num_slots() && plan_index_slots <= ig.num_slots(),
+              "check_untouched: the plan has {} / {} slots, the caches {} / {}", plan.num_slots(), plan_index_slots,
+              mg.num_slots(), ig.num_slots());
 
   std::vector<uint8_t> written(static_cast<size_t>(mg.num_slots()), 0);
   for (int64_t s : plan.gathered_slot_mapping)
     if (s >= 0) written[static_cast<size_t>(s)] = 1;
+  // The indexer cache's written slots: its own mapping's (docs/spec.md 4.2), else the MLA cache's.
+  std::vector<uint8_t> index_written;
+  if (plan.has_index_slots()) {
+    index_written.assign(static_cast<size_t>(ig.num_slots()), 0);
+    for (int64_t s : plan.gathered_indexer_slot_mapping)
+      if (s >= 0) index_written[static_cast<size_t>(s)] = 1;
+  }
+  const std::vector<uint8_t>& iwritten = plan.has_index_slots() ? index_written : written;
 
   GuardReport report;
   const int64_t row_bytes = mla_row_bytes(fmt.kv_format);
@@ -97,7 +106,7 @@ GuardReport check_untouched(const PublishResult& r, int32_t rank, const PcpPlan&
         const int64_t block = base + b * ig.block_stride;
         for (int64_t o = 0; o < ig.block_size; ++o) {
           const int64_t slot = b * ig.block_size + o;
-          if (written[static_cast<size_t>(slot)]) continue;
+          if (iwritten[static_cast<size_t>(slot)]) continue;
           const int64_t data = block + o * kIndexHeadDim;
           const int64_t scale = block + int64_t{ig.block_size} * kIndexHeadDim + o * 4;
           scan.expect_guard(data, data + kIndexHeadDim,
@@ -260,6 +269,9 @@ Fp8Report check_fp8_bound(const PublishResult& r, int32_t rank, const GlobalInpu
   PCPKV_CHECK(rank >= 0 && rank < static_cast<int32_t>(r.mla_alloc.size()),
               "check_fp8_bound: rank {} is out of range [0, {})", rank, r.mla_alloc.size());
   validate_inputs(in, model, plan, fmt.has_indexer);
+  PCPKV_CHECK(!plan.has_index_slots(),
+              "check_fp8_bound: the plan gives the indexer cache its own slots (docs/spec.md 4.2); this check decodes "
+              "both rows of a token at one slot");
   const uint8_t* mla = r.mla_alloc[static_cast<size_t>(rank)].data() + r.mla_cache_offset;
   const uint8_t* idx = fmt.has_indexer ? r.index_alloc[static_cast<size_t>(rank)].data() + r.index_cache_offset
                                        : nullptr;

@@ -50,6 +50,10 @@ int64_t replica_hash_bytes_per_slot(const CacheFormat& fmt) {
 }
 
 std::vector<int64_t> written_slots(const PcpPlan& plan) {
+  // A slot's hash covers its MLA row and the indexer row at the same slot (docs/spec.md 5.2).
+  PCPKV_CHECK(!plan.has_index_slots(),
+              "replica check: the plan gives the indexer cache its own slots (docs/spec.md 4.2); the replica hash "
+              "(section 5.2) hashes a slot's MLA and indexer rows together and does not cover that yet");
   std::vector<int64_t> s;
   s.reserve(static_cast<size_t>(plan.num_written_slots()));
   for (int64_t slot : plan.gathered_slot_mapping)

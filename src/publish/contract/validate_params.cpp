@@ -22,6 +22,34 @@ int64_t target_num_slots(const CacheTarget& t, const CacheFormat& fmt) {
   return n;
 }
 
+// The slot mappings of a call against its targets. One mapping (index_slots null) addresses both caches: its slots
+// must exist in the smaller. With an indexer mapping (docs/spec.md section 4.2) each is checked against its own cache.
+// slot_name / index_name: "dispatch: slot_mapping", "dispatch: indexer_slot_mapping" (literals: no formatting per
+// call).
+void check_slot_mappings(const char* slot_name, const char* index_name, const int64_t* slots,
+                         const int64_t* index_slots, int64_t n, const CacheTarget* targets, int32_t num_targets,
+                         const CacheFormat& fmt) {
+  if (index_slots == nullptr) {
+    int64_t num_slots = target_num_slots(targets[0], fmt);
+    for (int32_t d = 1; d < num_targets; ++d) num_slots = std::min(num_slots, target_num_slots(targets[d], fmt));
+    validate_slot_mapping(slots, n, num_slots, slot_name);
+    return;
+  }
+  int64_t mla_slots = targets[0].mla.num_slots(), index_slots_n = targets[0].index.num_slots();
+  for (int32_t d = 1; d < num_targets; ++d) {
+    mla_slots = std::min(mla_slots, targets[d].mla.num_slots());
+    index_slots_n = std::min(index_slots_n, targets[d].index.num_slots());
+  }
+  validate_slot_mapping(slots, n, mla_slots, slot_name);
+  validate_slot_mapping(index_slots, n, index_slots_n, index_name);
+}
+
+// An indexer slot mapping needs an indexer cache to address.
+void check_indexer_slot_mapping(const char* op, const int64_t* index_slots, const CacheFormat& fmt) {
+  PCPKV_CHECK(index_slots == nullptr || fmt.has_indexer, "{}: indexer_slot_mapping is set but fmt.has_indexer = false",
+              op);
+}
+
 void check_eps(float eps, const char* name) {
   PCPKV_CHECK(std::isfinite(eps) && eps >= 0.0f, "{} = {} must be finite and >= 0", name, eps);
 }
@@ -103,6 +131,7 @@ void combine_regions(const CombineParams& p, int job, std::vector<Region>& write
   add_target(writes, p.target, p.fmt, "target", -1, job);
   reads.push_back({"rows", dense_rows(p.rows, n, p.row_bytes, 1), -1, nullptr, job});
   reads.push_back({"slot_mapping", dense_rows(p.slot_mapping, n, 1, 8), -1, nullptr, job});
+  reads.push_back({"indexer_slot_mapping", dense_rows(p.indexer_slot_mapping, n, 1, 8), -1, nullptr, job});
 }
 
 void insert_regions(const InsertParams& p, int job, std::vector<Region>& writes, std::vector<Region>& reads) {
@@ -112,6 +141,7 @@ void insert_regions(const InsertParams& p, int job, std::vector<Region>& writes,
   reads.push_back({"k_pe", dense_rows(p.k_pe, T, kRopeDims, 2), -1, nullptr, job});
   if (p.fmt.has_indexer) reads.push_back({"index_k", dense_rows(p.index_k, T, kIndexHeadDim, 2), -1, nullptr, job});
   reads.push_back({"slot_mapping", dense_rows(p.slot_mapping, T, 1, 8), -1, nullptr, job});
+  reads.push_back({"indexer_slot_mapping", dense_rows(p.indexer_slot_mapping, T, 1, 8), -1, nullptr, job});
 }
 
 // The jobs of one launch run at once: no job's output may overlap another job's output or any job's input.
@@ -209,6 +239,7 @@ void validate_dispatch_shape(const DispatchParams& p) {
     for (int32_t d = 0; d < p.num_targets; ++d)
       validate_cache_target(p.targets[d], p.fmt, "dispatch: targets", d);
   }
+  check_indexer_slot_mapping("dispatch", p.indexer_slot_mapping, p.fmt);
   PCPKV_CHECK(p.num_row_dests >= 0, "dispatch: num_row_dests = {} must be >= 0", p.num_row_dests);
   if (p.num_row_dests > 0) {
     PCPKV_CHECK(p.row_dests != nullptr, "dispatch: row_dests is null for num_row_dests = {}", p.num_row_dests);
@@ -221,7 +252,7 @@ void validate_dispatch_shape(const DispatchParams& p) {
   // No output (cache targets, transport rows, materialized tensors) over an input or another output.
   std::vector<Region> writes, reads;
   writes.reserve(2 * static_cast<size_t>(p.num_targets) + static_cast<size_t>(p.num_row_dests) + 5);
-  reads.reserve(13);
+  reads.reserve(14);  // 13, and the indexer slot mapping when given
   for (int32_t d = 0; d < p.num_targets; ++d) add_target(writes, p.targets[d], p.fmt, "targets", d, -1);
   for (int32_t d = 0; d < p.num_row_dests; ++d)
     writes.push_back({"row_dests", dense_rows(p.row_dests[d], T, p.row_bytes, 1), d});
@@ -236,6 +267,8 @@ void validate_dispatch_shape(const DispatchParams& p) {
   if (p.fmt.has_indexer) reads.push_back({"index_k", rows_range(p.index_k, T, p.index_k_stride, kIndexHeadDim, 2)});
   reads.push_back({"positions", dense_rows(p.positions, T, 1, 8)});
   reads.push_back({"slot_mapping", dense_rows(p.slot_mapping, T, 1, 8)});
+  if (p.indexer_slot_mapping != nullptr)  // the default form's checks stay as they were (host time per launch)
+    reads.push_back({"indexer_slot_mapping", dense_rows(p.indexer_slot_mapping, T, 1, 8)});
   reads.push_back({"q_norm_w", dense_rows(p.q_norm_w, 1, p.q_lora_rank, 4)});
   reads.push_back({"kv_norm_w", dense_rows(p.kv_norm_w, 1, kKvLoraRank, 4)});
   if (p.fmt.has_indexer) {
@@ -253,11 +286,9 @@ void validate_dispatch(const DispatchParams& p) {
     PCPKV_CHECK(pos >= 0 && pos < p.rope_num_positions, "dispatch: positions[{}] = {} is out of range [0, {})", t,
                 pos, p.rope_num_positions);
   }
-  if (p.num_targets > 0) {
-    int64_t num_slots = target_num_slots(p.targets[0], p.fmt);
-    for (int32_t d = 1; d < p.num_targets; ++d) num_slots = std::min(num_slots, target_num_slots(p.targets[d], p.fmt));
-    validate_slot_mapping(p.slot_mapping, p.num_tokens, num_slots, "dispatch: slot_mapping");
-  }
+  if (p.num_targets > 0)
+    check_slot_mappings("dispatch: slot_mapping", "dispatch: indexer_slot_mapping", p.slot_mapping,
+                        p.indexer_slot_mapping, p.num_tokens, p.targets, p.num_targets, p.fmt);
 }
 
 void validate_combine_shape(const CombineParams& p) {
@@ -270,6 +301,7 @@ void validate_combine_shape(const CombineParams& p) {
               to_string(p.fmt.kv_format), p.fmt.has_indexer ? " + indexer" : "", want);
   PCPKV_CHECK(n == 0 || p.rows != nullptr, "combine: rows is null for {} rows", n);
   PCPKV_CHECK(n == 0 || p.slot_mapping != nullptr, "combine: slot_mapping is null for {} rows", n);
+  check_indexer_slot_mapping("combine", p.indexer_slot_mapping, p.fmt);
   validate_cache_target(p.target, p.fmt, "combine: target");
   std::vector<Region> writes, reads;
   combine_regions(p, -1, writes, reads);
@@ -282,8 +314,8 @@ void validate_combine_jobs(const CombineParams* jobs, int num_jobs) {
 
 void validate_combine(const CombineParams& p) {
   validate_combine_shape(p);
-  validate_slot_mapping(p.slot_mapping, int64_t{p.num_src_ranks} * p.max_local_tokens,
-                        target_num_slots(p.target, p.fmt), "combine: slot_mapping");
+  check_slot_mappings("combine: slot_mapping", "combine: indexer_slot_mapping", p.slot_mapping, p.indexer_slot_mapping,
+                      int64_t{p.num_src_ranks} * p.max_local_tokens, &p.target, 1, p.fmt);
 }
 
 void validate_insert_shape(const InsertParams& p) {
@@ -297,6 +329,7 @@ void validate_insert_shape(const InsertParams& p) {
     if (p.fmt.has_indexer) PCPKV_CHECK(p.index_k != nullptr, "insert: index_k is null but fmt.has_indexer = true");
   }
   if (!p.fmt.has_indexer) PCPKV_CHECK(p.index_k == nullptr, "insert: index_k is set but fmt.has_indexer = false");
+  check_indexer_slot_mapping("insert", p.indexer_slot_mapping, p.fmt);
   validate_cache_target(p.target, p.fmt, "insert: target");
   std::vector<Region> writes, reads;
   insert_regions(p, -1, writes, reads);
@@ -309,7 +342,8 @@ void validate_insert_jobs(const InsertParams* jobs, int num_jobs) {
 
 void validate_insert(const InsertParams& p) {
   validate_insert_shape(p);
-  validate_slot_mapping(p.slot_mapping, p.num_tokens, target_num_slots(p.target, p.fmt), "insert: slot_mapping");
+  check_slot_mappings("insert: slot_mapping", "insert: indexer_slot_mapping", p.slot_mapping, p.indexer_slot_mapping,
+                      p.num_tokens, &p.target, 1, p.fmt);
 }
 
 }  // namespace pcpkv

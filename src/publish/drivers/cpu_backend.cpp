@@ -331,6 +331,7 @@ void Publication::dispatch_stage(int32_t r) {
 void Publication::dispatch_direct(int32_t r) {
   DispatchParams d = base_dispatch(r);
   d.slot_mapping = scratch_[static_cast<size_t>(r)].in.slot_mapping.data();
+  d.indexer_slot_mapping = plan_.ranks[static_cast<size_t>(r)].index_slots_or_null();
   d.targets = targets_.data();
   d.num_targets = W_;
   dispatch_reference(d, threads_per_rank_);
@@ -356,6 +357,7 @@ void Publication::insert(int32_t r) {
   p.k_pe = sc.k_pe_all.data();
   p.index_k = fmt_.has_indexer ? sc.index_k_all.data() : nullptr;
   p.slot_mapping = plan_.gathered_slot_mapping.data();
+  p.indexer_slot_mapping = plan_.gathered_index_slots_or_null();
   p.fmt = fmt_;
   p.target = ranks_[static_cast<size_t>(r)].target;
   insert_reference(p, threads_per_rank_);
@@ -368,6 +370,7 @@ void Publication::combine(int32_t r) {
   p.max_local_tokens = M_;
   p.row_bytes = row_layout_.row_bytes;
   p.slot_mapping = plan_.gathered_slot_mapping.data();
+  p.indexer_slot_mapping = plan_.gathered_index_slots_or_null();
   p.fmt = fmt_;
   p.target = ranks_[static_cast<size_t>(r)].target;
   combine_reference(p, threads_per_rank_);

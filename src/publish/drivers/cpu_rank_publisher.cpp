@@ -260,6 +260,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
       case Op::kDispatchDirect: {
         DispatchParams d = dispatch_params();
         d.slot_mapping = in.slot_mapping.data();
+        d.indexer_slot_mapping = plan.ranks[static_cast<size_t>(me)].index_slots_or_null();
         d.targets = targets.data();
         d.num_targets = W;
         run_dispatch(d);
@@ -283,6 +284,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         p.k_pe = kpe_all.data();
         p.index_k = fmt.has_indexer ? idx_all.data() : nullptr;
         p.slot_mapping = plan.gathered_slot_mapping.data();
+        p.indexer_slot_mapping = plan.gathered_index_slots_or_null();
         p.fmt = fmt;
         p.target = targets[static_cast<size_t>(me)];
         insert_reference(p, threads);
@@ -296,6 +298,7 @@ RankPublishResult CpuRankPublisher::publish(const GlobalInputs& inputs, Transpor
         p.max_local_tokens = M;
         p.row_bytes = layout_.row.row_bytes;
         p.slot_mapping = plan.gathered_slot_mapping.data();
+        p.indexer_slot_mapping = plan.gathered_index_slots_or_null();
         p.fmt = fmt;
         p.target = targets[static_cast<size_t>(me)];
         combine_reference(p, threads);

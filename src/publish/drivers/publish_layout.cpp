@@ -54,7 +54,7 @@ PublishLayout make_publish_layout(const PublishSetup& s) {
   l.mla.row_stride = mla_row_bytes(s.fmt.kv_format) + a.mla_row_pad;
   l.mla.block_stride = l.mla.row_stride * plan.block_size + a.mla_block_pad;
   validate_geometry(l.mla, s.fmt.kv_format);
-  l.index.num_blocks = plan.num_blocks;
+  l.index.num_blocks = plan.indexer_blocks();  // its own block table, or the MLA cache's blocks (spec 4.2)
   l.index.block_size = plan.block_size;
   l.index.block_stride = int64_t{plan.block_size} * kIndexerSlotBytes + a.index_block_pad;
   validate_geometry(l.index);

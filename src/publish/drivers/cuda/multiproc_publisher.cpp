@@ -61,6 +61,7 @@ class CudaRankPublisher final : public RankPublisher {
     rope_ = DeviceBuffer::from(rope.cos_sin);
     rope_num_positions_ = rope.num_positions;
     gathered_slots_ = upload_or_empty(setup_.plan->gathered_slot_mapping);
+    gathered_index_slots_ = upload_or_empty(setup_.plan->gathered_indexer_slot_mapping);
     const int64_t M = setup_.plan->max_local_tokens;
     q_out_.reset(std::max<int64_t>(16, M * setup_.model->q_lora_rank * 2));
     topk_.reset(std::max<int64_t>(16, layout_.fill_topk ? M * setup_.topk_width * 4 : 0));
@@ -252,6 +253,7 @@ class CudaRankPublisher final : public RankPublisher {
     index_k_ = upload_or_empty(in.index_k);
     positions_ = upload_or_empty(in.positions);
     slots_ = upload_or_empty(in.slot_mapping);
+    index_slots_ = upload_or_empty(plan.ranks[static_cast<size_t>(me)].indexer_slot_mapping);
     q_norm_w_ = upload_or_empty(inputs.weights.q_norm_w);
     kv_norm_w_ = upload_or_empty(inputs.weights.kv_norm_w);
     index_ln_w_ = upload_or_empty(inputs.weights.index_ln_w);
@@ -335,6 +337,7 @@ class CudaRankPublisher final : public RankPublisher {
       job.host_row_dests = host_row_dests_;
     } else {
       d.slot_mapping = slots_.as<const int64_t>();
+      d.indexer_slot_mapping = setup_.plan->has_index_slots() ? index_slots_.as<const int64_t>() : nullptr;
       d.targets = targets_.as<const CacheTarget>();
       d.num_targets = W;
       job.host_targets = host_targets_;
@@ -380,6 +383,7 @@ class CudaRankPublisher final : public RankPublisher {
     p.k_pe = kpe_all_.as<const uint16_t>();
     p.index_k = idx ? idx_all_.as<const uint16_t>() : nullptr;
     p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.indexer_slot_mapping = setup_.plan->has_index_slots() ? gathered_index_slots_.as<const int64_t>() : nullptr;
     p.fmt = setup_.fmt;
     p.target = host_targets_[static_cast<size_t>(group_.rank())];
     launch_insert_mla(&p, 1, s);
@@ -393,6 +397,7 @@ class CudaRankPublisher final : public RankPublisher {
     p.max_local_tokens = setup_.plan->max_local_tokens;
     p.row_bytes = layout_.row.row_bytes;
     p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.indexer_slot_mapping = setup_.plan->has_index_slots() ? gathered_index_slots_.as<const int64_t>() : nullptr;
     p.fmt = setup_.fmt;
     p.target = host_targets_[static_cast<size_t>(group_.rank())];
     launch_combine(&p, 1, s);
@@ -424,7 +429,7 @@ class CudaRankPublisher final : public RankPublisher {
   std::string device_name_;
   PublishLayout layout_;
   std::unique_ptr<Stream> stream_holder_;
-  DeviceBuffer rope_, gathered_slots_, q_out_, topk_, targets_, row_dests_;
+  DeviceBuffer rope_, gathered_slots_, gathered_index_slots_, index_slots_, q_out_, topk_, targets_, row_dests_;
   int64_t rope_num_positions_ = 0;
   DeviceBuffer q_c_, kv_, k_pe_, index_k_, positions_, slots_, q_norm_w_, kv_norm_w_, index_ln_w_, index_ln_b_;
   DeviceBuffer kv_all_, kpe_all_, idx_all_;

@@ -101,6 +101,7 @@ struct Publisher::RankState {
   std::vector<InputSet> sets;
   DeviceBuffer positions;   // [M] int64
   DeviceBuffer slots;       // [M] int64
+  DeviceBuffer index_slots;  // [M] int64 indexer slots (the plan's own indexer blocks), else unused
   DeviceBuffer caches;      // layout.caches_bytes: mla allocation | pad | indexer allocation
   DeviceBuffer staging;     // StagingGeometry bytes
   DeviceBuffer kv_c_out, k_pe_out, index_k_out;  // collect: [M, 512 | 64 | 128] bf16
@@ -162,6 +163,8 @@ Publisher::Publisher(const PublishSetup& setup, const GlobalInputs& inputs, cons
   rope_ = DeviceBuffer::from(rope.cos_sin);
   rope_num_positions_ = rope.num_positions;
   gathered_slots_ = upload_or_empty(plan.gathered_slot_mapping);
+  gathered_index_slots_ = upload_or_empty(plan.gathered_indexer_slot_mapping);
+  has_index_slots_ = plan.has_index_slots();
 
   const bool collect_index = setup.fmt.has_indexer;
   // All ranks' top-k buffers of one input set are contiguous: the fill is one byte fill.
@@ -182,6 +185,7 @@ Publisher::Publisher(const PublishSetup& setup, const GlobalInputs& inputs, cons
     }
     st->positions = upload_or_empty(in.positions);
     st->slots = upload_or_empty(in.slot_mapping);
+    st->index_slots = upload_or_empty(plan.ranks[static_cast<size_t>(r)].indexer_slot_mapping);
     st->caches.reset(layout_.caches_bytes);
     st->staging.reset(std::max<int64_t>(16, layout_.staging.bytes()));
     st->kv_c_out.reset(std::max<int64_t>(16, M * 512 * 2));
@@ -265,6 +269,7 @@ DispatchJob Publisher::dispatch_job(int32_t rank, Op op, const InputSet& set) co
   } else {
     PCPKV_CHECK(op == Op::kDispatchDirect, "publisher: op {} is not a dispatch", static_cast<int>(op));
     d.slot_mapping = st.slots.as<const int64_t>();
+    d.indexer_slot_mapping = has_index_slots_ ? st.index_slots.as<const int64_t>() : nullptr;
     d.targets = targets_.as<const CacheTarget>();
     d.num_targets = world_;
     job.host_targets = host_targets_;
@@ -361,6 +366,7 @@ void Publisher::enqueue_insert(cudaStream_t stream) {
     p.k_pe = st.k_pe_all.as<const uint16_t>();
     p.index_k = idx ? st.index_k_all.as<const uint16_t>() : nullptr;
     p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.indexer_slot_mapping = gathered_index_slots();
     p.fmt = setup_.fmt;
     p.target = st.target;
   }
@@ -379,6 +385,7 @@ void Publisher::enqueue_combine(cudaStream_t stream, bool pdl) {
     p.max_local_tokens = max_local_tokens_;
     p.row_bytes = layout_.row.row_bytes;
     p.slot_mapping = gathered_slots_.as<const int64_t>();
+    p.indexer_slot_mapping = gathered_index_slots();
     p.fmt = setup_.fmt;
     p.target = st.target;
   }

@@ -134,6 +134,11 @@ class Publisher {
   DeviceBuffer q_norm_w_, kv_norm_w_, index_ln_w_, index_ln_b_, rope_;
   int64_t rope_num_positions_ = 0;
   DeviceBuffer gathered_slots_;  // [W * M]
+  DeviceBuffer gathered_index_slots_;  // [W * M] when the plan has its own indexer blocks (docs/spec.md 4.2)
+  bool has_index_slots_ = false;
+  const int64_t* gathered_index_slots() const {
+    return has_index_slots_ ? gathered_index_slots_.as<const int64_t>() : nullptr;
+  }
   std::vector<DeviceBuffer> topk_sets_;  // [num_sets] all ranks' top-k buffers [W][M][topk_width]
   DeviceBuffer targets_;         // [W] CacheTarget: every replica
   std::vector<CacheTarget> host_targets_;

@@ -144,11 +144,13 @@ PCPKV_ALWAYS_INLINE void dispatch_range_body(const DispatchParams& p, int64_t be
     if (p.index_k_out)
       for (int i = 0; i < 128; ++i) p.index_k_out[t * 128 + i] = codec::float_to_bf16(v.index_k[i]);
     const int64_t slot = p.slot_mapping ? p.slot_mapping[t] : -1;
-    const bool to_caches = p.num_targets > 0 && slot >= 0;
+    const int64_t index_slot = p.indexer_slot_mapping ? p.indexer_slot_mapping[t] : slot;
+    const bool to_caches = p.num_targets > 0 && (slot >= 0 || index_slot >= 0);
     if (!to_caches && p.num_row_dests == 0) continue;
     encode_transport_row(v.kv_c, v.k_pe, v.index_k, p.fmt, layout, row);
     if (to_caches)
-      for (int32_t d = 0; d < p.num_targets; ++d) cpu_detail::write_cache_row(p.targets[d], layout, slot, row);
+      for (int32_t d = 0; d < p.num_targets; ++d)
+        cpu_detail::write_cache_row(p.targets[d], layout, slot, index_slot, row);
     for (int32_t d = 0; d < p.num_row_dests; ++d)
       std::memcpy(p.row_dests[d] + t * p.row_bytes, row, static_cast<size_t>(p.row_bytes));
   }

@@ -13,15 +13,16 @@ namespace pcpkv::cpu_detail {
 /// Largest transport row (bf16 + indexer): 1152 + 128 + 4 + 12.
 constexpr int64_t kMaxRowBytes = 1296;
 
-/// Copies a transport-layout row (MLA bytes, then indexer data and scale) into slot `slot` of target t.
-/// Offsets in 64 bits (SPEC section 3).
-inline void write_cache_row(const CacheTarget& t, const TransportRowLayout& layout, int64_t slot,
+/// Copies a transport-layout row (MLA bytes, then indexer data and scale) into target t: the MLA bytes to slot
+/// `slot` of its MLA cache, the indexer data and scale to slot `index_slot` of its indexer cache (the same slot
+/// unless the caller has an indexer slot mapping); a slot of -1 skips that cache. Offsets in 64 bits (SPEC section 3).
+inline void write_cache_row(const CacheTarget& t, const TransportRowLayout& layout, int64_t slot, int64_t index_slot,
                             const uint8_t* row) {
-  std::memcpy(t.mla_base + t.mla.row_offset(slot), row, static_cast<size_t>(layout.mla_bytes));
-  if (layout.index_data_offset >= 0) {
-    std::memcpy(t.index_base + t.index.data_offset(slot), row + layout.index_data_offset,
+  if (slot >= 0) std::memcpy(t.mla_base + t.mla.row_offset(slot), row, static_cast<size_t>(layout.mla_bytes));
+  if (layout.index_data_offset >= 0 && index_slot >= 0) {
+    std::memcpy(t.index_base + t.index.data_offset(index_slot), row + layout.index_data_offset,
                 static_cast<size_t>(kIndexHeadDim));
-    std::memcpy(t.index_base + t.index.scale_offset(slot), row + layout.index_scale_offset, 4);
+    std::memcpy(t.index_base + t.index.scale_offset(index_slot), row + layout.index_scale_offset, 4);
   }
 }
 

@@ -1,7 +1,8 @@
 // The staging combine (SPEC section 5): rank-major transport rows of one staging half -> the local paged
 // caches. A pure copy (bytes equal combine_reference's): 16-byte chunks, the MLA row first, then the indexer data
 // and the 4-byte indexer scale. Rows whose gathered slot is -1 (padding, decode copies of ranks > 0) are
-// skipped, so decode rows land once, from rank 0. Two kernels:
+// skipped, so decode rows land once, from rank 0. With a gathered indexer slot mapping (CombineParams) a row's
+// indexer part goes to its own slot, each -1 skipping its own cache (loaded only then). Two kernels:
 //   rows_per_warp 1 (the first one): one warp per row; the slot is read first, the row only when it is >= 0
 //     (two dependent memory latencies per row);
 //   rows_per_warp 2 / 4 (batched): a warp reads the slots AND the rows of 2 or 4 consecutive rows at once
@@ -31,6 +32,7 @@ constexpr int kMaxChunkIters = 3;  // up to 96 chunks of 16 B per row (bf16 + in
 struct CombineJobArgs {
   const uint8_t* rows;
   const int64_t* slot_mapping;
+  const int64_t* indexer_slot_mapping;  // null: slot_mapping's
   uint8_t* mla_base;
   int64_t row_stride, block_stride;
   uint8_t* index_base;
@@ -63,7 +65,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     const CombineJobArgs& j = a.j[jn];
     const int64_t i = g - j.row_begin;
     const int64_t slot = __ldg(j.slot_mapping + i);
-    if (slot < 0) continue;
+    const int64_t islot = j.indexer_slot_mapping != nullptr ? __ldg(j.indexer_slot_mapping + i) : slot;
+    if (slot < 0 && islot < 0) continue;
     const uint8_t* row = j.rows + i * a.row_bytes;
     // All loads of the row first, then the stores.
     uint4 v[kMaxChunkIters];
@@ -78,18 +81,19 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
     uint32_t scale = 0;
     if (a.has_indexer && lane == 31) scale = __ldg(reinterpret_cast<const uint32_t*>(row + a.index_scale_offset));
     uint8_t* mla = j.mla_base + (slot >> j.block_shift) * j.block_stride + (slot & j.block_mask) * j.row_stride;
-    const int64_t iblk = slot >> j.index_block_shift, ioff = slot & j.index_block_mask;
+    const int64_t iblk = islot >> j.index_block_shift, ioff = islot & j.index_block_mask;
     uint8_t* iblock = j.index_base + iblk * j.index_block_stride;
 #pragma unroll
     for (int k = 0; k < kMaxChunkIters; ++k) {
       const int c = lane + 32 * k;
-      if (c < a.num_chunks) {
+      if (c < a.num_chunks && (c < a.mla_chunks ? slot : islot) >= 0) {
         uint8_t* dst = c < a.mla_chunks ? mla + 16 * c : iblock + ioff * kIndexHeadDim + 16 * (c - a.mla_chunks);
         const uint32_t w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
         store_bytes<16>(dst, w, a.store_align);
       }
     }
-    if (a.has_indexer && lane == 31) store_bytes<4>(iblock + j.index_scale_base + ioff * 4, &scale, a.store_align);
+    if (a.has_indexer && lane == 31 && islot >= 0)
+      store_bytes<4>(iblock + j.index_scale_base + ioff * 4, &scale, a.store_align);
   }
 }
 
@@ -103,13 +107,14 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
   for (int64_t g0 = (int64_t{blockIdx.x} * (kThreads / 32) + (threadIdx.x >> 5)) * kRows; g0 < a.total_rows; g0 += step) {
     uint4 v[kRows][kIters];
     uint32_t scale[kRows];
-    int64_t slot[kRows];
+    int64_t slot[kRows], islot[kRows];
     int jn[kRows];
     // Loads of every row of the batch, then the stores.
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t g = g0 + r;
       slot[r] = -1;
+      islot[r] = -1;
       jn[r] = 0;
       scale[r] = 0;
       if (g < a.total_rows) {
@@ -117,6 +122,7 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
         const CombineJobArgs& j = a.j[jn[r]];
         const int64_t i = g - j.row_begin;
         slot[r] = __ldg(j.slot_mapping + i);
+        islot[r] = j.indexer_slot_mapping != nullptr ? __ldg(j.indexer_slot_mapping + i) : slot[r];
         const uint8_t* row = j.rows + i * a.row_bytes;
 #pragma unroll
         for (int k = 0; k < kIters; ++k) {
@@ -132,22 +138,22 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
     // The batch's scales in one store when its kRows slots are consecutive, of one job and start at a multiple
     // of kRows (a prefill's rows): they are then adjacent and 4 * kRows-byte aligned in one indexer block's
     // scale region, and one store replaces kRows partial-sector ones (docs/perf.md section 28).
-    bool scales_packed = kRows > 1 && a.has_indexer && a.store_align >= 4 * kRows && slot[0] >= 0 &&
-                         (slot[0] & (kRows - 1)) == 0 && a.j[jn[0]].index_block_mask >= kRows - 1;
+    bool scales_packed = kRows > 1 && a.has_indexer && a.store_align >= 4 * kRows && islot[0] >= 0 &&
+                         (islot[0] & (kRows - 1)) == 0 && a.j[jn[0]].index_block_mask >= kRows - 1;
 #pragma unroll
-    for (int r = 1; r < kRows; ++r) scales_packed = scales_packed && slot[r] == slot[0] + r && jn[r] == jn[0];
+    for (int r = 1; r < kRows; ++r) scales_packed = scales_packed && islot[r] == islot[0] + r && jn[r] == jn[0];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (slot[r] < 0) continue;  // uniform across the warp
+      if (slot[r] < 0 && islot[r] < 0) continue;  // uniform across the warp
       const CombineJobArgs& j = a.j[jn[r]];
-      const int64_t sl = slot[r];
+      const int64_t sl = slot[r], isl = islot[r];
       uint8_t* mla = j.mla_base + (sl >> j.block_shift) * j.block_stride + (sl & j.block_mask) * j.row_stride;
-      uint8_t* iblock = j.index_base + (sl >> j.index_block_shift) * j.index_block_stride;
-      const int64_t ioff = sl & j.index_block_mask;
+      uint8_t* iblock = j.index_base + (isl >> j.index_block_shift) * j.index_block_stride;
+      const int64_t ioff = isl & j.index_block_mask;
 #pragma unroll
       for (int k = 0; k < kIters; ++k) {
         const int c = lane + 32 * k;
-        if (c < a.num_chunks) {
+        if (c < a.num_chunks && (c < a.mla_chunks ? sl : isl) >= 0) {
           uint8_t* dst = c < a.mla_chunks ? mla + 16 * c : iblock + ioff * kIndexHeadDim + 16 * (c - a.mla_chunks);
           if (a.store_align >= 16) {
             // Evict-first: the rows go to caches larger than L2 and are not read again in this layer;
@@ -159,12 +165,12 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const __grid_con
           }
         }
       }
-      if (a.has_indexer && lane == 31 && !scales_packed)
+      if (a.has_indexer && lane == 31 && !scales_packed && isl >= 0)
         store_bytes<4>(iblock + j.index_scale_base + ioff * 4, &scale[r], a.store_align);
     }
     if (scales_packed && lane == 31) {
       const CombineJobArgs& j = a.j[jn[0]];
-      const int64_t sl = slot[0];
+      const int64_t sl = islot[0];
       uint8_t* dst = j.index_base + (sl >> j.index_block_shift) * j.index_block_stride + j.index_scale_base +
                      (sl & j.index_block_mask) * 4;
       store_bytes<4 * kRows>(dst, scale, 4 * kRows);
@@ -243,6 +249,7 @@ void launch_combine(const CombineParams* jobs, int num_jobs, cudaStream_t stream
       CombineJobArgs& j = a.j[k];
       j.rows = p.rows;
       j.slot_mapping = p.slot_mapping;
+      j.indexer_slot_mapping = p.indexer_slot_mapping;
       j.mla_base = p.target.mla_base;
       j.row_stride = p.target.mla.row_stride;
       j.block_stride = p.target.mla.block_stride;

@@ -45,7 +45,7 @@ template <int QL>
 struct TokenRegs {
   uint4 q[QL];
   uint4 x;       // kv leaf (threads 0..63), k_pe leaf (warp 2), index_k leaf (warp 3)
-  int64_t slot;  // threads 0..127
+  int64_t slot;  // threads 0..127; warp 3 (the indexer row) holds the indexer slot
   int64_t pos;   // warps 2, 3
 };
 
@@ -74,7 +74,11 @@ __device__ __forceinline__ void load_token(const DispatchArgs& a, int64_t g, Tok
   } else if (warp == 3 && lane < 16 && a.c.has_indexer) {
     v.x = load16_ro(ra.index_k + t * ra.index_k_stride + 8 * lane, la);
   }
-  if (tid < 128 && ra.slot_mapping != nullptr) v.slot = __ldg(ra.slot_mapping + t);
+  if (tid < 128) {
+    // Warp 3 writes only the indexer row: its slot comes from the indexer mapping when there is one.
+    const int64_t* sm = warp == 3 && ra.indexer_slot_mapping != nullptr ? ra.indexer_slot_mapping : ra.slot_mapping;
+    if (sm != nullptr) v.slot = __ldg(sm + t);
+  }
   if (warp == 2 || warp == 3) v.pos = __ldg(ra.positions + t);
 }
 
@@ -514,6 +518,7 @@ void launch_group(const DispatchJob* jobs, int n, cudaStream_t stream, DispatchV
     r.index_k_stride = p.index_k_stride;
     r.positions = p.positions;
     r.slot_mapping = p.slot_mapping;
+    r.indexer_slot_mapping = p.indexer_slot_mapping;
     r.q_c_out = p.q_c_out;
     r.kv_c_out = p.kv_c_out;
     r.k_pe_out = p.k_pe_out;

@@ -39,6 +39,7 @@ struct RankArgs {
   int64_t q_c_stride, kv_stride, k_pe_stride, index_k_stride;
   const int64_t* positions;
   const int64_t* slot_mapping;  // may be null when nothing is written to caches
+  const int64_t* indexer_slot_mapping;  // the indexer rows' slots; null: slot_mapping's (no load then)
   uint16_t* q_c_out;
   uint16_t* kv_c_out;
   uint16_t* k_pe_out;

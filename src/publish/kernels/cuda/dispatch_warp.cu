@@ -418,6 +418,9 @@ __device__ __forceinline__ void kv_part(const CommonArgs& c, const RankArgs& ra,
     // ---- indexer K: LayerNorm, RoPE on dims [0, 64), optional Hadamard, UE8M0 quantization ----
     constexpr unsigned kHalf = 0xffff0000u;
     const int leaf = lane - 16;
+    // The indexer row's slot: its own mapping's entry (loaded here, so the default form, null, keeps its
+    // registers and loads), else the token's slot.
+    const int64_t index_slot = ra.indexer_slot_mapping != nullptr ? __ldg(ra.indexer_slot_mapping + t) : slot;
     float rc[8] = {}, rs[8] = {};
     if (leaf < 8) load_rope(c.rope_cos_sin + pos * kRopeDims, leaf, c.index_rope_interleaved, rc, rs);
     float xf[8];
@@ -441,11 +444,11 @@ __device__ __forceinline__ void kv_part(const CommonArgs& c, const RankArgs& ra,
     uint32_t words[2];
     pack_e4m3x8(xf, words);
     const uint32_t scale_row[4] = {__float_as_uint(s), 0u, 0u, 0u};  // scale + the 12 zero pad bytes
-    if (slot >= 0)
+    if (index_slot >= 0)
       for (int d = 0; d < ra.num_targets; ++d) {
         const TargetLite& tl = s_targets[ra.target_base + d];
-        uint8_t* block = tl.index_base + (slot >> tl.index_block_shift) * tl.index_block_stride;
-        const int64_t off = slot & tl.index_block_mask;
+        uint8_t* block = tl.index_base + (index_slot >> tl.index_block_shift) * tl.index_block_stride;
+        const int64_t off = index_slot & tl.index_block_mask;
         store8(block + off * kIndexHeadDim + 8 * leaf, words);
         if (leaf == 0) stg4(block + tl.index_scale_base + off * 4, scale_row[0]);
       }

@@ -23,7 +23,7 @@ struct InsertJobArgs {
   const uint16_t* kv_c;
   const uint16_t* k_pe;
   const uint16_t* index_k;
-  const int64_t* slot_mapping;
+  const int64_t* slot_mapping;  // the MLA kernel's slots; the indexer kernel's too unless the job has its own
   uint8_t* mla_base;
   int64_t row_stride, block_stride;
   uint8_t* index_base;
@@ -182,7 +182,9 @@ void launch_insert(const InsertParams* jobs, int num_jobs, cudaStream_t stream, 
       j.kv_c = p.kv_c;
       j.k_pe = p.k_pe;
       j.index_k = p.index_k;
-      j.slot_mapping = p.slot_mapping;
+      // The indexer kernel reads the job's indexer mapping when it has one: same kernel, same loads.
+      j.slot_mapping =
+          part == Part::kIndexer && p.indexer_slot_mapping != nullptr ? p.indexer_slot_mapping : p.slot_mapping;
       if (part == Part::kMla) {
         j.mla_base = p.target.mla_base;
         j.row_stride = p.target.mla.row_stride;
