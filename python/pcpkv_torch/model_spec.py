@@ -2,7 +2,7 @@
 Python. (Its former name pcpkv_torch.model is this module too.)
 
 A HF ``config.json`` (a dict) or a ``transformers`` config object both work. The C++ loader of the library
-(``pcpkv::load_hf_config``, src/core/model.cpp) is the reference for the CLI; this module reads the same keys
+(``pcpkv::load_hf_config``, src/core/hf_config.cpp) is the reference for the CLI; this module reads the same keys
 for the fields the torch ops take (eps values, RoPE, rope styles, which layers have an indexer).
 """
 
@@ -20,7 +20,7 @@ __all__ = ["RopeSpec", "ModelSpec", "CacheFormat", "MLA_ROW_BYTES", "transport_r
 MLA_ROW_BYTES = {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656}
 
 #: The largest max_position_embeddings pcpkv accepts: the C++ loader reads the key into the int64
-#: pcpkv::ModelConfig::max_position_embeddings (include/pcpkv/core/model.h), and its Reader (src/core/model.cpp)
+#: pcpkv::ModelConfig::max_position_embeddings (include/pcpkv/core/model.h), and its Reader (src/core/hf_config.cpp)
 #: refuses a value outside the int64 range before converting it; it refuses values < 1 as well.
 MAX_POSITION_EMBEDDINGS = 2 ** 63 - 1
 
@@ -202,7 +202,7 @@ class RopeSpec:
         if params.get("rope_theta") is not None:
             theta = _typed(params["rope_theta"], where + "rope_theta", float)
             if top_theta is not None and top_theta != theta:
-                # as pcpkv::load_hf_config's note (src/core/model.cpp apply_rope), which the CLI prints: HF
+                # as pcpkv::load_hf_config's note (src/core/hf_rope.cpp apply_rope), which the CLI prints: HF
                 # transformers 5 reads the theta of rope_parameters too, the top-level key is dead text
                 warnings.warn(f"top-level 'rope_theta' = {_get(config, 'rope_theta')!r} is shadowed by "
                               f"'{where}rope_theta' = {params['rope_theta']!r}: using {params['rope_theta']!r}",
@@ -339,7 +339,7 @@ class ModelSpec:
             return self.indexer_types[layer_idx] == "full"
         if self.index_topk_freq <= 1:
             return True
-        # HF / vLLM IndexShare schedule (as src/core/model.cpp): full iff max(l - offset + 1, 0) % freq == 0.
+        # HF / vLLM IndexShare schedule (as src/core/model_validate.cpp): full iff max(l - offset + 1, 0) % freq == 0.
         return max(layer_idx - self.index_skip_topk_offset + 1, 0) % self.index_topk_freq == 0
 
     def dispatch_kwargs(self) -> dict:

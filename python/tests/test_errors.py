@@ -22,10 +22,10 @@ def small_plan(world, seed=0):
 
 
 def test_cpp_errors_reach_python_as_value_error():
-    # pcpkv::Error thrown in pcpkv's core, translated to ValueError by csrc/common.h translate_errors
+    # pcpkv::Error thrown in pcpkv's core, translated to ValueError by csrc/checks.h translate_errors
     with pytest.raises(ValueError, match="num_positions = 0"):
         torch.ops.pcpkv.rope_table(0, "default", 10000.0, 1.0, 4096, 32.0, 1.0, 1.0, 1.0)
-    # TORCH_CHECK_VALUE of the tensor checks (csrc/common.cpp), CPU tensors
+    # TORCH_CHECK_VALUE of the tensor checks (csrc/checks.cpp), CPU tensors
     kv = torch.zeros(4, 512, dtype=torch.float32) + 1
     k_pe = torch.ones(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dispatch: kv: expected bfloat16"):
@@ -204,7 +204,7 @@ def over(buf, like, offset=0):
 
 
 def extent(t):
-    """Bytes from t's first to just past its last element (csrc/common.h byte_range)."""
+    """Bytes from t's first to just past its last element (csrc/checks.h byte_range)."""
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 

@@ -111,7 +111,7 @@ def test_examples_refuse_flags_before_any_work(argv, match, capsys, monkeypatch)
 
 def test_examples_print_an_error_with_one_prefix(capsys):
     # A library error reached the examples' error line as "pcpkv: error: rank 0: pcpkv: rope: ...": the extension's
-    # own "pcpkv: " (csrc/common.h) after run_cli's. One prefix, then who, then the message.
+    # own "pcpkv: " (csrc/checks.h) after run_cli's. One prefix, then who, then the message.
     from pcpkv_torch.examples.prefill import run_cli
 
     def bad_rope():  # pcpkv::Error from the core, through translate_errors: ValueError "pcpkv: rope: ..."

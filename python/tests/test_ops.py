@@ -116,8 +116,8 @@ def publish_both(worlds, plan, what):
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("index_rope_interleaved", [False, True])
 def test_cuda_equals_cpu_reference(monkeypatch, variant, kv_format, index_rope_interleaved):
-    # launch_dispatch reads PCPKV_DISPATCH_VARIANT at every launch (src/publish/cuda/dispatch.cu resolve_variant; an
-    # unknown name is refused: src/publish/dispatch_variant.cpp)
+    # launch_dispatch reads PCPKV_DISPATCH_VARIANT at every launch (src/publish/kernels/cuda/dispatch.cu
+    # resolve_variant; an unknown name is refused: src/publish/contract/dispatch_variant.cpp)
     monkeypatch.setenv("PCPKV_DISPATCH_VARIANT", variant)
     plan = small_plan(4, seed=5)
     fmt = pk.CacheFormat(kv_format, k_scale=0.5 if kv_format == "fp8" else 1.0)

@@ -68,8 +68,9 @@ def _signed(v: int) -> int:
 
 
 def test_the_hash_is_the_cpp_definition():
-    """The values tests/unit/test_replica_hash.cpp (CPU oracle) and tests/cuda/test_replica_hash.cpp (kernel) assert
-    for the same bytes: the hash of docs/spec.md section 5.2 is one definition in C++, on the GPU and here."""
+    """The values tests/publish/test_replica_hash.cpp (CPU oracle) and tests/publish/test_replica_hash_cuda.cpp
+    (kernel) assert for the same bytes: the hash of docs/spec.md section 5.2 is one definition in C++, on the GPU and
+    here."""
     mla = torch.empty(2, 4, 656, dtype=torch.uint8)
     idx = torch.empty(2, 4, 132, dtype=torch.uint8)
     flat = idx.view(2, 4 * 132)  # per block: 4 rows of 128 e4m3, then 4 fp32 scales (SPEC section 3)

@@ -1,4 +1,4 @@
-// Limits on files a user names and on quoted values (include/pcpkv/input_limits.h).
+// Limits on files a user names and on quoted values (include/pcpkv/core/input_limits.h).
 #include "pcpkv/core/input_limits.h"
 
 #include <fcntl.h>

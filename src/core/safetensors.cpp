@@ -1,4 +1,4 @@
-// safetensors reader and writer (include/pcpkv/safetensors.h). The JSON header goes through nlohmann-json.
+// safetensors reader and writer (include/pcpkv/core/safetensors.h). The JSON header goes through nlohmann-json.
 #include "pcpkv/core/safetensors.h"
 
 #include <fcntl.h>

@@ -1,5 +1,5 @@
 // pcpkv-test-labels: multiproc
-// tests/multiproc/fault_loop.cpp: leaks under faults. A bounded loop of CPU multi-process
+// tests/cli/fault_loop.cpp: leaks under faults. A bounded loop of CPU multi-process
 // publications in which one rank is killed with SIGKILL at a random moment (during setup, the rendezvous,
 // publication or teardown): every run must exit nonzero naming the killed rank, and leave no process, no
 // /dev/shm segment of its processes and no rendezvous directory behind.

@@ -1,7 +1,7 @@
 // pcpkv-test-labels: unit
 // `pcpkv bench`'s exit code from its report (bench_exit_code of pcpkv/publish/cuda.h): 1 when a replica-check row
 // failed, naming the case and the check's detail; 0 when every row passed or there were none. The bench itself
-// needs a GPU (tests/cuda/test_publish_bench_cli.cpp); a failing row used to print FAIL and exit 0.
+// needs a GPU (tests/cli/test_publish_bench_cli.cpp); a failing row used to print FAIL and exit 0.
 #include <gtest/gtest.h>
 
 #include <string>

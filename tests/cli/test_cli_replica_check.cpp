@@ -2,7 +2,7 @@
 // `pcpkv run --check-replicas` and PCPKV_CHECK_REPLICAS (the run-time replica check, pcpkv/publish/replica_hash.h):
 // off by default, one "replica hashes agree" check per transport when on, a corrupted replica (--inject-fault row)
 // fails it naming the layer, the rank and the slot with exit code 1, a bad PCPKV_CHECK_REPLICAS is refused (exit 2).
-// mp-publish with the flag: tests/multiproc/replica_check.cpp.
+// mp-publish with the flag: tests/publish/replica_check.cpp.
 #include <cstdlib>
 #include <string>
 #include <vector>

@@ -129,7 +129,7 @@ TEST(EnvRegistry, ReadEnvReadsRegisteredNamesAndRefusesOthers) {
 
 // The one rule of the on/off switches (read_env_switch): "1" on; unset, empty or "0" off; any other value refused,
 // naming the variable and the value. PCPKV_PDL took every value but "1" for off, silently (its reader,
-// src/core/cuda/pdl_switch.cpp, is tested in tests/cuda/test_pdl.cpp).
+// src/core/cuda/pdl_switch.cpp, is tested in tests/serving/test_pdl.cpp).
 TEST(EnvRegistry, SwitchesTakeOneZeroOrEmptyAndRefuseAnythingElse) {
   for (const char* name : {"PCPKV_PDL", "PCPKV_CHECK_REPLICAS", "PCPKV_ALLOW_NONLOCAL_MASTER"}) {
     SCOPED_TRACE(name);

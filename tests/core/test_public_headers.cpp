@@ -45,7 +45,7 @@ TEST(PublicHeaders, LaunchersParseTheirNamesAndKeepTheirDefaults) {
   EXPECT_EQ(pcpkv::cuda::kDefaultCombineRowsPerWarp, 1);
   DispatchJob job;
   EXPECT_TRUE(job.host_targets.empty());
-  // The variant names are in pcpkv_core (src/publish/dispatch_variant.cpp): CPU builds have them too.
+  // The variant names are in pcpkv_core (src/publish/contract/dispatch_variant.cpp): CPU builds have them too.
   EXPECT_EQ(parse_dispatch_variant("warp_pf"), DispatchVariant::kWarpPrefetch);
   EXPECT_STREQ(to_string(DispatchVariant::kSimple), "simple");
   EXPECT_THROW(parse_dispatch_variant("fastest"), pcpkv::Error);

@@ -1,5 +1,5 @@
 // pcpkv-test-labels: unit
-// safetensors reader/writer (include/pcpkv/safetensors.h): round trips of every dtype, the exact byte
+// safetensors reader/writer (include/pcpkv/core/safetensors.h): round trips of every dtype, the exact byte
 // layout of the format, and every malformed-file error (each names the tensor and the offset).
 #include <gtest/gtest.h>
 #include <unistd.h>

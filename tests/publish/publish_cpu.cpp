@@ -159,7 +159,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Plan modes (SPEC section 4.1) with one process per rank: vLLM's local order and round-robin decode owners
 // (3 ranks, 2 decodes: rank 2 owns none) publish the bytes of the single-process reference of the same plan,
-// which tests/unit/test_plan_modes.cpp shows equal to the default modes' bytes.
+// which tests/core/test_plan_modes.cpp shows equal to the default modes' bytes.
 TEST(PublishCpuMultiproc, LocalOrderAndRoundRobinDecodes) {
   for (Transport t : {Transport::kCollect, Transport::kStaging, Transport::kDirect}) {
     const auto out = run_ranks(3, [t](const BootstrapConfig& bc) {

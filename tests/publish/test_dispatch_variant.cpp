@@ -1,6 +1,6 @@
 // pcpkv-test-labels: unit
-// PCPKV_DISPATCH_VARIANT (src/publish/dispatch_variant.h): the rule the CUDA launcher applies to kAuto, tested on
-// the CPU. An unknown value ("wrap") used to run the default kernel without a word.
+// PCPKV_DISPATCH_VARIANT (src/publish/contract/dispatch_variant.h): the rule the CUDA launcher applies to kAuto,
+// tested on the CPU. An unknown value ("wrap") used to run the default kernel without a word.
 #include <gtest/gtest.h>
 
 #include <filesystem>

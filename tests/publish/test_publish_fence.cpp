@@ -1,5 +1,5 @@
 // pcpkv-test-labels: cuda
-// The SPEC section 5 fence kernel for ranks that share a GPU (src/publish/cuda/local_fence.h over
+// The SPEC section 5 fence kernel for ranks that share a GPU (src/publish/drivers/cuda/local_fence.h over
 // pcpkv/device/fence_kernel.h): epochs advance per call and per barrier index, ranks arriving from separate
 // launches on separate streams meet, and a rank that never arrives ends the wait with pcpkv::FenceTimeout
 // naming it (an error word in host-mapped memory), not a hang. Skips with the reason when no GPU is visible.

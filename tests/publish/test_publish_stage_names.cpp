@@ -1,8 +1,8 @@
 // pcpkv-test-labels: cuda
-// The CUDA backend and its Publisher report exactly the transport tables' stages (src/publish/transport_table.h):
-// the same names and bytes as the CPU backend for every transport, on indexer layers (with and without a top-k
-// buffer) and shared layers; a fused top-k fill drops the topk-fill stage and moves its bytes into the dispatch.
-// Skips with the reason when no GPU is visible.
+// The CUDA backend and its Publisher report exactly the transport tables' stages
+// (src/publish/drivers/transport_table.h): the same names and bytes as the CPU backend for every transport, on indexer
+// layers (with and without a top-k buffer) and shared layers; a fused top-k fill drops the topk-fill stage and moves
+// its bytes into the dispatch. Skips with the reason when no GPU is visible.
 #include <string>
 #include <vector>
 

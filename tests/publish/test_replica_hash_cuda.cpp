@@ -110,7 +110,7 @@ TEST(ReplicaHashGpu, ManySlotsAndTheFixedValues) {
   std::vector<int64_t> slots(200000);
   std::iota(slots.begin(), slots.end(), 0);
   EXPECT_EQ(gpu_hashes(rep.dev, fmt, slots), slot_hashes_reference(rep.host, fmt, slots));
-  // The pattern of tests/unit/test_replica_hash.cpp and python/tests/test_replica_check.py, on the GPU.
+  // The pattern of tests/publish/test_replica_hash.cpp and python/tests/test_replica_check.py, on the GPU.
   Geometry small{4, 2, 0, 0, 0};
   Replica p(KvFormat::kFp8DsMla, small, 0);
   for (int64_t s = 0; s < 8; ++s) {

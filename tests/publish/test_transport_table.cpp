@@ -1,9 +1,9 @@
 // pcpkv-test-labels: unit
-// The transport tables (src/publish/transport_table.h): each transport's steps and stage names, which steps a
+// The transport tables (src/publish/drivers/transport_table.h): each transport's steps and stage names, which steps a
 // publication runs, and that the CPU backend reports exactly the table's stage names and byte model for every
 // transport on indexer layers (with and without a top-k buffer) and shared layers. The per-process CPU
-// publisher is checked against the same names in tests/multiproc/publish_cpu.cpp, the CUDA drivers in
-// tests/cuda/test_publish_stage_names.cpp.
+// publisher is checked against the same names in tests/publish/publish_cpu.cpp, the CUDA drivers in
+// tests/publish/test_publish_stage_names.cpp.
 #include <string>
 #include <vector>
 

@@ -308,7 +308,7 @@ TEST(AllReduce, PartitionCoversEveryItemOnceAndDispatchIsMonotone) {
     }
     EXPECT_EQ(choose_allreduce_algo(4096, w, true), AllReduceAlgo::kOneShot);
   }
-  // The measured crossovers (H200, W logical ranks on one GPU; src/serving/cpu/allreduce_dispatch.cpp).
+  // The measured crossovers (H200, W logical ranks on one GPU; src/serving/drivers/allreduce_dispatch.cpp).
   EXPECT_EQ(choose_allreduce_algo(int64_t{4} << 20, 2), AllReduceAlgo::kOneShot);
   EXPECT_EQ(choose_allreduce_algo(int64_t{16} << 20, 2), AllReduceAlgo::kTwoShot);
   EXPECT_EQ(choose_allreduce_algo(int64_t{1} << 20, 4), AllReduceAlgo::kOneShot);

@@ -249,7 +249,8 @@ TEST(Router, DispatchTableIsWellFormed) {
       EXPECT_EQ(256 % e, 0);
     }
   }
-  // Measured on the H200 (src/serving/cpu/router_dispatch.cpp): the small-T kernel at T = 1, cuBLASLt from T = 8 on.
+  // Measured on the H200 (src/serving/drivers/router_dispatch.cpp): the small-T kernel at T = 1, cuBLASLt from
+  // T = 8 on.
   EXPECT_EQ(router_dispatch(1).path, RouterPath::kSmallT);
   EXPECT_EQ(router_dispatch(64).path, RouterPath::kCublasLt);
   EXPECT_EQ(parse_router_small_kernel("small2"), RouterSmallKernel::kStaged);

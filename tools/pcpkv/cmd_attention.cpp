@@ -90,7 +90,7 @@ IndexerLogit parse_indexer_logit(const std::string& name, const char* flag) {
 // ---- memory, estimated from the flags before anything is allocated ---------------------------------
 //
 // Everything in long double: --prefill 99999999999 must give a message, not an overflow. The estimate adds
-// up what is alive at the check's peak (run_attention_check in src/consumers/attention_check.cpp: plans, inputs,
+// up what is alive at the check's peak (run_attention_check in src/consumers/checks/attention_check.cpp: plans, inputs,
 // P + 1 cache replicas, the CPU publisher's scratch, queries, the one-rank, gathered and reference outputs
 // with the reference's fp64 error statistics, the indexer scores [N, max_keys] and, with --dcp D, D shards
 // of outputs), so it is an upper bound of the peak RSS rather than a guess at it.

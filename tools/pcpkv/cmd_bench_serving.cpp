@@ -148,7 +148,7 @@ std::string router_markdown(const std::vector<cuda::RouterBenchRow>& rows, bool 
   }
   // Suggested dispatch: the fastest variant per token count (without PDL), summed over presets.
   md += "\n**Suggested dispatch (fastest variant per T without PDL, summed over presets; compare with "
-        "src/serving/cpu/router_dispatch.cpp)**\n\n";
+        "src/serving/drivers/router_dispatch.cpp)**\n\n";
   md += "| T | fastest | us (sum over presets) | cuBLASLt (sum) |\n|---|---|---|---|\n";
   std::map<int64_t, std::map<std::string, double>> sum;
   std::map<int64_t, std::map<std::string, int>> seen;

@@ -1,6 +1,6 @@
 // pcpkv/core/env.h: the one registry of the PCPKV_* environment variables the library and the CLI read
 // (name, meaning, default, reader), and the accessor every reader goes through. `pcpkv info` lists the
-// registry (text and --json); tests/unit/test_env_registry.cpp fails when a source reads a PCPKV_* name
+// registry (text and --json); tests/core/test_env_registry.cpp fails when a source reads a PCPKV_* name
 // that is not registered. Build-time variables of the scripts (PCPKV_JOBS, PCPKV_BUILD_DIR, ...) and of
 // python/setup.py (PCPKV_TORCH_CUDA, ...) are not read by the library and are documented with them.
 #pragma once

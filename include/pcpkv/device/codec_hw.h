@@ -2,7 +2,7 @@
 // cvt.rn.bf16x2.f32) behind the same names on host and device.
 //
 // On the host, and on devices older than sm_89, every function falls back to the software oracle of
-// codec.h, so the results are defined everywhere. tests/cuda/test_codec_exhaustive.cu checks on the GPU
+// codec.h, so the results are defined everywhere. tests/core/test_codec_exhaustive.cu checks on the GPU
 // that the hardware results equal codec.h for every one of the 2^32 float bit patterns (both lanes of each
 // x2 instruction); kernels may use these only because that test passes. PCPKV_SOFTWARE_CODEC=1 (a compile
 // definition) forces the software path on the device too.

@@ -1,5 +1,5 @@
 // pcpkv/device/ptx_ordering.h: the PTX memory-ordering helpers of every cross-rank protocol (the fence of
-// pcpkv/device/fence_kernel.h, the all-reduce's flags in src/serving/cuda/allreduce_cuda.cu), written once.
+// pcpkv/device/fence_kernel.h, the all-reduce's flags in src/serving/drivers/cuda/allreduce_cuda.cu), written once.
 // System scope throughout: the peers are other GPUs or processes reading through NVLink / PCIe mappings
 // or host-mapped memory, so .gpu scope would not order what they see. Plain ld / st only: no multimem /
 // multicast instructions (NVLink multicast is off on the machines the project runs on).

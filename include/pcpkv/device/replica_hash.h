@@ -20,7 +20,8 @@ namespace pcpkv::hash {
 constexpr int kMaxHashedBytes = 1152 + 132;
 
 /// w(j): splitmix64 (Steele, Lea, Flood 2014) of the state (j + 1) * 0x9E3779B97F4A7C15, with the low bit set.
-/// Python reads these through torch.ops.pcpkv.replica_hash_weights (python/csrc/ops.cpp). w(0) = 0xE220A8397B1DCDAF.
+/// Python reads these through torch.ops.pcpkv.replica_hash_weights (python/csrc/replica_hash.cpp).
+/// w(0) = 0xE220A8397B1DCDAF.
 PCPKV_HD uint64_t replica_hash_weight(uint64_t j) {
   uint64_t z = (j + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

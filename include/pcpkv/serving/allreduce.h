@@ -54,7 +54,7 @@ enum class AllReduceAlgo : uint8_t { kAuto, kOneShot, kTwoShot };
 const char* to_string(AllReduceAlgo a);
 AllReduceAlgo parse_allreduce_algo(const std::string& s);  // "auto" | "oneshot" | "twoshot"
 
-/// The size threshold between one-shot and two-shot, kept in ONE place (src/serving/cpu/allreduce_dispatch.cpp;
+/// The size threshold between one-shot and two-shot, kept in ONE place (src/serving/drivers/allreduce_dispatch.cpp;
 /// measured with `pcpkv bench-serving --what allreduce`, W logical ranks on one H200). `bytes` per rank
 /// (the whole message, bf16), world_size in [1, kAllReduceMaxRanks]; throws pcpkv::Error outside those.
 /// The two-argument form is the plain all-reduce; `fused` selects the residual-add + RMSNorm variant's

@@ -98,7 +98,7 @@ struct RouterDispatchEntry {
   RouterSmallKernel kernel = RouterSmallKernel::kRowLoop;  // kSmallT: which kernel (never kAuto)
 };
 /// The table, ascending max_tokens, last row max_tokens = INT32_MAX. Measured on the H200 (see
-/// src/serving/cpu/router_dispatch.cpp for the date and the command).
+/// src/serving/drivers/router_dispatch.cpp for the date and the command).
 const std::vector<RouterDispatchEntry>& router_dispatch_table();
 /// The row for num_tokens >= 1 (throws on num_tokens < 1).
 RouterDispatchEntry router_dispatch(int64_t num_tokens);

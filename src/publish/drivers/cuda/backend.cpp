@@ -1,6 +1,6 @@
 // The CUDA backend (pcpkv/publish/cuda.h): W logical PCP ranks on one GPU, each with its own replica and staging
 // workspace, running the SPEC section 5 transports with the kernels of src/publish/cuda. Byte-identical to
-// make_cpu_backend() for the same setup and inputs (tests/cuda/test_publish_backend.cpp).
+// make_cpu_backend() for the same setup and inputs (tests/publish/test_publish_backend.cpp).
 //
 // Stage profile: one CUDA event between consecutive stages of one stream, so a stage's ms covers all W
 // ranks' launches of that stage; the mean over setup.repeats. Stages and bytes: the transport tables
