@@ -61,6 +61,9 @@ def parse_args(argv=None):
     ap.add_argument("--ds-mla-scale", default="auto", choices=("auto", "pow2", "raw"),
                     help="pcpkv's fp8_ds_mla tile-scale rule (auto: the loaded vLLM kernel's)")
     ap.add_argument("--kv-out", action="store_true", help="both also write kv_c_out / k_pe_out (as vLLM's attention)")
+    ap.add_argument("--dropin", action="store_true",
+                    help="also time pcpkv_torch.vllm.fused_norm_rope (the drop-in) on vLLM's arguments, eager and graph, "
+                         "and compare its bytes with pcpkv_torch.dispatch's")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     try:
@@ -193,6 +196,20 @@ def pcpkv_call(torch, pk, a, rule: str):
     return call
 
 
+def dropin_row(torch, a, p, rule: str, vllm_eager: float, pcpkv_eager: float) -> dict:
+    """pcpkv_torch.vllm.fused_norm_rope (the drop-in) on vLLM's own keyword arguments (a, from the same starting
+    bytes), writing the loaded kernel's tile-scale rule: its eager and graph time, and whether every output byte
+    equals what pcpkv_torch.dispatch wrote into p (the same kernel: they must be equal)."""
+    from pcpkv_torch import vllm as pkv
+    d = outputs_copy(a)
+    kw = dict(d, ds_mla_scale=rule)
+    call = lambda: pkv.fused_norm_rope(**kw)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    equal = all(torch.equal(d[k], p[k]) for k in OUTPUTS if k in d)
+    return dict(eager_us=median_us(torch, call, EAGER_CALLS), graph_us=graph_us(torch, call), bytes_equal=equal)
+
+
 def diff_stats(torch, x, y, kind: str):
     """(differing elements, of them beyond one step): e4m3 / bf16 codes of one sign one apart are one step; any
     differing fp32 scale or int32 entry is beyond it."""
@@ -286,8 +303,18 @@ def main(argv=None) -> int:
             d = " / ".join(f"{diff[r][0]} ({diff[r][1]})" for r in regions)
             print(f"| {model} | {T} | {ve:.1f} | {pe:.1f} | {ve / pe:.2f}x | {vg:.1f} | {pg:.1f} | {vg / pg:.2f}x | "
                   f"{d} |", flush=True)
+            if args.dropin:
+                rows[-1]["dropin"] = dropin_row(torch, a, p, rule, ve, pe)
             del a, v, p, vkw
             torch.cuda.empty_cache()
+    if args.dropin:
+        print("\n| model | tokens | drop-in eager us | drop-in graph us | drop-in / pcpkv_torch.dispatch eager | "
+              "vLLM / drop-in eager | bytes equal to pcpkv_torch.dispatch's |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            d = r["dropin"]
+            print(f"| {r['model']} | {r['tokens']} | {d['eager_us']:.1f} | {d['graph_us']:.1f} | "
+                  f"{d['eager_us'] / r['pcpkv_eager_us']:.2f}x | {r['vllm_eager_us'] / d['eager_us']:.2f}x | "
+                  f"{d['bytes_equal']} |")
     print("\nregion sizes (elements): " + "; ".join(
         f"{r['model']} {r['tokens']}: " + ", ".join(f"{k} {n}" for k, n in r["elements"].items()) for r in rows))
     if args.json:
