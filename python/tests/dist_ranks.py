@@ -3,6 +3,7 @@ returns or raises, with a bounded wait: a test never hangs on a stuck rank."""
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -17,7 +18,9 @@ def _entry(fn, rank, world, init_file, env, q, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         out = fn(rank, world, *args)
-        q.put((rank, "ok", out))
+        # Plain pickle bytes: the queue's own pickler would pass a tensor's storage as a file descriptor that the
+        # parent fetches from this process later, which fails once the rank has exited (FileNotFoundError).
+        q.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # reported to the test, which judges it
         q.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -45,7 +48,7 @@ def run_ranks(fn, world, *args, timeout=60.0, env=None):
         while len(out) < world and time.monotonic() < deadline:
             try:
                 r, kind, val = q.get(timeout=0.2)
-                out[r] = (kind, val)
+                out[r] = (kind, pickle.loads(val) if kind == "ok" else val)
             except queue.Empty:
                 if all(not p.is_alive() for p in procs) and q.empty():
                     break
