@@ -147,10 +147,12 @@ TEST(CliFlagsLaunch, GpuListIsPlainDecimalDeviceIndices) {
 
 // --gpus '' (an unset shell variable) read as "not given": the job ran on the default devices, exit 0, no note.
 TEST(CliFlagsLaunch, AnEmptyGpuListIsRefused) {
-  ScratchDir dir;
-  const CliResult r = run_cli("launch --nproc 1 --gpus '' --program /bin/true -- x", dir);
-  EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_NE(r.err.find("--gpus: '' is not a device list"), std::string::npos) << r.err;
+  for (const char* cmd : {"launch --nproc 1 --gpus '' --program /bin/true -- x", "bench-link --gpus ''"}) {
+    ScratchDir dir;
+    const CliResult r = run_cli(cmd, dir);
+    EXPECT_EQ(r.exit_code, 2) << cmd << ": " << r.err;
+    EXPECT_NE(r.err.find("--gpus: '' is not a device list"), std::string::npos) << cmd << ": " << r.err;
+  }
 }
 
 // --max-time nan and -1 were accepted and meant no limit; only 0 says that.

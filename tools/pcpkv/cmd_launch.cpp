@@ -118,11 +118,7 @@ void add_launch_command(CLI::App& app) {
     o.max_time_s = f->max_time_s;
     o.output = parse_launch_output(f->output);
     o.socket_dir = f->socket_dir;
-    // Given but empty ('' from an unset shell variable) read as "not given" and the job ran on the default devices.
-    PCPKV_CHECK(gpus->count() == 0 || !f->gpus.empty(),
-                "--gpus: '' is not a device list (comma-separated device indices, decimal, in [0, 1024); leave "
-                "--gpus out for the default)");
-    o.gpus = parse_device_list(f->gpus, "--gpus");
+    o.gpus = parse_device_list(f->gpus, "--gpus", gpus->count() > 0);
     if (!o.gpus.empty() && ranks_use_cpu_backend(cmd)) {
       print_stderr(fmt::format("pcpkv launch: note: --gpus {} is not used: the ranks run --backend cpu\n", f->gpus));
     }

@@ -49,8 +49,12 @@ std::vector<int64_t> parse_int_list(const std::string& s, const char* flag, int6
   return out;
 }
 
-std::vector<int32_t> parse_device_list(const std::string& s, const char* flag) {
+std::vector<int32_t> parse_device_list(const std::string& s, const char* flag, bool given) {
   std::vector<int32_t> out;
+  PCPKV_CHECK(!given || !s.empty(),
+              "{}: '' is not a device list (comma-separated device indices, decimal, in [0, 1024); leave {} out for "
+              "the default)",
+              flag, flag);
   if (s.empty()) return out;
   for (const std::string& item : split_commas(s)) {
     // Plain decimal in [0, 1024), as every integer flag: strtol would wrap 4294967296 to device 0 and take ' 3' and

@@ -22,7 +22,9 @@ std::vector<std::string> split_list(const std::string& s, const char* flag);
 std::vector<int64_t> parse_int_list(const std::string& s, const char* flag, int64_t lo, int64_t hi,
                                     const char* none = nullptr);
 
-/// "0,1,3" -> {0, 1, 3}; "" -> {}. Each entry a plain decimal device index in [0, 1024).
-std::vector<int32_t> parse_device_list(const std::string& s, const char* flag);
+/// "0,1,3" -> {0, 1, 3}; "" -> {} (the flag left out: the default devices). Each entry a plain decimal device index in
+/// [0, 1024). `given`: the flag was on the command line, so '' (an unset shell variable) is refused, not read as "left
+/// out", which would run on the default devices without a word.
+std::vector<int32_t> parse_device_list(const std::string& s, const char* flag, bool given = false);
 
 }  // namespace pcpkv::cli
