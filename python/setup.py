@@ -131,7 +131,7 @@ def _require_build_environment():
         raise SystemExit(
             f"pcpkv_torch: setuptools {setuptools.__version__} of this environment cannot build it "
             f"({'no pyproject.toml metadata' if version < (61, 0) else 'no bdist_wheel without the wheel package'}): "
-            "`pip install 'setuptools>=70.1'` (pyproject.toml's build-system.requires) and build again.")
+            "`pip install 'setuptools>=70.1,<82'` (pyproject.toml's build-system.requires) and build again.")
 
 
 def _missing(module):

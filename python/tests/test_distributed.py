@@ -70,8 +70,11 @@ def test_peer_stores_land_in_every_replica_and_close_frees_everything(device):
         assert val["segments"] == []  # unlinked at once: a killed job leaves nothing in /dev/shm
         if device == "cpu":
             assert val["during"]["shm_mappings"] >= val["before"]["shm_mappings"] + 2 * W  # caches + pads per rank
-        for k in ("open_fds", "shm_mappings"):
-            assert val["after"][k] == val["before"][k], (k, val)
+        # No mapping left behind, and no descriptor: a leak raises the count. The count may fall below its value
+        # before setup (13 vs 14, seen twice on a loaded machine): a transient descriptor of the group's own
+        # traffic open then and closed since is not the caches'.
+        assert val["after"]["shm_mappings"] == val["before"]["shm_mappings"], val
+        assert val["after"]["open_fds"] <= val["before"]["open_fds"], val
 
 
 def _failing(rank, world, fail_rank):
