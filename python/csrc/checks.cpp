@@ -36,6 +36,14 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarTy
   check_dense(t, name, {n}, dtype, device);
 }
 
+const int64_t* indexer_slots(const std::optional<at::Tensor>& t, const char* op, const char* no_indexer, int64_t n,
+                             const c10::Device& device) {
+  if (!has(t)) return nullptr;
+  TORCH_CHECK_VALUE(no_indexer == nullptr, op, ": indexer_slot_mapping is set but ", no_indexer);
+  check_vector(*t, (std::string(op) + ": indexer_slot_mapping").c_str(), n, at::kLong, device);
+  return t->data_ptr<int64_t>();
+}
+
 void check_nd(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const char* shape,
               const c10::Device& dev) {
   TORCH_CHECK_VALUE(t.defined() && t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous() &&

@@ -48,6 +48,11 @@ void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, a
                  const c10::Device& device);
 /// A 1-d contiguous tensor of n elements of `dtype` on `device`.
 void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device);
+/// The indexer rows' own slots (docs/spec.md 4.2) of `op` (dispatch, combine, insert): int64 [n] on device, or null
+/// when not given (slot_mapping then addresses both caches). `no_indexer`: null on an indexer layer, else why the op
+/// has no indexer row (the refusal's end, e.g. "has_indexer=False").
+const int64_t* indexer_slots(const std::optional<at::Tensor>& t, const char* op, const char* no_indexer, int64_t n,
+                             const c10::Device& device);
 /// A contiguous tensor of `dtype` with `dim` dimensions on `dev`; the message names the expected shape (e.g.
 /// "[num_tokens, num_heads, 128]").
 void check_nd(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const char* shape,

@@ -55,11 +55,9 @@ pcpkv::CombineParams make_combine_params(const CombineArgs& a) {
   p.row_bytes = rows.size(2);
   check_vector(a.slot_mapping, "combine: slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
   p.slot_mapping = a.slot_mapping.data_ptr<int64_t>();
-  if (has(a.indexer_slot_mapping)) {
-    TORCH_CHECK_VALUE(a.has_indexer, "combine: indexer_slot_mapping is set but has_indexer=False");
-    check_vector(*a.indexer_slot_mapping, "combine: indexer_slot_mapping", rows.size(0) * rows.size(1), at::kLong, dev);
-    p.indexer_slot_mapping = a.indexer_slot_mapping->data_ptr<int64_t>();
-  }
+  const int64_t num_rows = rows.size(0) * rows.size(1);
+  p.indexer_slot_mapping =
+      indexer_slots(a.indexer_slot_mapping, "combine", a.has_indexer ? nullptr : "has_indexer=False", num_rows, dev);
   // Rows are copied in any order (on the GPU by many blocks at once): a cache overlapping the rows, the slots or
   // the other cache would read or clobber bytes another row writes.
   refuse_overlap("combine", written_caches(a.mla_cache, a.index_cache, p.fmt),

@@ -121,11 +121,8 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
     check_vector(*a.slot_mapping, "dispatch: slot_mapping", T, at::kLong, dev);
     p.slot_mapping = a.slot_mapping->data_ptr<int64_t>();
   }
-  if (has(a.indexer_slot_mapping)) {  // the indexer rows' own slots (docs/spec.md 4.2)
-    TORCH_CHECK_VALUE(a.has_indexer, "dispatch: indexer_slot_mapping is set but has_indexer=False");
-    check_vector(*a.indexer_slot_mapping, "dispatch: indexer_slot_mapping", T, at::kLong, dev);
-    p.indexer_slot_mapping = a.indexer_slot_mapping->data_ptr<int64_t>();
-  }
+  p.indexer_slot_mapping =
+      indexer_slots(a.indexer_slot_mapping, "dispatch", a.has_indexer ? nullptr : "has_indexer=False", T, dev);
   check_written_devices("dispatch", a.written, "kv", dev);
   // The kernels write the outputs while they read the inputs, row by row in any order (on the GPU many blocks at
   // once): no output may share memory with an input, a table, a written tensor (the caches and staging behind the

@@ -56,11 +56,8 @@ pcpkv::InsertParams make_insert_params(const InsertArgs& a) {
   p.kv_c = static_cast<const uint16_t*>(a.kv_c.data_ptr());
   p.k_pe = static_cast<const uint16_t*>(a.k_pe.data_ptr());
   p.slot_mapping = a.slot_mapping.data_ptr<int64_t>();
-  if (has(a.indexer_slot_mapping)) {
-    TORCH_CHECK_VALUE(has(a.index_k), "insert: indexer_slot_mapping is set but index_k is None (no indexer)");
-    check_vector(*a.indexer_slot_mapping, "insert: indexer_slot_mapping", T, at::kLong, dev);
-    p.indexer_slot_mapping = a.indexer_slot_mapping->data_ptr<int64_t>();
-  }
+  p.indexer_slot_mapping = indexer_slots(a.indexer_slot_mapping, "insert",
+                                         has(a.index_k) ? nullptr : "index_k is None (no indexer)", T, dev);
   if (has(a.index_k)) {
     check_dense(*a.index_k, "insert: index_k", {T, 128}, at::kBFloat16, dev);
     p.index_k = static_cast<const uint16_t*>(a.index_k->data_ptr());

@@ -29,7 +29,8 @@ TORCH_LIBRARY(pcpkv, m) {
         "Tensor decode_owner)");
   m.def("choose_transport(str[] hosts, Tensor peer_access, bool nccl_available) -> (str transport, str reason)");
   m.def("make_cache_targets(Tensor mla_ptrs, Tensor index_ptrs, int num_blocks, int block_size, int row_stride, "
-        "int block_stride, int index_block_stride, str kv_format, bool has_indexer, int index_num_blocks=-1) -> Tensor");
+        "int block_stride, int index_block_stride, str kv_format, bool has_indexer, int index_num_blocks=-1) "
+        "-> Tensor");
 
   // ---- the publication (dispatch.cpp, combine.cpp, insert.cpp, fence.cpp)
   m.def("dispatch(Tensor kv, Tensor k_pe, Tensor positions, Tensor kv_norm_w, Tensor rope_cos_sin, "
