@@ -51,32 +51,28 @@ int64_t replica_hash_bytes_per_slot(const CacheFormat& fmt) {
 
 namespace {
 
-// The gathered rows a publication writes: either mapping >= 0 (docs/spec.md 4.2: each mapping's -1 skips its own
-// cache only; a valid plan has -1 in both at once).
-bool row_written(const PcpPlan& plan, size_t i) {
-  return plan.gathered_slot_mapping[i] >= 0 || (plan.has_index_slots() && plan.gathered_indexer_slot_mapping[i] >= 0);
-}
-
-}  // namespace
-
-std::vector<int64_t> written_slots(const PcpPlan& plan) {
-  PCPKV_CHECK(!plan.has_index_slots() || plan.gathered_indexer_slot_mapping.size() == plan.gathered_slot_mapping.size(),
+// The entries of `mapping` (gathered_slot_mapping or gathered_indexer_slot_mapping) at the gathered rows a
+// publication writes: either mapping >= 0 (docs/spec.md 4.2: each mapping's -1 skips its own cache only; a valid
+// plan has -1 in both at once).
+std::vector<int64_t> at_written_rows(const PcpPlan& plan, const std::vector<int64_t>& mapping) {
+  const bool own = plan.has_index_slots();
+  PCPKV_CHECK(!own || plan.gathered_indexer_slot_mapping.size() == plan.gathered_slot_mapping.size(),
               "replica check: the plan's gathered_indexer_slot_mapping has {} entries, gathered_slot_mapping {}",
               plan.gathered_indexer_slot_mapping.size(), plan.gathered_slot_mapping.size());
   std::vector<int64_t> s;
   s.reserve(static_cast<size_t>(plan.num_written_slots()));
   for (size_t i = 0; i < plan.gathered_slot_mapping.size(); ++i)
-    if (row_written(plan, i)) s.push_back(plan.gathered_slot_mapping[i]);
+    if (plan.gathered_slot_mapping[i] >= 0 || (own && plan.gathered_indexer_slot_mapping[i] >= 0))
+      s.push_back(mapping[i]);
   return s;
 }
 
+}  // namespace
+
+std::vector<int64_t> written_slots(const PcpPlan& plan) { return at_written_rows(plan, plan.gathered_slot_mapping); }
+
 std::vector<int64_t> written_index_slots(const PcpPlan& plan) {
-  std::vector<int64_t> s;
-  if (!plan.has_index_slots()) return s;
-  (void)written_slots(plan);  // the same rows, the same size check
-  for (size_t i = 0; i < plan.gathered_slot_mapping.size(); ++i)
-    if (row_written(plan, i)) s.push_back(plan.gathered_indexer_slot_mapping[i]);
-  return s;
+  return plan.has_index_slots() ? at_written_rows(plan, plan.gathered_indexer_slot_mapping) : std::vector<int64_t>{};
 }
 
 Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::vector<int64_t>& slots,
