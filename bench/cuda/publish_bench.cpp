@@ -196,7 +196,7 @@ BenchReplicaCheck time_replica_check(Publisher& pub, const PcpPlan& plan, const 
   pub.enqueue(Transport::kDirect, stream.get());
   stream.sync();
   pub.check_fence();
-  DeviceReplicaCheck check(pub.targets(), fmt, written_slots(plan));
+  DeviceReplicaCheck check(pub.targets(), fmt, written_slots(plan), written_index_slots(plan));
   Event a, b;
   std::vector<double> ms;
   for (int i = 0; i < o.warmup + o.iters; ++i) {

@@ -137,6 +137,27 @@ class World:
         return self.flat(self.mla[r]).cpu(), self.flat(self.idx[r]).cpu()
 
 
+def replica_hash_pattern():
+    """(mla uint8 [2, 4, 656], index uint8 [2, 4, 132]): the replica whose bytes come from the formula of
+    tests/publish/test_replica_hash.cpp, for the replica hash's fixed values (docs/spec.md 5.2)."""
+    mla = torch.empty(2, 4, 656, dtype=torch.uint8)
+    idx = torch.empty(2, 4, 132, dtype=torch.uint8)
+    flat = idx.view(2, 4 * 132)  # per block: 4 rows of 128 e4m3, then 4 fp32 scales (SPEC section 3)
+    for s in range(8):
+        b, o = divmod(s, 4)
+        mla[b, o] = torch.tensor([(s * 31 + j * 7 + 3) & 255 for j in range(656)], dtype=torch.uint8)
+        flat[b, o * 128:(o + 1) * 128] = torch.tensor([(s * 17 + j * 11 + 5) & 255 for j in range(128)],
+                                                      dtype=torch.uint8)
+        flat[b, 4 * 128 + o * 4:4 * 128 + o * 4 + 4] = torch.tensor([(s * 13 + k * 29 + 1) & 255 for k in range(4)],
+                                                                    dtype=torch.uint8)
+    return mla, idx
+
+
+def as_int64(v: int) -> int:
+    """A uint64 hash as the two's-complement int64 pcpkv_torch's hashes hold."""
+    return v - (1 << 64) if v >> 63 else v
+
+
 def assert_bytes_equal(a, b, what):
     a, b = a.cpu(), b.cpu()
     assert a.shape == b.shape, f"{what}: sizes {tuple(a.shape)} vs {tuple(b.shape)}"

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from helpers import GUARD, require_hf_models, torch
+from helpers import GUARD, as_int64, replica_hash_pattern, require_hf_models, torch
 
 require_hf_models("glm_moe_dsa")
 from pcpkv_torch.models import PcpModel, StepRequest, build_hf_model, small_config
@@ -63,29 +63,16 @@ def test_every_single_byte_change_changes_the_hash():
             assert int((h != base).sum()) == 1, (pos, delta)
 
 
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >> 63 else v
-
-
 def test_the_hash_is_the_cpp_definition():
     """The values tests/publish/test_replica_hash.cpp (CPU oracle) and tests/publish/test_replica_hash_cuda.cpp
     (kernel) assert for the same bytes: the hash of docs/spec.md section 5.2 is one definition in C++, on the GPU and
     here."""
-    mla = torch.empty(2, 4, 656, dtype=torch.uint8)
-    idx = torch.empty(2, 4, 132, dtype=torch.uint8)
-    flat = idx.view(2, 4 * 132)  # per block: 4 rows of 128 e4m3, then 4 fp32 scales (SPEC section 3)
-    for s in range(8):
-        b, o = divmod(s, 4)
-        mla[b, o] = torch.tensor([(s * 31 + j * 7 + 3) & 255 for j in range(656)], dtype=torch.uint8)
-        flat[b, o * 128:(o + 1) * 128] = torch.tensor([(s * 17 + j * 11 + 5) & 255 for j in range(128)],
-                                                      dtype=torch.uint8)
-        flat[b, 4 * 128 + o * 4:4 * 128 + o * 4 + 4] = torch.tensor([(s * 13 + k * 29 + 1) & 255 for k in range(4)],
-                                                                    dtype=torch.uint8)
+    mla, idx = replica_hash_pattern()
     slots = torch.tensor([5, 2, 7])
-    assert slot_hashes(mla, idx, slots).tolist() == [_signed(0x410BA49A32B1B98E), _signed(0x5BC997F4B7878A5E),
-                                                     _signed(0x971960CA7DEF46AE)]
-    assert slot_hashes(mla, None, slots).tolist() == [_signed(0xE8A5D29897B52944), _signed(0xA3848E0DAF67904E),
-                                                      _signed(0xB0752CA762797EE8)]
+    assert slot_hashes(mla, idx, slots).tolist() == [as_int64(0x410BA49A32B1B98E), as_int64(0x5BC997F4B7878A5E),
+                                                     as_int64(0x971960CA7DEF46AE)]
+    assert slot_hashes(mla, None, slots).tolist() == [as_int64(0xE8A5D29897B52944), as_int64(0xA3848E0DAF67904E),
+                                                      as_int64(0xB0752CA762797EE8)]
 
 
 @pytest.mark.parametrize("transport", ["direct", "collect"])

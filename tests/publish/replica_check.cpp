@@ -2,18 +2,22 @@
 // The replica check's exchange between rank processes (check_replica_hashes_across, pcpkv/publish/replica_hash.h)
 // with N forked CPU processes: equal hashes pass on every rank after one digest exchange; differing hashes give
 // every rank the same failed Check naming the ranks and the first differing slot; ranks that hashed different
-// slot counts are refused. And the whole command: `pcpkv launch -- mp-publish --check-replicas` with CPU ranks
-// passes, a rank that corrupts its replica (--corrupt-rank, a hidden testing aid) is named and every rank exits 1.
+// slot counts are refused; CPU rank publishers whose plan gives the indexer cache its own blocks (docs/spec.md 4.2)
+// agree, and a replica that differs in one indexer slot only is named with that slot. And the whole command:
+// `pcpkv launch -- mp-publish --check-replicas` with CPU ranks passes, a rank that corrupts its replica
+// (--corrupt-rank, a hidden testing aid) is named and every rank exits 1.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
 #include "pcpkv/core/error.h"
+#include "pcpkv/publish/multiproc.h"
 #include "pcpkv/publish/replica_hash.h"
 #include "pcpkv/ranks/bootstrap.h"
 #include "support/cli_runner.h"
 #include "support/fork_ranks.h"
+#include "support/publish_case.h"
 
 namespace pcpkv {
 namespace {
@@ -95,6 +99,61 @@ TEST(ReplicaCheckAcrossMisc, DifferentSlotCountsAreRefused) {
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(out[r].exit_code, 0) << describe(out);
     EXPECT_NE(out[r].output.find("replica check: rank 1 hashed 11 slots"), std::string::npos) << describe(out);
+  }
+}
+
+// 3 CPU rank processes publish (direct) with the indexer at its own slots in a padded indexer block stride; each
+// hashes its own replica (replica_slot_hashes with written_index_slots) and the ranks compare: equal. Then the last
+// rank hashes a host copy of its replica with one indexer byte flipped: every rank names it and both slots.
+TEST(ReplicaCheckAcrossMisc, OwnIndexerSlotsAgreeAndADifferingIndexerSlotIsNamed) {
+  const auto out = run_ranks(3, [](const BootstrapConfig& c) {
+    auto boot = Bootstrap::connect(c);
+    test::CaseSpec spec;
+    spec.pcp = 3;
+    spec.block_size = 8;
+    spec.requests = {{RequestKind::kPrefill, 45, 0}, {RequestKind::kDecode, 1, 12}};
+    spec.alloc.index_block_pad = 32;
+    spec.own_index_blocks = true;
+    spec.index_extra_blocks = 2;
+    spec.seed = 5;
+    const auto job = test::make_case(spec);
+    auto pub = make_cpu_rank_publisher(*boot, job->setup);
+    RankPublishResult mine = pub->publish(job->inputs, Transport::kDirect);
+    boot->barrier();
+    const std::vector<int64_t> slots = written_slots(job->plan), islots = written_index_slots(job->plan);
+    RANK_CHECK(!islots.empty() && islots != slots, "the plan has no own indexer slots");
+    const std::vector<uint64_t> h = pub->replica_slot_hashes(slots, islots);
+    CacheTarget t;  // this rank's replica as a host copy
+    t.mla_base = mine.mla_alloc.data() + mine.mla_cache_offset;
+    t.mla = mine.mla_geometry;
+    t.index_base = mine.index_alloc.data() + mine.index_cache_offset;
+    t.index = mine.index_geometry;
+    RANK_CHECK(h == slot_hashes_reference(t, job->setup.fmt, slots, islots), "rank {}: hashes of the copy differ",
+               c.rank);
+    const Check clean = check_replica_hashes_across(*boot, h, slots, 788, {1, "direct", ""}, {}, islots);
+    std::printf("CLEAN %s | %s\n", clean.pass ? "PASS" : "FAIL", clean.detail.c_str());
+    const size_t i = slots.size() / 3;
+    const int64_t flip = mine.index_cache_offset + t.index.scale_offset(islots[i]);
+    if (c.rank == 2) mine.index_alloc[static_cast<size_t>(flip)] ^= 4;
+    const Check bad = check_replica_hashes_across(*boot, slot_hashes_reference(t, job->setup.fmt, slots, islots),
+                                                  slots, 788, {1, "direct", ""}, {}, islots);
+    std::printf("BAD %s | %s\n", bad.pass ? "PASS" : "FAIL", bad.detail.c_str());
+    std::printf("WHERE slot %lld (indexer slot %lld)\n", static_cast<long long>(slots[i]),
+                static_cast<long long>(islots[i]));
+    return 0;
+  });
+  std::string where;
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(out[r].exit_code, 0) << describe(out);
+    const std::string& o = out[r].output;
+    EXPECT_NE(o.find("CLEAN PASS | 3 replicas x"), std::string::npos) << describe(out);
+    const size_t at = o.find("WHERE ");
+    ASSERT_NE(at, std::string::npos) << describe(out);
+    where = o.substr(at + 6, o.find('\n', at) - at - 6);
+    EXPECT_NE(o.find("BAD FAIL | layer 1 (direct): rank 2 differs from rank 0 at " + where +
+                     " (the first differing slot of the"),
+              std::string::npos)
+        << describe(out);
   }
 }
 

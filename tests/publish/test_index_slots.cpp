@@ -377,9 +377,14 @@ TEST(IndexSlots, PlanGivesTheIndexerItsOwnBlocksOnlyWhenAsked) {
   bad.gathered_indexer_slot_mapping[static_cast<size_t>(bad.max_local_tokens)] = bad.ranks[1].indexer_slot_mapping[0];
   EXPECT_NE(test::error_of([&] { validate_plan(bad); }).find("plan: rank 1 indexer_slot_mapping[0] = "),
             std::string::npos);
-  // Not covered yet, refused by name: the run-time replica hash (one slot for both rows, docs/spec.md 5.2).
-  EXPECT_NE(test::error_of([&] { written_slots(own); }).find("replica check: the plan gives the indexer cache its own"),
-            std::string::npos);
+  // The run-time replica check hashes the same rows, each with its indexer slot (docs/spec.md 5.2;
+  // tests/publish/test_replica_hash_own_index.cpp).
+  EXPECT_EQ(written_slots(own), written_slots(plain));
+  EXPECT_TRUE(written_index_slots(plain).empty());
+  std::vector<int64_t> islots;
+  for (int64_t s : own.gathered_indexer_slot_mapping)
+    if (s >= 0) islots.push_back(s);
+  EXPECT_EQ(written_index_slots(own), islots);
   EXPECT_EQ(written_slots(plain).size(), static_cast<size_t>(plain.num_written_slots()));
   c.index_extra_blocks = -1;
   EXPECT_NE(test::error_of([&] { make_plan(c); }).find("plan: index_extra_blocks = -1 must be >= 0"),

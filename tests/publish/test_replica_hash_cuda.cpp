@@ -4,10 +4,13 @@
 // without an indexer, dense and padded geometries, slots in any order (grid-stride over many); the comparison with
 // diffs in some ranks; and DeviceReplicaCheck on a Publisher's W replicas after a direct publication (clean: no
 // diffs, hashes equal to the CPU hashes of the downloaded replicas; one corrupted device byte: named like the CPU
-// check names it). Skips without a GPU.
+// check names it). The indexer cache at its own slots (docs/spec.md 4.2, 5.2): launch_slot_hashes_own_index against
+// its oracle (own block count, padded block stride, -1 in either mapping), its fixed values, and DeviceReplicaCheck
+// over a plan with its own indexer blocks. Skips without a GPU.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -34,17 +37,18 @@ struct Geometry {
   int64_t num_blocks, row_pad, block_pad, index_block_pad;
 };
 
-// Host bytes, their device copy, and the targets over both.
+// Host bytes, their device copy, and the targets over both. index_blocks > 0: the indexer cache has its own block
+// count (docs/spec.md 4.2), else the MLA cache's.
 struct Replica {
   std::vector<uint8_t> mla, index;
   DeviceBuffer d_mla, d_index;
   CacheTarget host, dev;
-  Replica(KvFormat f, const Geometry& g, uint64_t seed) {
+  Replica(KvFormat f, const Geometry& g, uint64_t seed, int64_t index_blocks = 0) {
     host.mla.num_blocks = g.num_blocks;
     host.mla.block_size = g.block_size;
     host.mla.row_stride = mla_row_bytes(f) + g.row_pad;
     host.mla.block_stride = g.block_size * host.mla.row_stride + g.block_pad;
-    host.index = dense_indexer_geometry(g.num_blocks, g.block_size);
+    host.index = dense_indexer_geometry(index_blocks > 0 ? index_blocks : g.num_blocks, g.block_size);
     host.index.block_stride += g.index_block_pad;
     mla.resize(static_cast<size_t>(host.mla.bytes()));
     index.resize(static_cast<size_t>(host.index.bytes()));
@@ -69,6 +73,48 @@ std::vector<uint64_t> gpu_hashes(const CacheTarget& t, const CacheFormat& fmt, c
                                   d_hashes.as<uint64_t>(), nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_hashes.download<uint64_t>(static_cast<int64_t>(slots.size()));
+}
+
+// The fp8_ds_mla replica of 2 blocks x 4 slots whose bytes come from the formula of
+// tests/publish/test_replica_hash.cpp and python/tests/test_replica_check.py (their fixed values).
+std::unique_ptr<Replica> pattern_replica() {
+  auto p = std::make_unique<Replica>(KvFormat::kFp8DsMla, Geometry{4, 2, 0, 0, 0}, 0);
+  for (int64_t s = 0; s < 8; ++s) {
+    for (int64_t j = 0; j < 656; ++j) p->mla[p->host.mla.row_offset(s) + j] = static_cast<uint8_t>(s * 31 + j * 7 + 3);
+    for (int64_t j = 0; j < 128; ++j)
+      p->index[p->host.index.data_offset(s) + j] = static_cast<uint8_t>(s * 17 + j * 11 + 5);
+    for (int64_t k = 0; k < 4; ++k)
+      p->index[p->host.index.scale_offset(s) + k] = static_cast<uint8_t>(s * 13 + k * 29 + 1);
+  }
+  p->d_mla.upload(p->mla);
+  p->d_index.upload(p->index);
+  return p;
+}
+
+// A direct publication on the GPU, fenced, and its download.
+PublishResult publish_direct(cuda::Publisher& pub, cuda::Stream& stream) {
+  pub.enqueue(Transport::kDirect, stream.get());
+  stream.sync();
+  pub.check_fence();
+  return pub.download(Transport::kDirect);
+}
+
+// Flips the bits `mask` of one device byte.
+void flip_device_byte(uint8_t* p, uint8_t mask) {
+  uint8_t b = 0;
+  PCPKV_CUDA_CHECK(cudaMemcpy(&b, p, 1, cudaMemcpyDeviceToHost));
+  b ^= mask;
+  PCPKV_CUDA_CHECK(cudaMemcpy(p, &b, 1, cudaMemcpyHostToDevice));
+}
+
+// Replica q of a download as a host target (its allocation's bytes from the recorded offsets).
+CacheTarget host_target(const PublishResult& host, int32_t q) {
+  CacheTarget t;
+  t.mla_base = const_cast<uint8_t*>(host.mla_alloc[q].data()) + host.mla_cache_offset;
+  t.mla = host.mla_geometry;
+  t.index_base = const_cast<uint8_t*>(host.index_alloc[q].data()) + host.index_cache_offset;
+  t.index = host.index_geometry;
+  return t;
 }
 
 TEST(ReplicaHashGpu, EqualsTheCpuOracleOnTheSameBytes) {
@@ -111,16 +157,8 @@ TEST(ReplicaHashGpu, ManySlotsAndTheFixedValues) {
   std::iota(slots.begin(), slots.end(), 0);
   EXPECT_EQ(gpu_hashes(rep.dev, fmt, slots), slot_hashes_reference(rep.host, fmt, slots));
   // The pattern of tests/publish/test_replica_hash.cpp and python/tests/test_replica_check.py, on the GPU.
-  Geometry small{4, 2, 0, 0, 0};
-  Replica p(KvFormat::kFp8DsMla, small, 0);
-  for (int64_t s = 0; s < 8; ++s) {
-    for (int64_t j = 0; j < 656; ++j) p.mla[p.host.mla.row_offset(s) + j] = static_cast<uint8_t>(s * 31 + j * 7 + 3);
-    for (int64_t j = 0; j < 128; ++j) p.index[p.host.index.data_offset(s) + j] = static_cast<uint8_t>(s * 17 + j * 11 + 5);
-    for (int64_t k = 0; k < 4; ++k) p.index[p.host.index.scale_offset(s) + k] = static_cast<uint8_t>(s * 13 + k * 29 + 1);
-  }
-  p.d_mla.upload(p.mla);
-  p.d_index.upload(p.index);
-  EXPECT_EQ(gpu_hashes(p.dev, fmt, {5, 2, 7}),
+  const std::unique_ptr<Replica> p = pattern_replica();
+  EXPECT_EQ(gpu_hashes(p->dev, fmt, {5, 2, 7}),
             (std::vector<uint64_t>{0x410BA49A32B1B98Eull, 0x5BC997F4B7878A5Eull, 0x971960CA7DEF46AEull}));
 }
 
@@ -163,10 +201,7 @@ TEST(ReplicaHashGpu, DeviceReplicaCheckOnAPublishersReplicas) {
   auto c = test::make_case(spec);
   cuda::Publisher pub(c->setup, c->inputs);
   cuda::Stream stream;
-  pub.enqueue(Transport::kDirect, stream.get());
-  stream.sync();
-  pub.check_fence();
-  const PublishResult host = pub.download(Transport::kDirect);
+  const PublishResult host = publish_direct(pub, stream);
   const std::vector<int64_t> slots = written_slots(c->plan);
   cuda::DeviceReplicaCheck check(pub.targets(), c->setup.fmt, slots);
   check.enqueue(stream.get());
@@ -175,21 +210,11 @@ TEST(ReplicaHashGpu, DeviceReplicaCheckOnAPublishersReplicas) {
   EXPECT_TRUE(clean.pass) << clean.detail;
   EXPECT_EQ(check.cache_bytes_read(), 4 * static_cast<int64_t>(slots.size()) * (656 + 132));
   // The GPU's hashes of every replica are the CPU's hashes of its downloaded bytes.
-  for (int32_t q = 0; q < 4; ++q) {
-    CacheTarget t;
-    t.mla_base = const_cast<uint8_t*>(host.mla_alloc[q].data()) + host.mla_cache_offset;
-    t.mla = host.mla_geometry;
-    t.index_base = const_cast<uint8_t*>(host.index_alloc[q].data()) + host.index_cache_offset;
-    t.index = host.index_geometry;
-    EXPECT_EQ(check.hashes(q), slot_hashes_reference(t, c->setup.fmt, slots)) << "rank " << q;
-  }
+  for (int32_t q = 0; q < 4; ++q)
+    EXPECT_EQ(check.hashes(q), slot_hashes_reference(host_target(host, q), c->setup.fmt, slots)) << "rank " << q;
   // One device byte of rank 3's indexer scale of the 10th written slot: named like the CPU check names it.
   const int64_t slot = slots[10];
-  uint8_t* p = pub.targets()[3].index_base + pub.targets()[3].index.scale_offset(slot) + 2;
-  uint8_t b = 0;
-  PCPKV_CUDA_CHECK(cudaMemcpy(&b, p, 1, cudaMemcpyDeviceToHost));
-  b ^= 0x80;
-  PCPKV_CUDA_CHECK(cudaMemcpy(p, &b, 1, cudaMemcpyHostToDevice));
+  flip_device_byte(pub.targets()[3].index_base + pub.targets()[3].index.scale_offset(slot) + 2, 0x80);
   check.enqueue(stream.get());
   stream.sync();
   const Check bad = replica_hash_check(check.diffs(), slots, check.bytes_per_slot(), {0, "direct", ""});
@@ -198,6 +223,93 @@ TEST(ReplicaHashGpu, DeviceReplicaCheckOnAPublishersReplicas) {
             std::string::npos)
       << bad.detail;
   EXPECT_EQ(bad.num_diff, 1);
+}
+
+std::vector<uint64_t> gpu_own_hashes(const CacheTarget& t, const CacheFormat& fmt, const std::vector<int64_t>& slots,
+                                     const std::vector<int64_t>& index_slots) {
+  DeviceBuffer d_slots = DeviceBuffer::from(slots);
+  DeviceBuffer d_index_slots = DeviceBuffer::from(index_slots);
+  DeviceBuffer d_hashes(static_cast<int64_t>(slots.size() * 8));
+  PCPKV_CUDA_CHECK(cudaMemset(d_hashes.data(), 0xA5, slots.size() * 8));  // poisoned: every entry must be written
+  cuda::launch_slot_hashes_own_index(t, fmt, d_slots.as<const int64_t>(), d_index_slots.as<const int64_t>(),
+                                     static_cast<int64_t>(slots.size()), d_hashes.as<uint64_t>(), nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return d_hashes.download<uint64_t>(static_cast<int64_t>(slots.size()));
+}
+
+TEST(ReplicaHashGpu, OwnIndexerSlotsEqualTheCpuOracle) {
+  REQUIRE_GPU();
+  uint64_t seed = 50;
+  for (KvFormat f : {KvFormat::kFp8DsMla, KvFormat::kFp8, KvFormat::kBf16})
+    for (bool indexer : {true, false}) {
+      CacheFormat fmt;
+      fmt.kv_format = f;
+      fmt.has_indexer = indexer;
+      Replica rep(f, {16, 300, 16, 48, 48}, ++seed, 347);
+      // Every MLA slot once, shuffled; each entry an indexer slot of a shuffled subset; -1 in either now and then.
+      std::mt19937_64 gen(seed);
+      std::vector<int64_t> slots(300 * 16), islots(347 * 16);
+      std::iota(slots.begin(), slots.end(), 0);
+      std::iota(islots.begin(), islots.end(), 0);
+      std::shuffle(slots.begin(), slots.end(), gen);
+      std::shuffle(islots.begin(), islots.end(), gen);
+      islots.resize(slots.size());
+      for (size_t i = 0; i < slots.size(); i += 37) slots[i] = -1;
+      for (size_t i = 5; i < slots.size(); i += 41) islots[i] = -1;
+      const std::vector<uint64_t> cpu = slot_hashes_reference(rep.host, fmt, slots, islots);
+      EXPECT_EQ(gpu_own_hashes(rep.dev, fmt, slots, islots), cpu) << to_string(f) << " indexer " << indexer;
+      // index_slots == slots: the one-slot kernel's hashes bit for bit.
+      std::vector<int64_t> same(slots);
+      for (int64_t& s : same) s = s < 0 ? 0 : s;
+      EXPECT_EQ(gpu_own_hashes(rep.dev, fmt, same, same), gpu_hashes(rep.dev, fmt, same)) << to_string(f);
+    }
+  // The fixed values of tests/publish/test_replica_hash_own_index.cpp.
+  const std::unique_ptr<Replica> p = pattern_replica();
+  CacheFormat fmt;
+  fmt.kv_format = KvFormat::kFp8DsMla;
+  fmt.has_indexer = true;
+  EXPECT_EQ(gpu_own_hashes(p->dev, fmt, {5, -1, 7}, {1, 6, -1}),
+            (std::vector<uint64_t>{0x79A4A14DD736F196ull, 0x8AB02EB017E51108ull, 0xB0752CA762797EE8ull}));
+}
+
+TEST(ReplicaHashGpu, DeviceReplicaCheckWithOwnIndexerBlocks) {
+  REQUIRE_GPU();
+  test::CaseSpec spec;
+  spec.pcp = 4;
+  spec.block_size = 8;
+  spec.requests = {{RequestKind::kPrefill, 203, 0}, {RequestKind::kDecode, 1, 40}};
+  spec.alloc.index_block_pad = 48;
+  spec.own_index_blocks = true;
+  spec.index_extra_blocks = 3;
+  auto c = test::make_case(spec);
+  ASSERT_TRUE(c->plan.has_index_slots());
+  cuda::Publisher pub(c->setup, c->inputs);
+  cuda::Stream stream;
+  const PublishResult host = publish_direct(pub, stream);
+  const std::vector<int64_t> slots = written_slots(c->plan), islots = written_index_slots(c->plan);
+  cuda::DeviceReplicaCheck check(pub.targets(), c->setup.fmt, slots, islots);
+  check.enqueue(stream.get());
+  stream.sync();
+  const Check clean =
+      replica_hash_check(check.diffs(), slots, check.bytes_per_slot(), {0, "direct", ""}, {}, check.index_slots());
+  EXPECT_TRUE(clean.pass) << clean.detail;
+  for (int32_t q = 0; q < 4; ++q)
+    EXPECT_EQ(check.hashes(q), slot_hashes_reference(host_target(host, q), c->setup.fmt, slots, islots))
+        << "rank " << q;
+  // One device byte of rank 3's indexer data at an entry's own indexer slot: named with both slots.
+  size_t i = 10;
+  while (islots[i] == slots[i]) ++i;
+  flip_device_byte(pub.targets()[3].index_base + pub.targets()[3].index.data_offset(islots[i]) + 100, 0x80);
+  check.enqueue(stream.get());
+  stream.sync();
+  const Check bad =
+      replica_hash_check(check.diffs(), slots, check.bytes_per_slot(), {0, "direct", ""}, {}, check.index_slots());
+  EXPECT_FALSE(bad.pass);
+  EXPECT_EQ(bad.num_diff, 1);
+  EXPECT_NE(bad.detail.find(fmt::format("layer 0 (direct): rank 3 differs from rank 0 at slot {} (indexer slot {}) (",
+                                        slots[i], islots[i])),
+            std::string::npos)
+      << bad.detail;
 }
 
 TEST(ReplicaHashGpu, BadParametersAreRefusedBeforeALaunch) {
@@ -214,6 +326,12 @@ TEST(ReplicaHashGpu, BadParametersAreRefusedBeforeALaunch) {
                Error);
   EXPECT_THROW(cuda::launch_compare_replica_hashes(nullptr, 0, 1, nullptr, nullptr), Error);
   EXPECT_THROW(cuda::DeviceReplicaCheck({rep.dev}, fmt, {0, 64}), Error) << "slot 64 of a 64-slot cache";
+  EXPECT_THROW(cuda::launch_slot_hashes_own_index(rep.dev, fmt, s.as<const int64_t>(), nullptr, 1, h.as<uint64_t>(),
+                                                  nullptr),
+               Error)
+      << "no index_slots";
+  EXPECT_THROW(cuda::DeviceReplicaCheck({rep.dev}, fmt, {0, 1}, {3, 64}), Error) << "indexer slot 64 of 64";
+  EXPECT_THROW(cuda::DeviceReplicaCheck({rep.dev}, fmt, {0, 1}, {3}), Error) << "one indexer slot for two";
 }
 
 }  // namespace

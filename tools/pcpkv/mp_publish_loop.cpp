@@ -80,13 +80,14 @@ MpLoopResult run_mp_loop(const MpPublishFlags& f, MpJob& job) {
   auto pub = factory(*job.group, setup, opt);
   std::unique_ptr<Backend> ref_backend = leader && !f.no_check ? make_cpu_backend(f.threads) : nullptr;
   const std::vector<int64_t> slots = job.check_replicas ? written_slots(plan) : std::vector<int64_t>{};
+  const std::vector<int64_t> index_slots = job.check_replicas ? written_index_slots(plan) : std::vector<int64_t>{};
   // The run-time replica check (--check-replicas): every rank hashes its own replica, one exchange; every rank
   // gets the same Check. Its wall time (hash + exchange, this rank) goes into the leader's line.
   auto replica_check = [&](Transport t, const std::string& iteration) {
     const auto c0 = std::chrono::steady_clock::now();
-    Check c = check_replica_hashes_across(*job.group, pub->replica_slot_hashes(slots), slots,
+    Check c = check_replica_hashes_across(*job.group, pub->replica_slot_hashes(slots, index_slots), slots,
                                           replica_hash_bytes_per_slot(fmt), {setup.layer_idx, to_string(t), iteration},
-                                          opt.global_ranks);
+                                          opt.global_ranks, index_slots);
     c.detail += fmt::format("; {:.2f} ms on rank {} (hash + exchange)",
                             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - c0).count(),
                             opt.global_ranks[static_cast<size_t>(job.group->rank())]);

@@ -96,6 +96,15 @@ void launch_fill_minus_one(int32_t* p, int64_t count, CUstream_st* stream);
 /// Throws pcpkv::Error on a bad format or target (validate_cache_target) or null pointers (nothing enqueued).
 void launch_slot_hashes(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots, int64_t num_slots,
                         uint64_t* hashes, CUstream_st* stream);
+/// The indexer cache at its own slots (docs/spec.md 4.2, 5.2): hashes[i] = entry i's hash, its MLA row at slots[i]
+/// and its indexer data and scale at index_slots[i] of target.index (either -1: that part absent), with the weights
+/// of launch_slot_hashes (so index_slots == slots gives its hashes): the 6-pointer slot_hashes_reference on the GPU,
+/// equal bit for bit. Device pointers; index_slots [num_slots] int64, each -1 or in [0, target.index.num_slots())
+/// and slots each -1 or in [0, target.mla.num_slots()) (host-checked: validate_hash_slots with allow_skip). Reads
+/// no padding of a padded indexer block stride. Throws pcpkv::Error as launch_slot_hashes, or on a null index_slots.
+void launch_slot_hashes_own_index(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots,
+                                  const int64_t* index_slots, int64_t num_slots, uint64_t* hashes,
+                                  CUstream_st* stream);
 
 /// One rank's hashes against rank 0's (launch_compare_replica_hashes): entries that differ, and the index of the
 /// first (UINT64_MAX: none). compare_replica_hashes_reference's ReplicaHashDiff, in device-atomic types.

@@ -111,9 +111,11 @@ class RankPublisher {
   virtual std::vector<uint8_t> read_index_alloc(int32_t pcp_rank) = 0;
   /// The run-time replica check's hashes (pcpkv/publish/replica_hash.h) of `slots` [n] in this process's own
   /// replica as it is now, [n] uint64: the CPU oracle on the CPU, the kernel on the GPU (only the n hashes are
-  /// copied to the host). Local (no exchange); call after publish() returned. Throws pcpkv::Error on a slot
-  /// outside the cache.
-  virtual std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots) = 0;
+  /// copied to the host). Local (no exchange); call after publish() returned. index_slots: the entries' indexer
+  /// slots where the plan gives the indexer cache its own blocks (written_index_slots; empty: one slot addresses
+  /// both caches). Throws pcpkv::Error on a slot outside its cache.
+  virtual std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots,
+                                                    const std::vector<int64_t>& index_slots = {}) = 0;
   /// CUDA: captures one publication (poison, start fence, dispatch, transport) into a CUDA graph once and
   /// replays it `replays` times; the device-resident epochs advance on every replay (fence_epochs tells).
   /// Collective like publish(). The CPU implementation throws pcpkv::Error (no graphs on the host).

@@ -3,8 +3,10 @@
 //
 // After a publication every rank hashes the slots the publication wrote (written_slots: the plan's gathered slot
 // mapping without its -1 entries) in its own replica, one uint64 per slot (pcpkv/device/replica_hash.h), and the
-// ranks compare their hashes with rank 0's. A mismatch is a failed Check (pcpkv/publish/checks.h) naming the
-// layer, the transport, the ranks that differ and the first differing slot. Only the written rows are read: guard
+// ranks compare their hashes with rank 0's. Where the indexer cache has its own slots (docs/spec.md 4.2) an entry
+// is a written row: its MLA row at its MLA slot and its indexer row at its indexer slot (written_index_slots). A
+// mismatch is a failed Check (pcpkv/publish/checks.h) naming the layer, the transport, the ranks that differ and
+// the first differing slot. Only the written rows are read: guard
 // bytes, padding and unwritten slots are not part of any hash (check_guards covers those).
 //
 // Implementations: the CPU oracles here (host pointers), the CUDA kernels in pcpkv/publish/kernels.h
@@ -31,8 +33,12 @@ int64_t replica_hash_bytes_per_slot(const CacheFormat& fmt);
 
 /// The slots a publication of `plan` writes, in the order of plan.gathered_slot_mapping (rank-major local rows),
 /// -1 entries dropped: [plan.num_written_slots()] int64. "First differing slot" refers to this order (the same
-/// as pcpkv_torch's ReplicaCheck.written_slots).
+/// as pcpkv_torch's ReplicaCheck.written_slots). With the plan's own indexer blocks (docs/spec.md 4.2) the rows
+/// where either gathered mapping is >= 0 (a valid plan has -1 in both at once), their MLA slots.
 std::vector<int64_t> written_slots(const PcpPlan& plan);
+/// The indexer slots of written_slots' rows ([written_slots(plan).size()], gathered_indexer_slot_mapping's entries)
+/// when the plan gives the indexer cache its own blocks; empty when one slot addresses both caches.
+std::vector<int64_t> written_index_slots(const PcpPlan& plan);
 
 /// CPU oracle of cuda::launch_slot_hashes: hashes[i] = the replica hash of slot slots[i] of `target`
 /// (docs/spec.md 5.2), for i < num_slots. Host pointers: target's bases, slots [num_slots] int64, hashes
@@ -42,14 +48,27 @@ void slot_hashes_reference(const CacheTarget& target, const CacheFormat& fmt, co
                            uint64_t* hashes);
 std::vector<uint64_t> slot_hashes_reference(const CacheTarget& target, const CacheFormat& fmt,
                                             const std::vector<int64_t>& slots);
+/// The indexer cache at its own slots (docs/spec.md 4.2 and 5.2; CPU oracle of cuda::launch_slot_hashes_own_index):
+/// hashes[i] = the hash of entry i, its MLA row at slots[i] (none when -1) then, on an indexer layer, its indexer
+/// data and scale at index_slots[i] of target.index (none when -1), with the one-slot form's weights: equal to
+/// slot_hashes_reference where index_slots == slots. Only the 132 bytes of a written indexer slot are read, never
+/// the padding of a padded block stride. Throws pcpkv::Error naming slots[i] / index_slots[i] outside their cache.
+void slot_hashes_reference(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots,
+                           const int64_t* index_slots, int64_t num_slots, uint64_t* hashes);
+/// index_slots empty: the one-slot form; else of slots' length.
+std::vector<uint64_t> slot_hashes_reference(const CacheTarget& target, const CacheFormat& fmt,
+                                            const std::vector<int64_t>& slots, const std::vector<int64_t>& index_slots);
 /// The checks both slot_hashes_reference and launch_slot_hashes make first, reading no memory behind the pointers:
 /// format and target (validate_cache_target), num_slots >= 0, slots and hashes set when num_slots > 0, and an
-/// indexer cache (indexer layers) of the MLA cache's block size with at least its blocks. Throws pcpkv::Error.
+/// indexer cache (indexer layers) of the MLA cache's block size with at least its blocks (index_slots null: one slot
+/// addresses both caches; set: the indexer cache has its own block count). Throws pcpkv::Error.
 void validate_slot_hashes_shape(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots,
-                                int64_t num_slots, const uint64_t* hashes);
-/// Every slot of slots [num_slots] (host memory) in [0, num_cache_slots); throws pcpkv::Error naming the index and
-/// value of the first that is not (what the kernel cannot check, the host checks before a launch).
-void validate_hash_slots(const int64_t* slots, int64_t num_slots, int64_t num_cache_slots);
+                                int64_t num_slots, const uint64_t* hashes, const int64_t* index_slots = nullptr);
+/// Every slot of slots [num_slots] (host memory) in [0, num_cache_slots) (or -1 where allow_skip: the own-slot
+/// form's "no row in this cache"); throws pcpkv::Error naming `field`, the index and value of the first that is
+/// not (what the kernel cannot check, the host checks before a launch).
+void validate_hash_slots(const int64_t* slots, int64_t num_slots, int64_t num_cache_slots, const char* field = "slots",
+                         bool allow_skip = false);
 
 /// How rank q's hashes differ from rank 0's: how many entries, and the index (into the slot list) of the first
 /// (-1: none).
@@ -78,14 +97,16 @@ struct ReplicaCheckSite {
 ///    in this layer; differing slots per rank: 7: 1); replicas diverged".
 /// num_bytes: bytes hashed over every rank (W * n * bytes_per_slot); num_diff: the (rank, slot) pairs whose hashes
 /// differ. rank_names[q] names rank q (a group's global ranks, e.g. {2, 3} for the second group of --tp 2 x PCP 2:
-/// "rank 3 differs from rank 2"; empty: "rank q", the group's first rank being "rank 0").
+/// "rank 3 differs from rank 2"; empty: "rank q", the group's first rank being "rank 0"). index_slots [n]
+/// (written_index_slots; empty: one slot addresses both caches) names the entry's indexer slot too:
+/// "at slot 4711 (indexer slot 93)".
 Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::vector<int64_t>& slots,
                          int64_t bytes_per_slot, const ReplicaCheckSite& site,
-                         const std::vector<int32_t>& rank_names = {});
+                         const std::vector<int32_t>& rank_names = {}, const std::vector<int64_t>& index_slots = {});
 
 /// Every replica of a one-process publication (`pcpkv run`: host copies of every rank's allocation), hashed with
-/// slot_hashes_reference over written_slots(plan) and compared. r's transport names the site. Throws pcpkv::Error
-/// when r does not hold plan.pcp_world replicas.
+/// slot_hashes_reference over written_slots(plan) (and written_index_slots(plan)) and compared. r's transport names
+/// the site. Throws pcpkv::Error when r does not hold plan.pcp_world replicas.
 Check check_replica_hashes(const PublishResult& r, const PcpPlan& plan, const CacheFormat& fmt, int32_t layer_idx);
 
 /// Digest of one rank's hashes: sum_i w(i) * hashes[i] mod 2^64 (w of pcpkv/device/replica_hash.h), so a change
@@ -95,9 +116,11 @@ uint64_t replica_hashes_digest(const std::vector<uint64_t>& hashes);
 /// One process per rank: collective over `group` (every rank calls it with the hashes of its own replica over the
 /// same slots). One small exchange: every rank all-gathers the digests (16 bytes each); only when they differ
 /// are the hashes themselves all-gathered to find the differing ranks and slots. Returns the same Check on every
-/// rank (replica_hash_check). Throws pcpkv::Error when the ranks hashed different numbers of slots.
+/// rank (replica_hash_check; index_slots as there). Throws pcpkv::Error when the ranks hashed different numbers of
+/// slots.
 Check check_replica_hashes_across(Bootstrap& group, const std::vector<uint64_t>& mine,
                                   const std::vector<int64_t>& slots, int64_t bytes_per_slot,
-                                  const ReplicaCheckSite& site, const std::vector<int32_t>& rank_names = {});
+                                  const ReplicaCheckSite& site, const std::vector<int32_t>& rank_names = {},
+                                  const std::vector<int64_t>& index_slots = {});
 
 }  // namespace pcpkv

@@ -184,11 +184,11 @@ class DistPcpWorld(PcpWorld):
         if not self.replica_check.enabled:
             return
         t0 = time.perf_counter()
-        slots = self.replica_check.written_slots(step)
+        slots, islots = self.replica_check.written(step)
         idx = self.index[layer_idx]
-        mine = slot_hashes(self.mla[layer_idx][self.rank], idx[self.rank] if idx is not None else None, slots)
+        mine = slot_hashes(self.mla[layer_idx][self.rank], idx[self.rank] if idx is not None else None, slots, islots)
         hashes = self._named(f"layer {layer_idx} replica check", lambda: self.all_gather(mine))
-        compare_hashes(hashes, slots, layer_idx)
+        compare_hashes(hashes, slots, layer_idx, islots)
         self.replica_check.record(t0)
 
     def close(self):

@@ -126,6 +126,19 @@ GuardReport check_untouched(const PublishResult& r, int32_t rank, const PcpPlan&
 
 // ---- decode_slot -----------------------------------------------------------------------------------
 
+namespace {
+
+// The indexer row at `slot` of the indexer cache into d (index_k dequantized, index_scale).
+void decode_index_row(const uint8_t* index_cache, const IndexerCacheGeometry& ig, int64_t slot, DecodedRow& d) {
+  PCPKV_CHECK(slot >= 0 && slot < ig.num_slots(), "decode_slot: slot {} is out of the indexer cache's range [0, {})",
+              slot, ig.num_slots());
+  d.index_scale = pack::load_f32_le(index_cache + ig.scale_offset(slot));
+  const uint8_t* data = index_cache + ig.data_offset(slot);
+  for (int i = 0; i < 128; ++i) d.index_k[i] = codec::e4m3_to_float(data[i]) * d.index_scale;
+}
+
+}  // namespace
+
 DecodedRow decode_slot(const uint8_t* mla_cache, const MlaCacheGeometry& mg, const uint8_t* index_cache,
                        const IndexerCacheGeometry& ig, const CacheFormat& fmt, int64_t slot) {
   PCPKV_CHECK(mla_cache != nullptr, "decode_slot: mla_cache is null");
@@ -150,13 +163,7 @@ DecodedRow decode_slot(const uint8_t* mla_cache, const MlaCacheGeometry& mg, con
       for (int i = 0; i < 64; ++i) d.k_pe[i] = codec::bf16_to_float(pack::load_u16_le(row + kDsMlaKpeOffset + 2 * i));
       break;
   }
-  if (fmt.has_indexer && index_cache != nullptr) {
-    PCPKV_CHECK(slot < ig.num_slots(), "decode_slot: slot {} is out of the indexer cache's range [0, {})", slot,
-                ig.num_slots());
-    d.index_scale = pack::load_f32_le(index_cache + ig.scale_offset(slot));
-    const uint8_t* data = index_cache + ig.data_offset(slot);
-    for (int i = 0; i < 128; ++i) d.index_k[i] = codec::e4m3_to_float(data[i]) * d.index_scale;
-  }
+  if (fmt.has_indexer && index_cache != nullptr) decode_index_row(index_cache, ig, slot, d);
   return d;
 }
 
@@ -269,9 +276,11 @@ Fp8Report check_fp8_bound(const PublishResult& r, int32_t rank, const GlobalInpu
   PCPKV_CHECK(rank >= 0 && rank < static_cast<int32_t>(r.mla_alloc.size()),
               "check_fp8_bound: rank {} is out of range [0, {})", rank, r.mla_alloc.size());
   validate_inputs(in, model, plan, fmt.has_indexer);
-  PCPKV_CHECK(!plan.has_index_slots(),
-              "check_fp8_bound: the plan gives the indexer cache its own slots (docs/spec.md 4.2); this check decodes "
-              "both rows of a token at one slot");
+  // With its own indexer blocks (docs/spec.md 4.2) a token's indexer row is read at its own slot.
+  const bool own = plan.has_index_slots();
+  PCPKV_CHECK(!own || plan.global_index_slots.size() == plan.global_slots.size(),
+              "check_fp8_bound: the plan has {} global_index_slots for {} tokens", plan.global_index_slots.size(),
+              plan.global_slots.size());
   const uint8_t* mla = r.mla_alloc[static_cast<size_t>(rank)].data() + r.mla_cache_offset;
   const uint8_t* idx = fmt.has_indexer ? r.index_alloc[static_cast<size_t>(rank)].data() + r.index_cache_offset
                                        : nullptr;
@@ -292,8 +301,12 @@ Fp8Report check_fp8_bound(const PublishResult& r, int32_t rank, const GlobalInpu
     const int64_t slot = plan.global_slots[static_cast<size_t>(g)];
     if (slot < 0) continue;
     const int64_t pos = plan.global_positions[static_cast<size_t>(g)];
-    const DecodedRow d = decode_slot(mla, r.mla_geometry, idx, r.index_geometry, fmt, slot);
-    BoundCheck chk{rep, fmt::format("rank {} slot {} (token {}, position {})", rank, slot, g, pos)};
+    const int64_t islot = own ? plan.global_index_slots[static_cast<size_t>(g)] : slot;
+    DecodedRow d = decode_slot(mla, r.mla_geometry, own ? nullptr : idx, r.index_geometry, fmt, slot);
+    if (own && idx != nullptr) decode_index_row(idx, r.index_geometry, islot, d);
+    BoundCheck chk{rep, own ? fmt::format("rank {} slot {} (indexer slot {}; token {}, position {})", rank, slot, islot,
+                                          g, pos)
+                            : fmt::format("rank {} slot {} (token {}, position {})", rank, slot, g, pos)};
     for (int i = 0; i < 32; ++i) {
       const long double a = static_cast<long double>(pos) * inv_freq[static_cast<size_t>(i)];
       cosv[i] = std::cos(a) * mscale;

@@ -49,22 +49,40 @@ int64_t replica_hash_bytes_per_slot(const CacheFormat& fmt) {
   return mla_row_bytes(fmt.kv_format) + (fmt.has_indexer ? kIndexerSlotBytes : 0);
 }
 
-std::vector<int64_t> written_slots(const PcpPlan& plan) {
-  // A slot's hash covers its MLA row and the indexer row at the same slot (docs/spec.md 5.2).
-  PCPKV_CHECK(!plan.has_index_slots(),
-              "replica check: the plan gives the indexer cache its own slots (docs/spec.md 4.2); the replica hash "
-              "(section 5.2) hashes a slot's MLA and indexer rows together and does not cover that yet");
+namespace {
+
+// The entries of `mapping` (gathered_slot_mapping or gathered_indexer_slot_mapping) at the gathered rows a
+// publication writes: either mapping >= 0 (docs/spec.md 4.2: each mapping's -1 skips its own cache only; a valid
+// plan has -1 in both at once).
+std::vector<int64_t> at_written_rows(const PcpPlan& plan, const std::vector<int64_t>& mapping) {
+  const bool own = plan.has_index_slots();
+  PCPKV_CHECK(!own || plan.gathered_indexer_slot_mapping.size() == plan.gathered_slot_mapping.size(),
+              "replica check: the plan's gathered_indexer_slot_mapping has {} entries, gathered_slot_mapping {}",
+              plan.gathered_indexer_slot_mapping.size(), plan.gathered_slot_mapping.size());
   std::vector<int64_t> s;
   s.reserve(static_cast<size_t>(plan.num_written_slots()));
-  for (int64_t slot : plan.gathered_slot_mapping)
-    if (slot >= 0) s.push_back(slot);
+  for (size_t i = 0; i < plan.gathered_slot_mapping.size(); ++i)
+    if (plan.gathered_slot_mapping[i] >= 0 || (own && plan.gathered_indexer_slot_mapping[i] >= 0))
+      s.push_back(mapping[i]);
   return s;
 }
 
+}  // namespace
+
+std::vector<int64_t> written_slots(const PcpPlan& plan) { return at_written_rows(plan, plan.gathered_slot_mapping); }
+
+std::vector<int64_t> written_index_slots(const PcpPlan& plan) {
+  return plan.has_index_slots() ? at_written_rows(plan, plan.gathered_indexer_slot_mapping) : std::vector<int64_t>{};
+}
+
 Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::vector<int64_t>& slots,
-                         int64_t bytes_per_slot, const ReplicaCheckSite& site, const std::vector<int32_t>& rank_names) {
+                         int64_t bytes_per_slot, const ReplicaCheckSite& site, const std::vector<int32_t>& rank_names,
+                         const std::vector<int64_t>& index_slots) {
   const int64_t W = static_cast<int64_t>(diffs.size());
   const int64_t n = static_cast<int64_t>(slots.size());
+  PCPKV_CHECK(index_slots.empty() || index_slots.size() == slots.size(),
+              "replica check: index_slots has {} entries, slots {} (one indexer slot per entry, or none)",
+              index_slots.size(), slots.size());
   Check c;
   c.name = "replica hashes agree";
   c.transport = site.transport;
@@ -104,11 +122,18 @@ Check replica_hash_check(const std::vector<ReplicaHashDiff>& diffs, const std::v
     others = fmt::format("; {} also differ{} at later slots", ranks_phrase(later, rank_names),
                          later.size() == 1 ? "s" : "");
   }
+  // The entry's slot; with the indexer at its own slots (docs/spec.md 4.2) its indexer slot too.
+  const size_t f = static_cast<size_t>(first);
+  std::string at = fmt::format("slot {}", slots[f]);
+  if (!index_slots.empty())
+    at = slots[f] < 0          ? fmt::format("indexer slot {} (no MLA row)", index_slots[f])
+         : index_slots[f] < 0  ? fmt::format("slot {} (no indexer row)", slots[f])
+                               : fmt::format("slot {} (indexer slot {})", slots[f], index_slots[f]);
   c.detail = fmt::format(
-      "{}: {} {} from rank {} at slot {} (the first differing slot of the {} written in this layer; differing slots "
+      "{}: {} {} from rank {} at {} (the first differing slot of the {} written in this layer; differing slots "
       "per rank: {}){}; replicas diverged",
       where, ranks_phrase(at_first, rank_names), at_first.size() == 1 ? "differs" : "differ",
-      replica_rank_name(0, rank_names), slots[static_cast<size_t>(first)], n, per_rank, others);
+      replica_rank_name(0, rank_names), at, n, per_rank, others);
   return c;
 }
 
@@ -120,6 +145,7 @@ Check check_replica_hashes(const PublishResult& r, const PcpPlan& plan, const Ca
               r.index_alloc.size(), W);
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<int64_t> slots = written_slots(plan);
+  const std::vector<int64_t> index_slots = written_index_slots(plan);  // empty: one slot addresses both caches
   std::vector<std::vector<uint64_t>> hashes(static_cast<size_t>(W));
   for (int32_t q = 0; q < W; ++q) {
     // The host copies are whole allocations; the caches start at the recorded offsets. Only rows are read.
@@ -140,10 +166,10 @@ Check check_replica_hashes(const PublishResult& r, const PcpPlan& plan, const Ca
       t.index_base = const_cast<uint8_t*>(idx.data()) + r.index_cache_offset;
       t.index = r.index_geometry;
     }
-    hashes[static_cast<size_t>(q)] = slot_hashes_reference(t, fmt, slots);
+    hashes[static_cast<size_t>(q)] = slot_hashes_reference(t, fmt, slots, index_slots);
   }
   Check c = replica_hash_check(compare_replica_hashes_reference(hashes), slots, replica_hash_bytes_per_slot(fmt),
-                               {layer_idx, to_string(r.transport), ""});
+                               {layer_idx, to_string(r.transport), ""}, {}, index_slots);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (c.pass) c.detail += fmt::format("; {:.1f} ms on the CPU", ms);
   return c;

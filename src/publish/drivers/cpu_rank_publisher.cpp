@@ -149,8 +149,9 @@ class CpuRankPublisher final : public RankPublisher {
     const uint8_t* p = caches_->ptr(r) + layout_.index_region_offset;
     return {p, p + layout_.index_alloc_bytes};
   }
-  std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots) override {
-    return slot_hashes_reference(target_of(group_.rank()), setup_.fmt, slots);
+  std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots,
+                                            const std::vector<int64_t>& index_slots = {}) override {
+    return slot_hashes_reference(target_of(group_.rank()), setup_.fmt, slots, index_slots);
   }
 
  private:

@@ -15,7 +15,8 @@ namespace pcpkv {
 
 Check check_replica_hashes_across(Bootstrap& group, const std::vector<uint64_t>& mine,
                                   const std::vector<int64_t>& slots, int64_t bytes_per_slot,
-                                  const ReplicaCheckSite& site, const std::vector<int32_t>& rank_names) {
+                                  const ReplicaCheckSite& site, const std::vector<int32_t>& rank_names,
+                                  const std::vector<int64_t>& index_slots) {
   const int32_t W = group.world_size();
   PCPKV_CHECK(mine.size() == slots.size(), "replica check: {} hashes for {} slots", mine.size(), slots.size());
   const uint64_t summary[2] = {replica_hashes_digest(mine), static_cast<uint64_t>(mine.size())};
@@ -37,7 +38,7 @@ Check check_replica_hashes_across(Bootstrap& group, const std::vector<uint64_t>&
                                             flat.begin() + static_cast<ptrdiff_t>((q + 1) * mine.size()));
     diffs = compare_replica_hashes_reference(hashes);
   }
-  return replica_hash_check(diffs, slots, bytes_per_slot, site, rank_names);
+  return replica_hash_check(diffs, slots, bytes_per_slot, site, rank_names, index_slots);
 }
 
 }  // namespace pcpkv

@@ -9,18 +9,26 @@
 namespace pcpkv::cuda {
 
 DeviceReplicaCheck::DeviceReplicaCheck(std::vector<CacheTarget> targets, const CacheFormat& fmt,
-                                       std::vector<int64_t> slots)
-    : targets_(std::move(targets)), fmt_(fmt), slots_(std::move(slots)) {
+                                       std::vector<int64_t> slots, std::vector<int64_t> index_slots)
+    : targets_(std::move(targets)), fmt_(fmt), slots_(std::move(slots)), index_slots_(std::move(index_slots)) {
   PCPKV_CHECK(!targets_.empty(), "replica check: no replicas");
   const int64_t W = static_cast<int64_t>(targets_.size());
   const int64_t n = static_cast<int64_t>(slots_.size());
-  for (const CacheTarget& t : targets_) validate_hash_slots(slots_.data(), n, t.mla.num_slots());
+  const bool own = !index_slots_.empty();
+  PCPKV_CHECK(!own || index_slots_.size() == slots_.size(), "replica check: index_slots has {} entries, slots {}",
+              index_slots_.size(), slots_.size());
+  for (const CacheTarget& t : targets_) {
+    validate_hash_slots(slots_.data(), n, t.mla.num_slots(), "slots", own);
+    if (own && fmt_.has_indexer) validate_hash_slots(index_slots_.data(), n, t.index.num_slots(), "index_slots", true);
+  }
   d_slots_ = DeviceBuffer::from(slots_.empty() ? std::vector<int64_t>{0} : slots_);
+  if (own) d_index_slots_ = DeviceBuffer::from(index_slots_);
   d_hashes_.reset(std::max<int64_t>(1, W * n) * static_cast<int64_t>(sizeof(uint64_t)));
   d_diffs_.reset(W * static_cast<int64_t>(sizeof(DeviceHashDiff)));
   // Refused here rather than at the first enqueue (the launcher checks the same).
   for (const CacheTarget& t : targets_)
-    validate_slot_hashes_shape(t, fmt_, d_slots_.as<const int64_t>(), n, d_hashes_.as<const uint64_t>());
+    validate_slot_hashes_shape(t, fmt_, d_slots_.as<const int64_t>(), n, d_hashes_.as<const uint64_t>(),
+                               own ? d_index_slots_.as<const int64_t>() : nullptr);
   PCPKV_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_diffs_), static_cast<size_t>(W) * sizeof(DeviceHashDiff)));
   for (int64_t q = 0; q < W; ++q) host_diffs_[q] = DeviceHashDiff{0ull, ~0ull};
 }
@@ -32,9 +40,15 @@ DeviceReplicaCheck::~DeviceReplicaCheck() {
 void DeviceReplicaCheck::enqueue(cudaStream_t stream) {
   const int32_t W = static_cast<int32_t>(targets_.size());
   const int64_t n = static_cast<int64_t>(slots_.size());
-  for (int32_t q = 0; q < W; ++q)
-    launch_slot_hashes(targets_[static_cast<size_t>(q)], fmt_, d_slots_.as<const int64_t>(), n,
-                       d_hashes_.as<uint64_t>() + int64_t{q} * n, stream);
+  for (int32_t q = 0; q < W; ++q) {
+    const CacheTarget& t = targets_[static_cast<size_t>(q)];
+    uint64_t* h = d_hashes_.as<uint64_t>() + int64_t{q} * n;
+    if (index_slots_.empty())
+      launch_slot_hashes(t, fmt_, d_slots_.as<const int64_t>(), n, h, stream);
+    else
+      launch_slot_hashes_own_index(t, fmt_, d_slots_.as<const int64_t>(), d_index_slots_.as<const int64_t>(), n, h,
+                                   stream);
+  }
   launch_compare_replica_hashes(d_hashes_.as<const uint64_t>(), W, n, d_diffs_.as<DeviceHashDiff>(), stream);
   PCPKV_CUDA_CHECK(cudaMemcpyAsync(host_diffs_, d_diffs_.data(), static_cast<size_t>(W) * sizeof(DeviceHashDiff),
                                    cudaMemcpyDeviceToHost, stream));

@@ -18,9 +18,11 @@ namespace pcpkv::cuda {
 class DeviceReplicaCheck {
  public:
   /// targets [W] the replicas (device pointers, as Publisher::targets()); slots the written slots (host; checked
-  /// against every target's cache with validate_hash_slots, then uploaded once). Throws pcpkv::Error on a bad
-  /// target or slot.
-  DeviceReplicaCheck(std::vector<CacheTarget> targets, const CacheFormat& fmt, std::vector<int64_t> slots);
+  /// against every target's cache with validate_hash_slots, then uploaded once); index_slots their indexer slots
+  /// where the indexer cache has its own (written_index_slots; empty: one slot addresses both caches). Throws
+  /// pcpkv::Error on a bad target or slot.
+  DeviceReplicaCheck(std::vector<CacheTarget> targets, const CacheFormat& fmt, std::vector<int64_t> slots,
+                     std::vector<int64_t> index_slots = {});
   ~DeviceReplicaCheck();
   DeviceReplicaCheck(const DeviceReplicaCheck&) = delete;
   DeviceReplicaCheck& operator=(const DeviceReplicaCheck&) = delete;
@@ -34,6 +36,7 @@ class DeviceReplicaCheck {
   std::vector<uint64_t> hashes(int32_t q) const;
 
   const std::vector<int64_t>& slots() const { return slots_; }
+  const std::vector<int64_t>& index_slots() const { return index_slots_; }
   int64_t bytes_per_slot() const { return replica_hash_bytes_per_slot(fmt_); }
   /// Cache bytes the hashes read: W * slots * bytes_per_slot.
   int64_t cache_bytes_read() const;
@@ -44,8 +47,8 @@ class DeviceReplicaCheck {
  private:
   std::vector<CacheTarget> targets_;
   CacheFormat fmt_;
-  std::vector<int64_t> slots_;
-  DeviceBuffer d_slots_, d_hashes_, d_diffs_;
+  std::vector<int64_t> slots_, index_slots_;
+  DeviceBuffer d_slots_, d_index_slots_, d_hashes_, d_diffs_;
   DeviceHashDiff* host_diffs_ = nullptr;  // pinned, [W]
 };
 

@@ -173,14 +173,26 @@ class CudaRankPublisher final : public RankPublisher {
   std::vector<uint8_t> read_index_alloc(int32_t r) override {
     return read(caches_->ptr(r) + layout_.index_region_offset, layout_.index_alloc_bytes);
   }
-  std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots) override {
+  std::vector<uint64_t> replica_slot_hashes(const std::vector<int64_t>& slots,
+                                            const std::vector<int64_t>& index_slots = {}) override {
     // The kernel cannot check the slots it reads: the host does, here.
-    validate_hash_slots(slots.data(), static_cast<int64_t>(slots.size()), layout_.mla.num_slots());
+    const bool own = !index_slots.empty();
+    PCPKV_CHECK(!own || index_slots.size() == slots.size(), "slot hashes: index_slots has {} entries, slots {}",
+                index_slots.size(), slots.size());
+    const int64_t n = static_cast<int64_t>(slots.size());
+    validate_hash_slots(slots.data(), n, layout_.mla.num_slots(), "slots", own);
+    if (own && setup_.fmt.has_indexer)
+      validate_hash_slots(index_slots.data(), n, layout_.index.num_slots(), "index_slots", true);
     if (slots.empty()) return {};
     const DeviceBuffer d_slots = DeviceBuffer::from(slots);
+    const DeviceBuffer d_index_slots = own ? DeviceBuffer::from(index_slots) : DeviceBuffer();
     DeviceBuffer d_hashes(static_cast<int64_t>(slots.size() * sizeof(uint64_t)));
-    launch_slot_hashes(host_targets_[static_cast<size_t>(group_.rank())], setup_.fmt, d_slots.as<const int64_t>(),
-                       static_cast<int64_t>(slots.size()), d_hashes.as<uint64_t>(), stream());
+    const CacheTarget& t = host_targets_[static_cast<size_t>(group_.rank())];
+    if (own)
+      launch_slot_hashes_own_index(t, setup_.fmt, d_slots.as<const int64_t>(), d_index_slots.as<const int64_t>(), n,
+                                   d_hashes.as<uint64_t>(), stream());
+    else
+      launch_slot_hashes(t, setup_.fmt, d_slots.as<const int64_t>(), n, d_hashes.as<uint64_t>(), stream());
     PCPKV_CUDA_CHECK(cudaStreamSynchronize(stream()));
     return d_hashes.download<uint64_t>(static_cast<int64_t>(slots.size()));
   }

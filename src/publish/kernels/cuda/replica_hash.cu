@@ -21,6 +21,7 @@ struct SlotHashArgs {
   int64_t mla_row_stride, mla_block_stride;
   const uint8_t* index_base;  // null: the MLA row alone (a layer without an indexer)
   int64_t index_block_stride;
+  const int64_t* index_slots; // [num_slots] the indexer's own slots (docs/spec.md 4.2; -1: none), or null: slots
   int32_t block_shift;        // log2(block_size): both caches share the block size (validated on the host)
   int32_t mla_row_bytes;
   const int64_t* slots;       // [num_slots]
@@ -40,12 +41,18 @@ __global__ void __launch_bounds__(kThreads) slot_hashes_kernel(const __grid_cons
   const int64_t block_mask = (int64_t{1} << a.block_shift) - 1;
   for (int64_t i = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; i < a.num_slots; i += int64_t{gridDim.x} * kWarps) {
     const int64_t slot = a.slots[i];
-    const int64_t block = slot >> a.block_shift, offset = slot & block_mask;
-    const uint8_t* row = a.mla_base + block * a.mla_block_stride + offset * a.mla_row_stride;
+    // -1 (the own-slot form only: host-checked) hashes no row of that cache; the indexer bytes keep their weights.
+    const int64_t islot = a.index_slots ? a.index_slots[i] : slot;
     uint64_t h = 0;
+    if (slot >= 0) {
+      const int64_t block = slot >> a.block_shift, offset = slot & block_mask;
+      const uint8_t* row = a.mla_base + block * a.mla_block_stride + offset * a.mla_row_stride;
 #pragma unroll 4
-    for (int j = lane; j < a.mla_row_bytes; j += 32) h += w[j] * row[j];
-    if (a.index_base) {
+      for (int j = lane; j < a.mla_row_bytes; j += 32) h += w[j] * row[j];
+    }
+    if (a.index_base && islot >= 0) {
+      // The 132 bytes of the slot only: a padded block stride's padding lies past block_size * 132.
+      const int64_t block = islot >> a.block_shift, offset = islot & block_mask;
       const uint8_t* blk = a.index_base + block * a.index_block_stride;
       const uint8_t* data = blk + offset * 128;
       const uint8_t* scale = blk + (block_mask + 1) * 128 + offset * 4;
@@ -82,11 +89,9 @@ int64_t grid_for(int64_t items, int64_t per_block, int64_t blocks_per_sm) {
   return std::max<int64_t>(1, std::min<int64_t>((items + per_block - 1) / per_block, int64_t{num_sms()} * blocks_per_sm));
 }
 
-}  // namespace
-
-void launch_slot_hashes(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots, int64_t num_slots,
-                        uint64_t* hashes, cudaStream_t stream) {
-  validate_slot_hashes_shape(target, fmt, slots, num_slots, hashes);
+void launch_hashes(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots, const int64_t* index_slots,
+                   int64_t num_slots, uint64_t* hashes, cudaStream_t stream) {
+  validate_slot_hashes_shape(target, fmt, slots, num_slots, hashes, index_slots);
   if (num_slots == 0) return;
   SlotHashArgs a{};
   a.mla_base = target.mla_base;
@@ -94,6 +99,7 @@ void launch_slot_hashes(const CacheTarget& target, const CacheFormat& fmt, const
   a.mla_block_stride = target.mla.block_stride;
   a.index_base = fmt.has_indexer ? target.index_base : nullptr;
   a.index_block_stride = target.index.block_stride;
+  a.index_slots = index_slots;
   while ((int64_t{1} << a.block_shift) < target.mla.block_size) ++a.block_shift;  // a power of two (validated)
   a.mla_row_bytes = static_cast<int32_t>(mla_row_bytes(fmt.kv_format));
   a.slots = slots;
@@ -102,6 +108,23 @@ void launch_slot_hashes(const CacheTarget& target, const CacheFormat& fmt, const
   const int64_t blocks = grid_for(num_slots, kWarps, 8);
   slot_hashes_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
   PCPKV_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void launch_slot_hashes(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots, int64_t num_slots,
+                        uint64_t* hashes, cudaStream_t stream) {
+  launch_hashes(target, fmt, slots, nullptr, num_slots, hashes, stream);
+}
+
+void launch_slot_hashes_own_index(const CacheTarget& target, const CacheFormat& fmt, const int64_t* slots,
+                                  const int64_t* index_slots, int64_t num_slots, uint64_t* hashes,
+                                  cudaStream_t stream) {
+  PCPKV_CHECK(num_slots == 0 || index_slots != nullptr, "slot hashes: index_slots is null for num_slots = {}",
+              num_slots);
+  // Null with no slots: still the own-slot form (the indexer cache need not cover the MLA cache).
+  static const int64_t kNone = -1;
+  launch_hashes(target, fmt, slots, index_slots ? index_slots : &kNone, num_slots, hashes, stream);
 }
 
 void launch_compare_replica_hashes(const uint64_t* hashes, int32_t world, int64_t num_slots, DeviceHashDiff* diffs,
