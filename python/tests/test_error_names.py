@@ -40,6 +40,7 @@ def untouched(w):
 def row_cases(T, kv_name):
     """(kv rows, k_pe rows, the message) for each way the two can disagree with the T local tokens."""
     return [(T - 1, T, rf"{kv_name} has {T - 1} rows, expected {T} \(the local tokens: REF has {T}\); k_pe has {T}$"),
+            (T + 1, T + 1, rf"REF: expected contiguous Long \[{T + 1}\]"),  # the two agree: the reference is odd
             (T, T + 2, rf"k_pe has {T + 2} rows, expected {T} \(the local tokens: REF has {T}\); {kv_name} has {T}$"),
             (T - 1, T + 2, rf"{kv_name} and k_pe have {T - 1} and {T + 2} rows, expected {T} "
                            rf"\(the local tokens: REF has {T}\)$")]
