@@ -88,27 +88,27 @@ _TRACED = tuple(getattr(torch.ops.pcpkv, n).default for n in ("dispatch", "fence
 
 
 class _Layer:
-    """What a layer's call checked and converted once for its weights and tables (held: the norm weights, then
-    the cos/sin tables), for its later calls with the same tensors at the same stamp: q_lora_rank, the float32
-    weights and table. The memo keeps its tensors alive, so an identity test cannot be fooled by a freed tensor's
-    id or address reused by another; _stamp sees what can change in a live tensor."""
+    """What a layer's call checked and converted once for its weights and tables (held: q_rms_norm_w,
+    kv_rms_norm_w, k_rope_cos_sin_cache, and on a layer with an indexer its LayerNorm weight, bias and table), for
+    its later calls with the same tensors at the same stamp: q_lora_rank, the float32 weights and table. The memo
+    keeps its tensors alive, so an identity test cannot be fooled by a freed tensor's id or address reused by
+    another; _stamp sees what can change in a live tensor (set when the memo is stored, not while tracing)."""
 
     __slots__ = ("held", "stamp", "q_lora", "kv_w", "q_w", "ln_w", "ln_b", "rope")
 
     def __init__(self, held, q_lora, kv_w, q_w, ln_w, ln_b, rope):
-        self.held, self.stamp, self.q_lora = held, _stamp(held), q_lora
+        self.held, self.stamp, self.q_lora = held, None, q_lora
         self.kv_w, self.q_w, self.ln_w, self.ln_b, self.rope = kv_w, q_w, ln_w, ln_b, rope
 
 
 def _stamp(ts) -> list:
-    """What the checks and float32 copies of a held tensor read beyond its identity: its version counter (in-place
-    writes), data_ptr, dtype and shape (`t.data = x` changes those without a version bump). data_ptr stands for
-    the device too (host and CUDA addresses share one virtual address space). An inference-mode tensor has no
-    version counter: a write to it in place is not seen (its values are assumed fixed, as vLLM's weights)."""
-    try:
-        return [(t._version, t.data_ptr(), t.dtype, t.shape) for t in ts]
-    except RuntimeError:
-        return [(_version(t), t.data_ptr(), t.dtype, t.shape) for t in ts]
+    """What can change in a live held tensor that its checks and float32 copy read: the version counter (in-place
+    writes, resize_, set_, as_strided_), data_ptr and dtype (`t.data = x` changes them with no version bump).
+    data_ptr stands for the device too (host and CUDA addresses share one virtual address space). Not stamped, for
+    the per-call cost: the shape of a `t.data = t.view(...)` at the same address and dtype (the same bytes, so the
+    same float32 values; a new tensor of another shape is another object and is checked). An inference-mode tensor
+    has no version counter (-1 here): its in-place writes are not seen (its values taken as fixed, as weights)."""
+    return [(_version(t), t.data_ptr(), t.dtype) for t in ts]
 
 
 class _Ops:
@@ -133,13 +133,13 @@ def _desc(t) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}"
 
 
-def _version(t: torch.Tensor):
-    """t's version counter; None for an inference-mode tensor, which has none (converted once: a weight or table
+def _version(t: torch.Tensor) -> int:
+    """t's version counter; -1 for an inference-mode tensor, which has none (converted once: a weight or table
     changed in place under inference mode is not seen)."""
     try:
         return t._version
     except RuntimeError:
-        return None
+        return -1
 
 
 def _is_int(v) -> bool:
@@ -343,8 +343,15 @@ class VllmPcpPublisher:
         held = (q_rms_norm_w, kv_rms_norm_w, k_rope_cos_sin_cache, index_k_layer_norm_w, index_k_layer_norm_bias,
                 index_k_rope_cos_sin_cache)
         m = self._layers.get(layer_idx) if type(layer_idx) is int and not compiling else None
-        if m is not None and not (all(map(is_, held, m.held)) and _stamp(m.held) == m.stamp):
-            m = None  # (held: the memo's tensors, at its stamp; see _Layer)
+        if m is not None:  # held: the memo's tensors at its stamp (see _Layer, _stamp)
+            try:
+                for t, mine, (version, ptr, dtype) in zip(held, m.held, m.stamp):
+                    if t is not mine or t._version != version or t.data_ptr() != ptr or t.dtype is not dtype:
+                        m = None
+                        break
+            except RuntimeError:  # an inference-mode tensor has no version counter
+                if not (all(map(is_, held, m.held)) and _stamp(m.held) == m.stamp):
+                    m = None
         why = self._check_call(m, layer_idx, num_decode_tokens, index_rope_interleave,
                                (q_rms_eps, kv_rms_eps, index_k_layer_norm_eps), positions, q_c, kv_c, k_pe, index_k,
                                topk_indices_buffer, slot_mapping, q_c_out, indexer_slot_mapping, held)
@@ -374,8 +381,8 @@ class VllmPcpPublisher:
         own = has and indexer_slot_mapping is not None and indexer_slot_mapping is not slot_mapping
         # the dispatch op's arguments, less the slots, destinations and outputs that the transport picks
         inputs = (kv_c, k_pe, positions, m.kv_w, m.rope, q_c, m.q_w, index_k if has else None, m.ln_w, m.ln_b)
-        scalars = (*ops.fmt, float(q_rms_eps), float(kv_rms_eps), float(index_k_layer_norm_eps), True,
-                   index_rope_interleave, False, "full", 0)
+        scalars = (*ops.fmt, q_rms_eps, kv_rms_eps, index_k_layer_norm_eps, True, index_rope_interleave, False,
+                   "full", 0)
         topk = topk_indices_buffer[:T] if has else None
         dispatch_op, fence_op, combine_op, insert_op = _TRACED if compiling else _OPS
         nd = num_decode_tokens
