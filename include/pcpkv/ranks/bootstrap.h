@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pcpkv {
@@ -128,6 +129,13 @@ class Bootstrap {
   /// did; otherwise throws pcpkv::Error on every rank, naming each failed rank and its reason:
   /// "symmetric memory 'caches': rank 1: mmap of rank 3's buffer failed: Cannot allocate memory".
   void agree(bool ok, const std::string& why, const std::string& what);
+
+  /// What the ranks must share (a run's whole configuration), as ordered (field, value) pairs, e.g.
+  /// {{"--seed", "7"}, {"--transport", "direct"}}. One 8-byte digest per rank is all-gathered; only when the
+  /// digests differ do the lists travel, so that every rank throws the same pcpkv::Error naming the first field
+  /// that differs from rank 0's and both values: "<what>: ranks disagree on --seed: rank 0 has 0, rank 1 has 7"
+  /// (no prefix when what is empty). Call it right after the rendezvous, before anything is allocated or written.
+  void agree_on(const std::string& what, const std::vector<std::pair<std::string, std::string>>& fields);
 
   /// Splits the job into groups (like MPI_Comm_split; collective over all ranks): ranks with the same
   /// color form a group, ordered by (key, rank). Each group gets its own socket and token, so groups run
