@@ -439,9 +439,11 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
           first_failed = r;
           first_failure = Clock::now();
           if (running > 0)
-            write_all(err_fd, fmt::format("pcpkv launch: rank {} failed first (it {}); the other {} rank(s) get {:g} s "
+            write_all(err_fd, fmt::format("pcpkv launch: rank {} failed first ({}); the other {} rank(s) get {:g} s "
                                           "to notice and exit, then SIGTERM\n",
-                                          r, what, running, opts.grace_s));
+                                          r, e.signal ? signal_name(e.signal) : fmt::format("exit code {}",
+                                                                                            e.exit_code),
+                                          running, opts.grace_s));
         }
       }
     }

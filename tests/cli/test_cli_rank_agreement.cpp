@@ -137,7 +137,7 @@ TEST(LaunchStopsTheOthers, ARankThatFailsFirstEndsTheJobWithinSeconds) {
   EXPECT_LT(r.seconds, 10.0) << describe(r);
   EXPECT_NE(r.output.find("[rank 1] pcpkv: error: --block-size: must be a power of two, got 48"), std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("pcpkv launch: rank 1 failed first (it exited with code 2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pcpkv launch: rank 1 failed first (exit code 2)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("(terminated by the launcher because rank 1 failed first)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("2 of 2 rank(s) failed; the first was rank 1"), std::string::npos) << r.output;
 }
