@@ -70,9 +70,10 @@ TEST_P(RanksDisagree, EveryRankRefusesNamingTheFlagAndBothValuesBeforeAnyWrite) 
   // --no-check: without the check nothing else would have noticed (the seed's ranks passed before).
   const auto out = two_ranks({"mp-publish", "--backend", "cpu", "--tokens", "64", "--decodes", "1", "--no-check"},
                              extra);
-  const std::string why = fmt::format("ranks disagree on {}: rank 0 has {}, rank 1 has {}; every rank must run the same "
-                                      "configuration (nothing was allocated or written)\n",
-                                      d.flag, d.rank0, d.rank1);
+  const std::string why = fmt::format(
+      "ranks disagree on {}: rank 0 has {}, rank 1 has {}; every rank must run the same configuration (nothing was "
+      "allocated or written)\n",
+      d.flag, d.rank0, d.rank1);
   for (int r = 0; r < 2; ++r) {
     const test::CliResult& o = out[static_cast<size_t>(r)];
     EXPECT_EQ(o.exit_code, 2) << describe(o);
@@ -99,8 +100,9 @@ INSTANTIATE_TEST_SUITE_P(
 // Through `pcpkv launch` (one job token per launch), with rank-dependent flags, and for bench-fence.
 TEST(RanksDisagreeUnderLaunch, MpPublishAndBenchFenceAreRefusedOnEveryRank) {
   const std::string self = PCPKV_CLI_PATH;
+  const std::string seed_is_rank = "mp-publish --backend cpu --tokens 64 --no-check --seed $PCPKV_RANK";
   auto r = run_program({"launch", "--nproc", "2", "--program", "/bin/sh", "--", "-c",
-                        fmt::format("exec {} mp-publish --backend cpu --tokens 64 --no-check --seed $PCPKV_RANK", self)},
+                        fmt::format("exec {} {}", self, seed_is_rank)},
                        120, clean_env());
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   for (int k = 0; k < 2; ++k)

@@ -101,7 +101,8 @@ class Bootstrap {
   /// the ranks that never came, and how many connections were refused for a wrong token).
   /// A connection with a wrong token is refused (naming both jobs) and does not stop rank 0 from waiting for
   /// the right one; when the refused process claimed a rank of this world size that still does not connect
-  /// within 5 s, rank 0 gives up naming it (this job's rank started with other flags, most likely). Rank 0 holds the address (a lock next to the socket) while the Bootstrap lives: a
+  /// within 5 s, rank 0 gives up naming it (this job's rank started with other flags, most likely).
+  /// Rank 0 holds the address (a lock next to the socket) while the Bootstrap lives: a
   /// second rank 0 at the same address (another job on the same MASTER_PORT) is refused at once.
   static std::unique_ptr<Bootstrap> connect(const BootstrapConfig& config);
 
