@@ -139,6 +139,82 @@ void Bootstrap::agree(bool ok, const std::string& why, const std::string& what) 
                             fmt::join(failures, "; ")));
 }
 
+namespace {
+
+// (field, value) pairs as one blob: each string's length (8 bytes) then its bytes, so no separator can be forged.
+std::vector<uint8_t> pack_fields(const std::vector<std::pair<std::string, std::string>>& fields) {
+  std::vector<uint8_t> out;
+  auto put = [&](const std::string& s) {
+    const uint64_t n = s.size();
+    out.insert(out.end(), reinterpret_cast<const uint8_t*>(&n), reinterpret_cast<const uint8_t*>(&n) + 8);
+    out.insert(out.end(), s.begin(), s.end());
+  };
+  for (const auto& [k, v] : fields) {
+    put(k);
+    put(v);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> unpack_fields(const std::vector<uint8_t>& blob) {
+  std::vector<std::pair<std::string, std::string>> out;
+  size_t pos = 0;
+  auto get = [&](std::string* s) {
+    uint64_t n = 0;
+    if (pos + 8 > blob.size()) return false;
+    std::memcpy(&n, blob.data() + pos, 8);
+    pos += 8;
+    if (n > blob.size() - pos) return false;
+    s->assign(blob.begin() + static_cast<std::ptrdiff_t>(pos), blob.begin() + static_cast<std::ptrdiff_t>(pos + n));
+    pos += n;
+    return true;
+  };
+  std::string k, v;
+  while (pos < blob.size() && get(&k) && get(&v)) out.emplace_back(k, v);
+  return out;
+}
+
+// "field: rank a has x, rank b has y" for the first field where a and b differ ("" when they do not).
+std::string first_difference(const std::vector<std::pair<std::string, std::string>>& a,
+                             const std::vector<std::pair<std::string, std::string>>& b, size_t ra, size_t rb) {
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    if (i >= a.size() || i >= b.size() || a[i].first != b[i].first)
+      return fmt::format("the fields themselves (another pcpkv version?): rank {} has '{}', rank {} has '{}'", ra,
+                         i < a.size() ? a[i].first : "(none)", rb, i < b.size() ? b[i].first : "(none)");
+    if (a[i].second != b[i].second)
+      return fmt::format("{}: rank {} has {}, rank {} has {}", a[i].first, ra, a[i].second, rb, b[i].second);
+  }
+  return {};
+}
+
+}  // namespace
+
+void Bootstrap::agree_on(const std::string& what, const std::vector<std::pair<std::string, std::string>>& fields) {
+  const std::vector<uint8_t> mine = pack_fields(fields);
+  uint64_t digest = 1469598103934665603ull;  // FNV-1a 64: a check between cooperating ranks, not a defence
+  for (uint8_t b : mine) digest = (digest ^ b) * 1099511628211ull;
+  std::vector<uint64_t> digests(static_cast<size_t>(world_size()));
+  all_gather(&digest, sizeof(digest), digests.data());
+  if (std::all_of(digests.begin(), digests.end(), [&](uint64_t d) { return d == digests[0]; })) return;
+  // Every rank saw the same digests, so every rank takes this exchange and builds the same message.
+  const auto blobs = all_gather_v(mine.data(), mine.size());
+  const auto first = unpack_fields(blobs[0]);
+  std::vector<size_t> differ;
+  std::string diff;
+  for (size_t r = 1; r < blobs.size(); ++r) {
+    const std::string d = first_difference(first, unpack_fields(blobs[r]), 0, r);
+    if (d.empty()) continue;
+    if (diff.empty()) diff = d;
+    differ.push_back(r);
+  }
+  if (diff.empty()) diff = "their digests only (a hash collision of the fields?)";
+  throw Error(fmt::format("{}ranks disagree on {}{}; every rank must run the same configuration (nothing was "
+                          "allocated or written)",
+                          what.empty() ? std::string() : what + ": ", diff,
+                          differ.size() > 1 ? fmt::format(" (ranks {} differ from rank 0)", fmt::join(differ, ", "))
+                                            : std::string()));
+}
+
 std::unique_ptr<Bootstrap> Bootstrap::split(int32_t color, int32_t key) {
   Impl& m = *impl_;
   const int32_t seq = m.split_seq++;

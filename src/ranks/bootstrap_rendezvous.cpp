@@ -35,6 +35,10 @@ namespace {
 
 constexpr uint32_t kProtocolVersion = 2;  // 2: the hello names the job (job_bytes)
 
+// How long rank 0 still waits for rank r after refusing a peer of another job token that claimed rank r (see
+// RefusedClaim in rendezvous_root): long enough for another job's ranks started alongside this one's.
+constexpr double kRefusedClaimGraceS = 5.0;
+
 // HELLO payload: fixed fields, then the token bytes, then the job's name (BootstrapConfig::job, for
 // messages only).
 struct HelloFixed {
@@ -96,6 +100,35 @@ void Bootstrap::Impl::rendezvous_root() {
   const Deadline dl = deadline();
   int accepted = 0;
   const uid_t my_uid = ::geteuid();
+  // A timeout within the grace ends the wait first anyway, with the message of a timeout.
+  const bool timeout_beyond_grace = cfg.timeout_s > kRefusedClaimGraceS;
+
+  // A peer refused for a wrong token that claims a rank of this world still missing: another job's rank on this
+  // port (the reason for the token check: TwoTorchrunJobsOnOnePortNeverMeet) or this job's own rank started with
+  // other flags (torchrun-style ranks without PCPKV_JOB_ID hash their command line into the token). Rank 0 cannot
+  // tell them apart, so it waits kRefusedClaimGraceS more for the right rank: another job's peer comes alongside
+  // this job's own rank, which then connects; when no rank of that number follows, the refused process was the
+  // only one there is, and waiting out the whole timeout would only delay naming it. A refused peer of another
+  // world size or of a rank already connected cannot be this job's and changes nothing.
+  struct RefusedClaim {
+    int32_t rank;
+    int64_t pid;
+    std::string job;
+    Clock::time_point at;
+  };
+  std::vector<RefusedClaim> claims;
+  auto give_up_on_claims = [&]() {
+    for (const RefusedClaim& c : claims) {
+      if (conns[c.rank] || Clock::now() - c.at < std::chrono::duration<double>(kRefusedClaimGraceS)) continue;
+      fail_job(fmt::format("rendezvous failed at rank 0 ('{}'): rank {} of world size {} never connected, but pid {} "
+                           "claiming rank {} was refused {:g} s ago for a wrong job token: it belongs to {}, this "
+                           "rank 0 to {}. Ranks started with other flags or environment get another job token: start "
+                           "every rank with the same command line, or give them one PCPKV_JOB_ID (ranks that then "
+                           "disagree are named by the flag)",
+                           cfg.address, c.rank, world, c.pid, c.rank, kRefusedClaimGraceS, job_name(c.job),
+                           job_name(cfg.job)));
+    }
+  };
 
   auto reject = [&](int fd, const std::string& why) {
     send_frame(fd, FrameType::kReject, why.data(), why.size(), Clock::now() + std::chrono::milliseconds(200));
@@ -106,6 +139,7 @@ void Bootstrap::Impl::rendezvous_root() {
     for (auto& p : pending) pfds.push_back({p.fd.get(), POLLIN, 0});
     const int left = ms_left(dl);
     const int n = ::poll(pfds.data(), pfds.size(), std::min(left, kInterruptPollMs));
+    give_up_on_claims();
     if ((n < 0 && errno == EINTR) || (n == 0 && left > kInterruptPollMs)) {
       interruptible();
       continue;
@@ -154,6 +188,8 @@ void Bootstrap::Impl::rendezvous_root() {
                                       job_name(peer_job)));
         std::fprintf(stderr, "pcpkv bootstrap: refused a connection from pid %lld claiming rank %d of %s: wrong job "
                      "token\n", static_cast<long long>(h.pid), h.rank, job_name(peer_job).c_str());
+        if (h.world_size == world && h.rank > 0 && h.rank < world && !conns[h.rank] && timeout_beyond_grace)
+          claims.push_back({h.rank, h.pid, peer_job, Clock::now()});
         continue;
       }
       // Same job, inconsistent launch: fatal for everyone.

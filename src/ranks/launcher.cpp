@@ -428,15 +428,22 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
         const std::string what =
             e.signal ? fmt::format("was killed by signal {} ({})", e.signal, signal_name(e.signal))
                      : fmt::format("exited with code {}", e.exit_code);
+        const std::string why_stopped =
+            !e.stopped_by_launcher ? std::string()
+            : first_failed >= 0    ? fmt::format(" (terminated by the launcher because rank {} failed first)",
+                                                 first_failed)
+                                   : std::string(" (stopped by the launcher)");
         write_all(err_fd, fmt::format("pcpkv launch: rank {} (pid {}) {} after {:.1f} s{}\n", r, e.pid, what,
-                                      e.seconds, e.stopped_by_launcher ? " (stopped by the launcher)" : ""));
+                                      e.seconds, why_stopped));
         if (first_failed < 0) {
           first_failed = r;
           first_failure = Clock::now();
           if (running > 0)
-            write_all(err_fd, fmt::format("pcpkv launch: waiting up to {:.0f} s for the other {} rank(s) to notice "
-                                          "and exit\n",
-                                          opts.grace_s, running));
+            write_all(err_fd, fmt::format("pcpkv launch: rank {} failed first ({}); the other {} rank(s) get {:g} s "
+                                          "to notice and exit, then SIGTERM\n",
+                                          r, e.signal ? signal_name(e.signal) : fmt::format("exit code {}",
+                                                                                            e.exit_code),
+                                          running, opts.grace_s));
         }
       }
     }
@@ -458,7 +465,8 @@ LaunchResult launch_ranks(const LaunchOptions& opts, int out_fd, int err_fd) {
     if (!sent_term && (grace_over || time_over)) {
       write_all(err_fd, fmt::format("pcpkv launch: {}; sending SIGTERM to {} rank(s) still running\n",
                                     time_over ? fmt::format("--max-time {} s is over", opts.max_time_s)
-                                              : fmt::format("--grace {} s is over", opts.grace_s),
+                                              : fmt::format("rank {} failed and --grace {} s is over", first_failed,
+                                                            opts.grace_s),
                                     running));
       stop_all(SIGTERM);
       sent_term = true;

@@ -94,6 +94,38 @@ TEST(Bootstrap, WrongTokenIsRefusedAndNamed) {
   EXPECT_NE(out[0].output.find("wrong job token"), std::string::npos) << out[0].output;
 }
 
+// agree_on: equal fields pass; ranks that differ get one message on every rank naming the first field that differs
+// from rank 0's with both values and every rank that differs; field lists of another shape are named as such.
+TEST(Bootstrap, AgreeOnNamesTheFirstDifferingFieldOnEveryRank) {
+  const auto out = run_ranks(3, [](const BootstrapConfig& c) {
+    auto boot = Bootstrap::connect(c);
+    boot->agree_on("step", {{"--seed", "3"}, {"--tokens", "64"}});
+    const std::string seed = c.rank == 0 ? "3" : fmt::format("{}", 10 + c.rank);
+    try {
+      boot->agree_on("step", {{"--tokens", "64"}, {"--seed", seed}});
+      RANK_CHECK(false, "differing seeds were agreed on");
+    } catch (const Error& e) {
+      RANK_CHECK(std::string(e.what()) == "step: ranks disagree on --seed: rank 0 has 3, rank 1 has 11 (ranks 1, 2 "
+                                          "differ from rank 0); every rank must run the same configuration (nothing "
+                                          "was allocated or written)",
+                 "{}", e.what());
+    }
+    try {
+      std::vector<std::pair<std::string, std::string>> fields{{"--seed", "3"}};
+      if (c.rank == 2) fields.emplace_back("--extra", "1");
+      boot->agree_on("", fields);
+      RANK_CHECK(false, "other field lists were agreed on");
+    } catch (const Error& e) {
+      RANK_CHECK(std::string(e.what()).rfind("ranks disagree on the fields themselves (another pcpkv version?): rank "
+                                             "0 has '(none)', rank 2 has '--extra';", 0) == 0,
+                 "{}", e.what());
+    }
+    boot->barrier();
+    return 0;
+  });
+  EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
+}
+
 TEST(Bootstrap, WorldSizeMismatchFailsEveryRank) {
   const auto out = run_ranks(
       3, [](const BootstrapConfig& c) { return Bootstrap::connect(c) ? 0 : 1; }, 5.0, 30.0,

@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "launch_cmds.h"
 #include "pcpkv/flag_checks.h"
@@ -37,6 +38,14 @@ struct BenchAllReduceFlags {
   if (b >= (int64_t{1} << 20) && b % (int64_t{1} << 20) == 0) return fmt::format("{} MiB", b >> 20);
   if (b >= 1024 && b % 1024 == 0) return fmt::format("{} KiB", b >> 10);
   return fmt::format("{} B", b);
+}
+
+// What every rank must share: the sizes, row length and replays decide every collective (--md-rows is rank 0's).
+std::vector<std::pair<std::string, std::string>> agreed_fields(const BenchAllReduceFlags& f) {
+  return {{"--bytes", f.bytes.empty() ? std::string("(default)") : fmt::format("{}", fmt::join(f.bytes, ","))},
+          {"--hidden", fmt::format("{}", f.hidden)},
+          {"--repeats", fmt::format("{}", f.repeats)},
+          {"--no-check", f.no_check ? "on" : "off"}};
 }
 
 #if defined(PCPKV_HAVE_CUDA)
@@ -155,6 +164,7 @@ void add_bench_allreduce_command(CLI::App& app) {
     const int code = run_as_rank("bench-allreduce", nullptr, [&] {
       world = connect_world();
       return run_as_rank("bench-allreduce", world.get(), [&] {
+        world->agree_on("", agreed_fields(*f));
 #if defined(PCPKV_HAVE_CUDA)
         return bench_allreduce(*f, *world);
 #else

@@ -52,7 +52,21 @@ void check_flags(const BenchFenceFlags& f) {
               "--time-budget: must be >= 0 seconds and finite, got {}", o.time_budget_s);
 }
 
+// What every rank must share: the number and order of the fences and collectives (--timeout-ms, --json and
+// --md-rows are one rank's own). Compared right after the rendezvous (Bootstrap::agree_on).
+std::vector<std::pair<std::string, std::string>> agreed_fields(const BenchFenceFlags& f) {
+  const FenceBenchOptions& o = f.opt;
+  return {{"--backend", f.backend},
+          {"--layers", fmt::format("{}", o.layers)},
+          {"--iters", fmt::format("{}", o.iters)},
+          {"--warmup", fmt::format("{}", o.warmup)},
+          {"--barriers", fmt::format("{}", o.num_barriers)},
+          {"--no-graph", o.graph ? "off" : "on"},
+          {"--time-budget", fmt::format("{}", o.time_budget_s)}};
+}
+
 int bench_fence(const BenchFenceFlags& f, Bootstrap& world) {
+  world.agree_on("", agreed_fields(f));
   std::string resolved;
   (void)rank_publisher_factory(f.backend, &resolved);  // resolves auto and explains an unavailable CUDA
   FenceBenchResult r;

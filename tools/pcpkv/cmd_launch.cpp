@@ -40,7 +40,7 @@ std::string self_exe() {
 struct LaunchFlags {
   int32_t nproc = 0;
   double timeout_s = 60.0;
-  double grace_s = 60.0;
+  double grace_s = 2.0;  // LaunchOptions::grace_s
   double max_time_s = 0.0;
   std::string output = "prefix";
   std::string gpus;
@@ -89,7 +89,7 @@ void add_launch_command(CLI::App& app) {
   sub->add_option("--timeout", f->timeout_s, "Rendezvous and collective timeout of every rank, seconds")
       ->capture_default_str();
   sub->add_option("--grace", f->grace_s,
-                  "After a rank fails, seconds the others get to report it and exit before SIGTERM")
+                  "After a rank fails, seconds the others get to report it and exit before SIGTERM (SIGKILL 5 s later)")
       ->capture_default_str();
   sub->add_option("--max-time", f->max_time_s, "Stop the whole job after this many seconds (0: no limit)")
       ->capture_default_str();

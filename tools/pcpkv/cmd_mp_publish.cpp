@@ -81,9 +81,47 @@ void check_flags(const MpPublishFlags& f) {
   if (f.config.empty()) (void)preset(f.model);
 }
 
+std::vector<std::pair<std::string, std::string>> mp_publish_agreed_fields(const MpPublishFlags& f) {
+  // Everything that shapes the plan, the inputs, the shared buffers, the number and order of the collectives or
+  // the verdict. Not: --threads, --fence-timeout-ms, --flush-l2-mb, --json, --md-rows, --link-gbps (how one rank
+  // works or prints). --config travels by its path and its bytes: the same path may hold another file elsewhere.
+  auto num = [](auto v) { return fmt::format("{}", v); };
+  return {{"--model", f.model},
+          {"--config", f.config.empty() ? "(none)" : fmt::format("'{}' ({})", f.config, file_fingerprint(f.config))},
+          {"--tokens", num(f.tokens)},
+          {"--decodes", num(f.decodes)},
+          {"--block-size", num(f.block_size)},
+          {"--local-order", f.local_order},
+          {"--decode-ownership", f.decode_ownership},
+          {"--kv-format", f.kv_format},
+          {"--ds-mla-scale", f.ds_mla_scale},
+          {"--k-scale", num(f.k_scale)},
+          {"--layer", f.layer},
+          {"--transport", f.transport},
+          {"--backend", f.backend},
+          {"--tp", num(f.tp)},
+          {"--seed", num(f.seed)},
+          {"--repeats", num(f.repeats)},
+          {"--warmup", num(f.warmup)},
+          {"--topk-width", num(f.topk_width)},
+          {"--topk-fill", f.topk_fill},
+          {"--guard-bytes", num(f.guard_bytes)},
+          {"--base-offset", num(f.base_offset)},
+          {"--no-check", f.no_check ? "on" : "off"},
+          {"--check-replicas (or PCPKV_CHECK_REPLICAS)", f.check_replicas || replica_check_from_env() ? "on" : "off"},
+          {"--collect-via", f.collect_via},
+          {"--graph-replays", num(f.graph_replays)},
+          {"--leak-check", f.leak_check ? "on" : "off"},
+          {"--kill-rank", num(f.kill_rank)},
+          {"--corrupt-rank", num(f.corrupt_rank)}};
+}
+
 namespace {
 
 int mp_publish(const MpPublishFlags& f, Bootstrap& world) {
+  // Before anything is planned, allocated or written: ranks started with other flags are refused on every rank,
+  // naming the flag and both values (their symmetric buffers would otherwise differ in size at best).
+  world.agree_on("", mp_publish_agreed_fields(f));
   MpJob job;
   setup_mp_job(f, world, job);
   const MpLoopResult loop = run_mp_loop(f, job);

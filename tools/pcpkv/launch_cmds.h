@@ -33,6 +33,10 @@ void add_bench_link_command(CLI::App& app);   // cmd_bench_link.cpp (one process
 /// This process's place in the job: from `pcpkv launch` / torchrun variables, or a world of one.
 std::unique_ptr<Bootstrap> connect_world();
 
+/// "FNV-64 <hex> of <n> bytes" of a file's contents (or why it cannot be read): how a path flag (--config) enters
+/// the fields the ranks agree on, since one path may hold other bytes for another rank.
+std::string file_fingerprint(const std::string& path);
+
 /// "cpu" | "cuda" | "auto" -> the rank publisher factory; *resolved names the backend picked. Throws
 /// pcpkv::Error saying why when CUDA is asked for and unavailable.
 RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved);

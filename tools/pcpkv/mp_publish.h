@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "batch_flags.h"
@@ -54,6 +55,10 @@ std::vector<Transport> candidate_transports(const std::string& transport);
 
 /// Every flag that needs no world, cheapest first (cmd_mp_publish.cpp).
 void check_flags(const MpPublishFlags& f);
+
+/// What every rank of an mp-publish job must share, as (flag, value) pairs for Bootstrap::agree_on, which
+/// compares them right after the rendezvous (cmd_mp_publish.cpp).
+std::vector<std::pair<std::string, std::string>> mp_publish_agreed_fields(const MpPublishFlags& f);
 
 /// Refuses, in every rank before the rendezvous, a job whose ranks on this host need more host memory than
 /// it has (mp_publish_setup.cpp).

@@ -1,8 +1,10 @@
 // The pieces every rank-side subcommand shares (launch_cmds.h): meeting the other ranks, the rank
 // publisher of a --backend, running as one rank (errors told to the peers, exit codes).
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -32,6 +34,15 @@ std::unique_ptr<Bootstrap> connect_world() {
     c = one;
   }
   return Bootstrap::connect(*c);
+}
+
+std::string file_fingerprint(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return fmt::format("unreadable: {}", std::strerror(errno));
+  uint64_t h = 1469598103934665603ull;
+  uint64_t n = 0;
+  for (char c; f.get(c); ++n) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return fmt::format("FNV-64 {:016x} of {} bytes", h, n);
 }
 
 RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved) {

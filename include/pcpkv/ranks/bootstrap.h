@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pcpkv {
@@ -77,8 +78,9 @@ constexpr const char* kEnvAllowNonlocal = "PCPKV_ALLOW_NONLOCAL_MASTER";
 ///    MASTER_ADDR must name this host (a loopback address, "localhost" or this host's name) unless
 ///    PCPKV_ALLOW_NONLOCAL_MASTER=1; the socket is ${PCPKV_BOOTSTRAP_DIR:-${TMPDIR:-/tmp}}/pcpkv-<uid>/
 ///    port<MASTER_PORT>.sock; the token (the job's identity) is PCPKV_JOB_TOKEN, else "job:" +
-///    PCPKV_JOB_ID, else TORCHELASTIC_RUN_ID (unless "none", torchrun's default) or the port, together with
-///    a hash of the command line: two jobs on one MASTER_PORT with other flags (another --seed) never meet.
+///    PCPKV_JOB_ID (either alone), else TORCHELASTIC_RUN_ID (unless "none", torchrun's default) or the port,
+///    together with a hash of the command line: two such jobs on one MASTER_PORT with other flags (another
+///    --seed) never meet. Ranks of one job with other flags are the rank programs' to refuse (agree_on).
 /// PCPKV_BOOTSTRAP_TIMEOUT_S overrides the timeout (seconds). Returns nullopt when none of the rank
 /// variables is present (a plain single-process run). Throws pcpkv::Error naming the variable and value
 /// when one is malformed or half set (RANK=abc, RANK >= WORLD_SIZE, WORLD_SIZE without RANK, LOCAL_RANK
@@ -98,7 +100,9 @@ class Bootstrap {
   /// job: every connected rank is told), this process's token being refused, or the timeout (naming
   /// the ranks that never came, and how many connections were refused for a wrong token).
   /// A connection with a wrong token is refused (naming both jobs) and does not stop rank 0 from waiting for
-  /// the right one. Rank 0 holds the address (a lock next to the socket) while the Bootstrap lives: a
+  /// the right one; when the refused process claimed a rank of this world size that still does not connect
+  /// within 5 s, rank 0 gives up naming it (this job's rank started with other flags, most likely).
+  /// Rank 0 holds the address (a lock next to the socket) while the Bootstrap lives: a
   /// second rank 0 at the same address (another job on the same MASTER_PORT) is refused at once.
   static std::unique_ptr<Bootstrap> connect(const BootstrapConfig& config);
 
@@ -128,6 +132,13 @@ class Bootstrap {
   /// did; otherwise throws pcpkv::Error on every rank, naming each failed rank and its reason:
   /// "symmetric memory 'caches': rank 1: mmap of rank 3's buffer failed: Cannot allocate memory".
   void agree(bool ok, const std::string& why, const std::string& what);
+
+  /// What the ranks must share (a run's whole configuration), as ordered (field, value) pairs, e.g.
+  /// {{"--seed", "7"}, {"--transport", "direct"}}. One 8-byte digest per rank is all-gathered; only when the
+  /// digests differ do the lists travel, so that every rank throws the same pcpkv::Error naming the first field
+  /// that differs from rank 0's and both values: "<what>: ranks disagree on --seed: rank 0 has 0, rank 1 has 7"
+  /// (no prefix when what is empty). Call it right after the rendezvous, before anything is allocated or written.
+  void agree_on(const std::string& what, const std::vector<std::pair<std::string, std::string>>& fields);
 
   /// Splits the job into groups (like MPI_Comm_split; collective over all ranks): ranks with the same
   /// color form a group, ordered by (key, rank). Each group gets its own socket and token, so groups run

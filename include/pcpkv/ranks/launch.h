@@ -6,7 +6,8 @@
 // with a GPU list, PCPKV_DEVICE), relays their output, and reports every rank that fails: its exit code or
 // the signal that killed it. It never touches CUDA (ranks must initialize CUDA themselves, after the fork).
 // When a rank fails, the others are expected to notice (a fence or a bootstrap collective names the
-// missing rank) and exit on their own; those still running after grace_s get SIGTERM, then SIGKILL.
+// missing rank) and exit on their own; those still running grace_s after the first failure get SIGTERM, then
+// SIGKILL 5 s later (as torchrun stops a job's workers), and are reported as terminated because of that rank.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,9 @@ struct LaunchOptions {
   int32_t nproc = 1;                       // ranks to start, >= 1
   std::vector<std::string> argv;           // program and its arguments; argv[0] is an executable path
   double bootstrap_timeout_s = 60.0;       // PCPKV_BOOTSTRAP_TIMEOUT_S of every rank
-  double grace_s = 60.0;                   // after the first failure, how long the others may take to exit
+  double grace_s = 2.0;                    // after the first failure, how long the others may take to exit (a
+                                           // peer that notices exits in ms; one stuck in its rendezvous would
+                                           // wait its whole timeout)
   double max_time_s = 0.0;                 // > 0: the whole job is stopped (and fails) after this long
   LaunchOutput output = LaunchOutput::kPrefix;
   std::vector<int32_t> gpus;               // non-empty: rank with local rank l gets PCPKV_DEVICE=gpus[l % n]
