@@ -124,7 +124,7 @@ void Bootstrap::barrier() {
   (void)all_gather_v(&b, 1);
 }
 
-void Bootstrap::agree(bool ok, const std::string& why, const std::string& what) {
+void Bootstrap::agree(bool ok, const std::string& why, const std::string& what, const std::string& outcome) {
   std::string mine(1, ok ? '1' : '0');
   mine += why;
   const auto all = all_gather_v(mine.data(), mine.size());
@@ -135,7 +135,7 @@ void Bootstrap::agree(bool ok, const std::string& why, const std::string& what) 
     failures.push_back(fmt::format("rank {}: {}", r, reason));
   }
   if (!failures.empty())
-    throw Error(fmt::format("{} failed on {} of {} ranks (none uses it): {}", what, failures.size(), all.size(),
+    throw Error(fmt::format("{} failed on {} of {} ranks ({}): {}", what, failures.size(), all.size(), outcome,
                             fmt::join(failures, "; ")));
 }
 

@@ -84,8 +84,8 @@ TEST(CliFlagsMemory, MpPublishAlone) {
   EXPECT_EQ(r.err.find("or --no-check"), std::string::npos) << r.err;
 }
 
-// Every rank computes the job's sum over this host's ranks and refuses on its own before the rendezvous:
-// both report, both exit 2, and nobody waits for the launcher's timeout.
+// Every rank computes the job's sum over this host's ranks before the rendezvous and carries its verdict into it:
+// both report both ranks' refusals right after it, both exit 2, and nobody waits for the launcher's timeout.
 TEST(CliFlagsMemory, MpPublishLaunchedEveryRankRefuses) {
   ScratchDir dir;
   const std::string line = "launch --nproc 2 --timeout 60 --max-time 120 --socket-dir '" + dir.file("") +
@@ -94,7 +94,9 @@ TEST(CliFlagsMemory, MpPublishLaunchedEveryRankRefuses) {
   const CliResult r = run_cli(line, dir);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  for (const char* rank : {"[rank 0] pcpkv: error: --tokens 20000000", "[rank 1] pcpkv: error: --tokens 20000000"})
+  for (const char* rank : {"[rank 0] pcpkv: error: mp-publish rank 0: the argument check failed on 2 of 2 ranks",
+                           "[rank 1] pcpkv: error: mp-publish rank 1: the argument check failed on 2 of 2 ranks",
+                           "): rank 0: --tokens 20000000", "; rank 1: --tokens 20000000"})
     EXPECT_NE(r.err.find(rank), std::string::npos) << "missing '" << rank << "' in\n" << r.err;
   EXPECT_NE(r.err.find("2 ranks, 2 on this host"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("1 checking rank"), std::string::npos) << r.err;

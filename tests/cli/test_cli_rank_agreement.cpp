@@ -124,24 +124,80 @@ TEST(RanksDisagreeUnderLaunch, MpPublishAndBenchFenceAreRefusedOnEveryRank) {
         << r.output;
 }
 
-// Rank 1's bad argument (exit 2 before it ever connects) made rank 0 wait out its 60 s rendezvous although the
-// launcher had seen rank 1 exit: now the launcher stops the others (SIGTERM after --grace, 2 s by default) and
-// names rank 1 as the cause.
+// A rank that fails before it ever connects (here a bad rendezvous variable: it cannot reach the others to tell
+// them) made rank 0 wait out its 60 s rendezvous although the launcher had seen rank 1 exit: now the launcher stops
+// the others (SIGTERM after --grace, 2 s by default) and names rank 1 as the cause. (A bad flag no longer fails
+// alone: every rank names it after the rendezvous, BadArgumentOnOneRank below.)
 TEST(LaunchStopsTheOthers, ARankThatFailsFirstEndsTheJobWithinSeconds) {
   const std::string self = PCPKV_CLI_PATH;
   const auto r = run_program(
       {"launch", "--nproc", "2", "--timeout", "60", "--program", "/bin/sh", "--", "-c",
-       fmt::format("if [ $PCPKV_RANK = 1 ]; then exec {0} mp-publish --backend cpu --tokens 64 --block-size 48; "
-                   "else exec {0} mp-publish --backend cpu --tokens 64; fi",
+       fmt::format("if [ $PCPKV_RANK = 1 ]; then PCPKV_BOOTSTRAP_TIMEOUT_S=soon exec {0} mp-publish --backend cpu "
+                   "--tokens 64; else exec {0} mp-publish --backend cpu --tokens 64; fi",
                    self)},
       120, clean_env());
-  EXPECT_EQ(r.exit_code, 2) << describe(r);  // rank 1's, the first failure
+  EXPECT_EQ(r.exit_code, 4) << describe(r);  // rank 1's, the first failure (a rendezvous that failed)
   EXPECT_LT(r.seconds, 10.0) << describe(r);
-  EXPECT_NE(r.output.find("[rank 1] pcpkv: error: --block-size: must be a power of two, got 48"), std::string::npos)
+  EXPECT_NE(r.output.find("[rank 1] pcpkv: error: mp-publish rank 1: bootstrap: PCPKV_BOOTSTRAP_TIMEOUT_S='soon' is "
+                          "not a positive number of seconds"),
+            std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("pcpkv launch: rank 1 failed first (exit code 2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pcpkv launch: rank 1 failed first (exit code 4)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("(terminated by the launcher because rank 1 failed first)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("2 of 2 rank(s) failed; the first was rank 1"), std::string::npos) << r.output;
+}
+
+// A bad flag on one torchrun-style rank (no launcher to stop the others): that rank joins the rendezvous carrying
+// its verdict and every rank refuses at once naming it. Rank 1 exited 2 before the rendezvous, so rank 0 waited out
+// its 60 s timeout and then said only "rank(s) 1 ... never connected".
+struct BadFlag {
+  std::vector<std::string> base;   // both ranks
+  std::vector<std::string> rank1;  // rank 1's extra flags
+  const char* cmd;
+  const char* why;  // rank 1's own refusal
+};
+
+class BadArgumentOnOneRank : public ::testing::TestWithParam<BadFlag> {};
+
+TEST_P(BadArgumentOnOneRank, EveryRankNamesItWithinSeconds) {
+  const BadFlag b = GetParam();
+  const std::vector<std::string> extra[2] = {{}, b.rank1};
+  const auto out = two_ranks(b.base, extra);
+  for (int r = 0; r < 2; ++r) {
+    const test::CliResult& o = out[static_cast<size_t>(r)];
+    EXPECT_EQ(o.exit_code, 2) << describe(o);
+    EXPECT_EQ(o.output, fmt::format("pcpkv: error: {} rank {}: the argument check failed on 1 of 2 ranks (every rank "
+                                    "refuses; nothing was allocated or written): rank 1: {}\n",
+                                    b.cmd, r, b.why))
+        << describe(o);
+    EXPECT_LT(o.seconds, 20.0) << describe(o);  // promptly, not at the 60 s bootstrap timeout
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Commands, BadArgumentOnOneRank,
+    ::testing::Values(BadFlag{{"mp-publish", "--backend", "cpu", "--tokens", "256"}, {"--block-size", "48"},
+                              "mp-publish", "--block-size: must be a power of two, got 48"},
+                      BadFlag{{"bench-fence", "--backend", "cpu", "--iters", "3"}, {"--layers", "0"}, "bench-fence",
+                              "--layers: must be >= 1, got 0"}),
+    [](const ::testing::TestParamInfo<BadFlag>& i) { return std::string(i.param.cmd[0] == 'm' ? "mp_publish"
+                                                                                                : "bench_fence"); });
+
+// A CLI11 parse error (an unknown flag) on one rank is carried the same way: the rank knows its rank variables.
+TEST(BadArgumentOnOneRank, AParseErrorIsNamedOnEveryRankWithinSeconds) {
+  const std::vector<std::string> extra[2] = {{}, {"--no-such-flag"}};
+  const auto out = two_ranks({"bench-fence", "--backend", "cpu", "--iters", "3"}, extra);
+  for (int r = 0; r < 2; ++r) {
+    const test::CliResult& o = out[static_cast<size_t>(r)];
+    EXPECT_EQ(o.exit_code, 2) << describe(o);
+    EXPECT_NE(o.output.find(fmt::format("pcpkv: error: bench-fence rank {}: the argument check failed on 1 of 2 ranks "
+                                        "(every rank refuses; nothing was allocated or written): rank 1: The following "
+                                        "argument was not expected: --no-such-flag\n",
+                                        r)),
+              std::string::npos)
+        << describe(o);
+    EXPECT_LT(o.seconds, 20.0) << describe(o);
+  }
 }
 
 // torchrun-style without PCPKV_JOB_ID: rank 1's other --seed gives it another job token (the command line's hash),

@@ -159,20 +159,17 @@ void add_bench_allreduce_command(CLI::App& app) {
   sub->add_flag("--no-check", f->no_check, "Skip the byte comparison with the CPU oracle");
   sub->add_flag("--md-rows", f->md_rows, "Also print markdown table rows prefixed 'md|' (for docs/perf.md)");
   sub->callback([f] {
-    check_run_count("--repeats", f->repeats, 1);
-    std::unique_ptr<Bootstrap> world;
-    const int code = run_as_rank("bench-allreduce", nullptr, [&] {
-      world = connect_world();
-      return run_as_rank("bench-allreduce", world.get(), [&] {
-        world->agree_on("", agreed_fields(*f));
+    const int code = run_rank_program(
+        "bench-allreduce", [&] { check_run_count("--repeats", f->repeats, 1); },
+        [&](Bootstrap& world) {
+          world.agree_on("", agreed_fields(*f));
 #if defined(PCPKV_HAVE_CUDA)
-        return bench_allreduce(*f, *world);
+          return bench_allreduce(*f, world);
 #else
-        PCPKV_FAIL("bench-allreduce needs a CUDA build of pcpkv");
-        return 2;
+          PCPKV_FAIL("bench-allreduce needs a CUDA build of pcpkv");
+          return 2;
 #endif
-      });
-    });
+        });
     if (code != 0) throw CLI::RuntimeError("", code);
   });
 }

@@ -35,9 +35,10 @@ struct BenchFenceFlags {
 // A fence bound past a day is a typo, and one near INT64_MAX overflows the deadline into the past.
 constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
 
-// Every flag, before the rendezvous: a bad one is refused by each rank on its own ("pcpkv: error: --flag:
-// ...", exit 2) and nothing is connected, allocated or printed. A timeout <= 0 would otherwise make every
-// fence wait fail at random (0: whenever a peer is a moment late; negative on CUDA: wraps to a huge bound).
+// Every flag, before the rendezvous (run_rank_program): a bad one is refused ("pcpkv: error: --flag: ...", exit 2;
+// with peers, named by every rank right after the rendezvous) before anything is allocated or printed. A
+// timeout <= 0 would otherwise make every fence wait fail at random (0: whenever a peer is a moment late;
+// negative on CUDA: wraps to a huge bound).
 void check_flags(const BenchFenceFlags& f) {
   const FenceBenchOptions& o = f.opt;
   check_backend_name(f.backend);
@@ -168,12 +169,8 @@ void add_bench_fence_command(CLI::App& app) {
   sub->add_flag("--json", f->json, "JSON on stdout from rank 0 (the table goes to stderr)");
   sub->add_flag("--md-rows", f->md_rows, "Also print a markdown table row prefixed 'md|' (for docs/perf.md)");
   sub->callback([f] {
-    check_flags(*f);  // throws pcpkv::Error: "pcpkv: error: ...", exit code 2
-    std::unique_ptr<Bootstrap> world;
-    const int code = run_as_rank("bench-fence", nullptr, [&] {
-      world = connect_world();
-      return run_as_rank("bench-fence", world.get(), [&] { return bench_fence(*f, *world); });
-    });
+    const int code = run_rank_program(
+        "bench-fence", [&] { check_flags(*f); }, [&](Bootstrap& world) { return bench_fence(*f, world); });
     if (code != 0) throw CLI::RuntimeError("", code);
   });
 }

@@ -35,8 +35,9 @@ namespace {
 // A fence bound past a day is a typo, and one near INT64_MAX overflows the deadline into the past.
 constexpr int64_t kMaxFenceTimeoutMs = int64_t{24} * 3600 * 1000;
 
-// Every flag that needs no world, cheapest first; run before the rendezvous, so a typo is refused by each
-// rank on its own ("pcpkv: error: --flag: ...", exit 2) and nothing is connected, allocated or printed.
+// Every flag that needs no world, cheapest first; run before the rendezvous (run_rank_program): alone, a typo is
+// refused at once ("pcpkv: error: --flag: ...", exit 2); with peers, every rank names it right after the
+// rendezvous, before anything is allocated or printed.
 }  // namespace
 
 void check_flags(const MpPublishFlags& f) {
@@ -201,13 +202,14 @@ void add_mp_publish_command(CLI::App& app) {
     f->pcp_given = sub->count("--pcp") > 0;
     f->ds_mla_scale_given = sub->count("--ds-mla-scale") > 0;
     f->k_scale_given = sub->count("--k-scale") > 0;
-    check_flags(*f);  // throws pcpkv::Error: "pcpkv: error: ...", exit code 2
-    check_mp_host_memory(*f);  // before the rendezvous: every rank refuses on its own, none waits
-    std::unique_ptr<Bootstrap> world;
-    const int code = run_as_rank("mp-publish", nullptr, [&] {
-      world = connect_world();
-      return run_as_rank("mp-publish", world.get(), [&] { return mp_publish(*f, *world); });
-    });
+    // The host-memory check, too, is one rank's verdict: another rank's other --tokens may pass it.
+    const int code = run_rank_program(
+        "mp-publish",
+        [&] {
+          check_flags(*f);
+          check_mp_host_memory(*f);
+        },
+        [&](Bootstrap& world) { return mp_publish(*f, world); });
     if (code != 0) throw CLI::RuntimeError("", code);
   });
 }

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,22 @@ std::string file_fingerprint(const std::string& path);
 /// "cpu" | "cuda" | "auto" -> the rank publisher factory; *resolved names the backend picked. Throws
 /// pcpkv::Error saying why when CUDA is asked for and unavailable.
 RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved);
+
+/// A rank program's whole run: reads the rank variables (bootstrap_config_from_env: a bad one is refused by this
+/// rank alone, as it cannot reach the others), runs `check` (every flag check that needs no world; throws
+/// pcpkv::Error), meets the other ranks and runs fn. With peers, a failed check is not thrown before the
+/// rendezvous: the rank joins carrying it and, right after, every rank learns every rank's verdict
+/// (Bootstrap::agree) and refuses with exit 2 naming each failing rank and its message, so no rank waits out the
+/// rendezvous timeout for a rank that quit (the rule: a bad argument on one rank is named on all ranks,
+/// promptly). This comes before fn (which calls agree_on): a bad flag is a clearer error than the
+/// disagreement it causes. Without peers (no rank variables, or a world of one) `check` throws as before:
+/// "pcpkv: error: --flag: ...". Returns the exit code (run_as_rank's).
+int run_rank_program(const char* cmd, const std::function<void()>& check, const std::function<int(Bootstrap&)>& fn);
+
+/// A CLI11 parse error (unknown flag, bad number) of a rank program with peers, carried like a failed check: the
+/// rank still knows its rank variables, so it joins the rendezvous and every rank names it (exit 2). nullopt when
+/// cmd is no rank program or there are no peers (or the rank variables are bad): the caller prints it as usual.
+std::optional<int> carry_parse_error(const std::string& cmd, const std::string& message);
 
 /// Runs fn as one rank and returns fn's result, or for an exception its exit code, after printing it as
 /// "pcpkv: error: <cmd> rank r: ..." (one line) and telling the other ranks (Bootstrap::abort; world may be

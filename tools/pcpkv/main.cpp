@@ -10,12 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "launch_cmds.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/error_line.h"
 #include "pcpkv/core/env.h"
@@ -131,9 +133,12 @@ int run_app(CLI::App& app, int argc, char** argv) {
     pcpkv::cli::print_stderr("Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
   } catch (const CLI::ParseError& e) {
-    pcpkv::cli::print_error(bounded_parse_error(e.what()));
+    const std::string message = bounded_parse_error(e.what());
+    // A rank program's rank with peers names it on every rank (exit 2) instead of leaving them at the rendezvous.
+    std::optional<int> code = argc >= 2 ? pcpkv::cli::carry_parse_error(argv[1], message) : std::nullopt;
+    if (!code) pcpkv::cli::print_error(message);
     pcpkv::cli::print_stderr("Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
-    return 2;
+    return code.value_or(2);
   } catch (const pcpkv::Error& e) {
     pcpkv::cli::print_error(e.what());
     if (pcpkv::read_env("PCPKV_DEBUG") && !e.where().empty())

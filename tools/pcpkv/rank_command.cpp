@@ -66,6 +66,55 @@ RankPublisherFactory rank_publisher_factory(const std::string& backend, std::str
   return make_cpu_rank_publisher;
 }
 
+int run_rank_program(const char* cmd, const std::function<void()>& check, const std::function<int(Bootstrap&)>& fn) {
+  std::optional<BootstrapConfig> config;
+  const int env_code = run_as_rank(cmd, nullptr, [&] {
+    config = bootstrap_config_from_env();
+    return 0;
+  });
+  if (env_code != 0) return env_code;
+  std::string verdict;  // empty: every check passed
+  if (!config || config->world_size == 1) {
+    check();  // nobody to tell: "pcpkv: error: --flag: ...", exit 2, as for any single-process command
+  } else {
+    try {
+      check();
+    } catch (const Error& e) {
+      verdict = e.what();
+    }
+  }
+  std::unique_ptr<Bootstrap> world;
+  return run_as_rank(cmd, nullptr, [&] {
+    try {
+      world = connect_world();
+    } catch (const Error& e) {
+      // This rank's own bad argument is the cause to report (exit 2); e.g. its other flags gave it another job
+      // token under torchrun without PCPKV_JOB_ID, so rank 0 refused it.
+      if (verdict.empty()) throw;
+      throw Error(fmt::format("{} (and the rendezvous failed: {})", verdict, e.what()));
+    }
+    return run_as_rank(cmd, world.get(), [&] {
+      world->agree(verdict.empty(), verdict, "the argument check",
+                   "every rank refuses; nothing was allocated or written");
+      return fn(*world);
+    });
+  });
+}
+
+std::optional<int> carry_parse_error(const std::string& cmd, const std::string& message) {
+  bool rank_program = false;
+  for (const char* p : kRankPrograms) rank_program = rank_program || cmd == p;
+  if (!rank_program) return std::nullopt;
+  try {
+    const std::optional<BootstrapConfig> c = bootstrap_config_from_env();
+    if (!c || c->world_size == 1) return std::nullopt;
+  } catch (const Error&) {
+    return std::nullopt;  // cannot reach the others: the parse error alone, as before
+  }
+  return run_rank_program(
+      cmd.c_str(), [&] { throw Error(message); }, [](Bootstrap&) { return 0; });
+}
+
 int run_as_rank(const char* cmd, Bootstrap* world, const std::function<int()>& fn) {
   // "pcpkv: error: mp-publish rank 1: ...", the one-line form of every CLI error.
   // Before the rendezvous there is no world yet: the launcher's rank variable names the rank, pcpkv launch's

@@ -129,9 +129,10 @@ class Bootstrap {
   void barrier();
 
   /// All-or-nothing agreement: every rank says whether its part of `what` succeeded. Returns when all
-  /// did; otherwise throws pcpkv::Error on every rank, naming each failed rank and its reason:
-  /// "symmetric memory 'caches': rank 1: mmap of rank 3's buffer failed: Cannot allocate memory".
-  void agree(bool ok, const std::string& why, const std::string& what);
+  /// did; otherwise throws pcpkv::Error on every rank, naming each failed rank and its reason: "symmetric memory
+  /// 'caches': create failed on 1 of 4 ranks (none uses it): rank 1: mmap of rank 3's buffer failed: Cannot
+  /// allocate memory" (`outcome` is the parenthesis: what the refusal means for the job).
+  void agree(bool ok, const std::string& why, const std::string& what, const std::string& outcome = "none uses it");
 
   /// What the ranks must share (a run's whole configuration), as ordered (field, value) pairs, e.g.
   /// {{"--seed", "7"}, {"--transport", "direct"}}. One 8-byte digest per rank is all-gathered; only when the
