@@ -1,7 +1,8 @@
 // pcpkv-test-labels: unit
-// Flags of the launched subcommands (`mp-publish`, `bench-fence`) that make no sense are refused before the
-// rendezvous: exit code 2, "pcpkv: error: --flag: ..." naming the flag and the value (from every rank under
-// `pcpkv launch`), nothing on stdout and nothing left in the launcher's socket directory.
+// Flags of the launched subcommands (`mp-publish`, `bench-fence`) that make no sense are refused before anything is
+// allocated: exit code 2, "pcpkv: error: --flag: ..." naming the flag and the value (under `pcpkv launch` every
+// rank names every rank's refusal right after the rendezvous), nothing on stdout and nothing left in the
+// launcher's socket directory.
 #include <gtest/gtest.h>
 
 #include <string>

@@ -60,8 +60,8 @@ void check_flags(const MpPublishFlags& f);
 /// compares them right after the rendezvous (cmd_mp_publish.cpp).
 std::vector<std::pair<std::string, std::string>> mp_publish_agreed_fields(const MpPublishFlags& f);
 
-/// Refuses, in every rank before the rendezvous, a job whose ranks on this host need more host memory than
-/// it has (mp_publish_setup.cpp).
+/// Refuses (throws pcpkv::Error), checked by every rank before the rendezvous and carried into it
+/// (run_rank_program), a job whose ranks on this host need more host memory than it has (mp_publish_setup.cpp).
 void check_mp_host_memory(const MpPublishFlags& f);
 
 /// What one rank publishes and with whom: built by setup_mp_job, in place (setup points into plan, model).
