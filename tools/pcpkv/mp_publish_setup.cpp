@@ -159,7 +159,8 @@ TransportChoice auto_transport(Bootstrap& group, const std::string& backend) {
 
 // Refuses, checked by every rank before the rendezvous, a job whose ranks on this host need more host memory
 // than it has: each rank computes the sum from its own flags and environment; a rank's refusal is carried into the
-// rendezvous (run_rank_program), so a rank with another --tokens is named by all and none waits. The world size comes from the launcher's environment (a world of one without it).
+// rendezvous (run_rank_program), so a rank with another --tokens is named by all and none waits. The world size
+// comes from the launcher's environment (a world of one without it).
 }  // namespace
 
 std::vector<Transport> candidate_transports(const std::string& transport) {
