@@ -132,6 +132,9 @@ TEST(CliBadInput, BadConfigField) {
       {"\"kv_lora_rank\": 512", "\"kv_lora_rank\": 256", {"kv_lora_rank", "256"}},
       {"\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": -1", {"rms_norm_eps", "-1"}},
       {"\"model_type\": \"glm_moe_dsa\"", "\"model_type\": \"llama\"", {"model_type", "llama"}},
+      // nlohmann kept the last of two equal keys: this loaded q_lora_rank 1024 without a word.
+      {"\"q_lora_rank\": 2048", "\"q_lora_rank\": 2048, \"q_lora_rank\": 1024",
+       {"config.json: the key 'q_lora_rank' appears twice in one object"}},
   };
   for (const Case& c : cases) {
     std::string text = base;
