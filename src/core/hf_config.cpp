@@ -8,6 +8,7 @@
 
 #include "core/hf_json.h"
 #include "core/hf_rope.h"
+#include "core/json_keys.h"
 #include "core/model_presets.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
@@ -173,6 +174,11 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& bas
     j = json::parse(json_text);
   } catch (const json::exception& e) {
     fail_unparsable(json_text, origin, e);
+  }
+  // nlohmann keeps the last of two equal keys: '"q_lora_rank": 2048, "q_lora_rank": 1024' would read 1024 silently.
+  if (const auto dup = first_duplicate_key(json_text)) {
+    PCPKV_FAIL("{}: the key '{}' appears twice in one object; every key must be unique (which value was meant?)",
+               origin, clip(dup->path));
   }
   // Any other nlohmann exception below (a type or range error this code did not foresee) still names the
   // file and reaches the user as bad input, not as an internal error.

@@ -13,13 +13,13 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "core/fatal_signals.h"
+#include "core/json_keys.h"
 
 namespace pcpkv {
 namespace {
@@ -122,38 +122,6 @@ class TempFileGuard {
   bool armed_ = false;
 };
 
-// The first key that appears twice in one object of a JSON text (first_depth 1: the top level).
-struct DuplicateKeys final : nlohmann::json_sax<nlohmann::json> {
-  std::vector<std::set<std::string>> open;  // the keys seen in each open object
-  std::string first;
-  size_t first_depth = 0;
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override {
-    open.emplace_back();
-    return true;
-  }
-  bool end_object() override {
-    open.pop_back();
-    return true;
-  }
-  bool start_array(std::size_t) override { return true; }
-  bool end_array() override { return true; }
-  bool key(string_t& k) override {
-    if (first.empty() && !open.back().insert(k).second) {
-      first = k;
-      first_depth = open.size();
-    }
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
-};
-
 }  // namespace
 
 const char* to_string(StDtype d) {
@@ -239,14 +207,9 @@ SafetensorsReader::SafetensorsReader(const std::string& file) : path_(file) {
   data_start_ = kLengthBytes + n;
 
   check_json_depth(text, path + ": the JSON header", kLengthBytes);  // before the parse: dump() recurses
-  // nlohmann keeps the last of two equal keys without a word: a tensor named twice would lose one entry
-  // (and the other order blamed a gap in the buffer). A SAX pass sees every key of every object (nlohmann's
-  // parse callback would too, but its object handling is quadratic in the number of tensors).
-  DuplicateKeys dup;
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
-    nlohmann::json::sax_parse(text, &dup);
   } catch (const nlohmann::json::parse_error& e) {
     PCPKV_FAIL("{}: the JSON header is invalid near offset {}: {}", path, kLengthBytes + static_cast<int64_t>(e.byte),
                clip(e.what()));
@@ -254,8 +217,11 @@ SafetensorsReader::SafetensorsReader(const std::string& file) : path_(file) {
     PCPKV_FAIL("{}: the JSON header at offset 8 holds an unusable value: {}", path, clip(e.what()));
   }
   PCPKV_CHECK(header.is_object(), "{}: the JSON header at offset 8 is not an object", path);
-  PCPKV_CHECK(dup.first.empty(), "{}: the JSON header names {} '{}' twice; every key must be unique", path,
-              dup.first_depth == 1 && dup.first != "__metadata__" ? "tensor" : "the key", clip(dup.first));
+  // A tensor named twice would lose one entry (and the other order blamed a gap in the buffer).
+  if (const auto dup = first_duplicate_key(text)) {
+    PCPKV_FAIL("{}: the JSON header names {} '{}' twice; every key must be unique", path,
+               dup->depth == 1 && dup->key != "__metadata__" ? "tensor" : "the key", clip(dup->key));
+  }
 
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();

@@ -65,6 +65,24 @@ TEST(CliBadInput, ControlCharactersOfAValueAreEscaped) {
   EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << r.err;
 }
 
+// A binary --config's parse error quoted its byte raw ("last read: '\xff'" reached the terminal as 0xff): bytes
+// that are not UTF-8 text and the C1 controls are written as \xNN too; other UTF-8 passes as it is.
+TEST(CliBadInput, BytesThatAreNotTextAreEscaped) {
+  ScratchDir dir;
+  std::ofstream(dir.file("bin.json"), std::ios::binary) << "\xff\xfe{}";
+  CliResult r = run_cli("run --config '" + dir.file("bin.json") + "'", dir);
+  pcpkv_test::expect_refusal(r, "binary config", {"bin.json: not valid JSON", "last read: '\\xff'"}, dir,
+                             {"bin.json"});
+  EXPECT_EQ(r.err.find('\xff'), std::string::npos) << r.err;
+  // A lone continuation byte, a cut-short sequence, an overlong '/', a surrogate and U+009B (CSI) are escaped;
+  // 'ä' and '€' are text.
+  r = run_cli("run --model 'a\x80 b\xe2\x82 c\xc0\xaf d\xed\xa0\x80 e\xc2\x9b[2J \xc3\xa4\xe2\x82\xac'", dir);
+  pcpkv_test::expect_refusal(r, "model",
+                             {"unknown model 'a\\x80 b\\xe2\\x82 c\\xc0\\xaf d\\xed\\xa0\\x80 e\\xc2\\x9b[2J "
+                              "\xc3\xa4\xe2\x82\xac'"},
+                             dir, {"bin.json"});
+}
+
 TEST(CliBadInput, PcpBelowOne) {
   ScratchDir dir;
   expect_refused("--pcp 0", {"--pcp", "0"}, dir);
@@ -132,6 +150,9 @@ TEST(CliBadInput, BadConfigField) {
       {"\"kv_lora_rank\": 512", "\"kv_lora_rank\": 256", {"kv_lora_rank", "256"}},
       {"\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": -1", {"rms_norm_eps", "-1"}},
       {"\"model_type\": \"glm_moe_dsa\"", "\"model_type\": \"llama\"", {"model_type", "llama"}},
+      // nlohmann kept the last of two equal keys: this loaded q_lora_rank 1024 without a word.
+      {"\"q_lora_rank\": 2048", "\"q_lora_rank\": 2048, \"q_lora_rank\": 1024",
+       {"config.json: the key 'q_lora_rank' appears twice in one object"}},
   };
   for (const Case& c : cases) {
     std::string text = base;

@@ -96,6 +96,24 @@ TEST(ConfigLoader, JsonExceptionsNameFileAndKey) {
   expect_error("[1, 2]", {"top level must be a JSON object"});
 }
 
+// nlohmann keeps the last of two equal keys: {"q_lora_rank": 2048, "q_lora_rank": 1024} loaded 1024 without a word
+// while --inputs headers refused theirs. Both go through first_duplicate_key now; the key path names nested ones.
+TEST(ConfigLoader, DuplicateKeysAreRefusedNamingTheKey) {
+  const std::string msg = "appears twice in one object; every key must be unique";
+  expect_error(R"({"model_type": "glm_moe_dsa", "q_lora_rank": 2048, "q_lora_rank": 1024})",
+               {"the key 'q_lora_rank' " + msg});
+  expect_error(R"({"q_lora_rank": 2048, "q_lora_rank": 2048})", {"'q_lora_rank' " + msg}, "glm-5");
+  expect_error(R"({"model_type": "deepseek_v32", "rope_scaling": {"factor": 40, "type": "yarn", "factor": 4}})",
+               {"the key 'rope_scaling.factor' " + msg});
+  expect_error(R"({"model_type": "glm_moe_dsa", "x": [1, {"a": 1, "a": 2}]})", {"the key 'x[1].a' " + msg});
+  // Equal keys in different objects are not duplicates; a syntax error is still named as one.
+  EXPECT_EQ(error_of(R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "factor": 40,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1,
+                         "mscale_all_dim": 1}, "factor": 1})"),
+            "no error");
+  expect_error(R"({"q_lora_rank": 1, "q_lora_rank": )", {"not valid JSON"});
+}
+
 // Values that would make cos/sin * mscale overflow, vanish or blow up are refused at load, naming the key.
 TEST(ConfigLoader, UnusableRopeParametersAreRefused) {
   const std::string yarn = R"({"model_type": "deepseek_v32", "rope_scaling": {"type": "yarn", "factor": 40, )";

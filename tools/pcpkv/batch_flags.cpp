@@ -28,14 +28,12 @@ const Row kRows[] = {
     {BatchFlag::kConfig, "HF config.json overriding the preset",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--config", f.config, h); }},
     {BatchFlag::kTokens, "Tokens of the prefill request (0: no prefill)",
-     [](CLI::App* s, BatchFlags& f, const std::string& h) {
-       return s->add_option("--tokens", f.tokens, h)->check(decimal_fits_int64());
-     }},
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--tokens", f.tokens, h); }},
     {BatchFlag::kDecodes, "Decode requests (1 token each)",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--decodes", f.decodes, h); }},
     {BatchFlag::kDecodeContext, "Context length of every decode request",
      [](CLI::App* s, BatchFlags& f, const std::string& h) {
-       return s->add_option("--decode-context", f.decode_context, h)->check(decimal_fits_int64());
+       return s->add_option("--decode-context", f.decode_context, h);
      }},
     {BatchFlag::kBlockSize, "Tokens per cache block (power of two)",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--block-size", f.block_size, h); }},
@@ -66,9 +64,7 @@ const Row kRows[] = {
     {BatchFlag::kThreads, "CPU backend threads (0: all cores)",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--threads", f.threads, h); }},
     {BatchFlag::kSeed, "Seed of the input generator and the block-table shuffle",
-     [](CLI::App* s, BatchFlags& f, const std::string& h) {
-       return s->add_option("--seed", f.seed, h)->check(decimal_fits_uint64());
-     }},
+     [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--seed", f.seed, h); }},
     {BatchFlag::kRepeats, "Run each publication this many times (timing; results from the last)",
      [](CLI::App* s, BatchFlags& f, const std::string& h) { return s->add_option("--repeats", f.repeats, h); }},
     {BatchFlag::kTopkWidth, "Fill a top-k buffer [T, width] with -1 (indexer layers; 0: off)",

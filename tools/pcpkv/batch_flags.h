@@ -63,8 +63,8 @@ std::vector<Transport> parse_transport_list(const std::string& s);
 CacheFormat parse_format_flags(const BatchFlags& f);
 
 /// Registers `flags` on `sub` (in that order), bound to f's fields; help shows f's current values as the
-/// defaults, so set the command's defaults first. Integers typed out of range are refused by name
-/// (decimal_fits_int64 / decimal_fits_uint64, flag_checks.h).
+/// defaults, so set the command's defaults first. Integers typed out of range are refused by name for every
+/// command's flags at once (number_flags.h).
 void add_batch_flags(CLI::App* sub, BatchFlags& f, std::initializer_list<BatchFlag> flags,
                      std::initializer_list<FlagHelp> help = {});
 

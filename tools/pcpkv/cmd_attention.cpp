@@ -482,15 +482,13 @@ void add_attention_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "attention", "Serve the published replicas with the indexer + sparse MLA attention; check PCP == one rank, "
                    "the CPU reference and DCP + LSE merge (--bench: time the CUDA consumers)");
-  sub->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a repeated flag: the last wins
   using F = BatchFlag;
   add_batch_flags(sub, *o, {F::kModel});
   sub->add_option("--pcp", o->pcp, "Comma list of PCP world sizes, each checked against one rank")
       ->capture_default_str();
   sub->add_option("--prefill", o->prefill, "Comma list of prefill lengths (empty: none)")->capture_default_str();
   sub->add_option("--prefill-context", o->prefill_context, "Context already cached for every prefill (chunked prefill)")
-      ->capture_default_str()
-      ->check(decimal_fits_int64());
+      ->capture_default_str();
   add_batch_flags(sub, *o,
                   {F::kDecodes, F::kDecodeContext, F::kBlockSize, F::kKvFormat, F::kDsMlaScale, F::kKScale,
                    F::kTransport, F::kBackend},

@@ -106,8 +106,6 @@ void add_run_command(CLI::App& app) {
   auto o = std::make_shared<RunOptions>();
   CLI::App* sub = app.add_subcommand(
       "run", "Publish one layer's KV rows for a PCP batch with each transport and verify every replica");
-  // A flag given twice takes its last value (scripts append overrides).
-  sub->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   using F = BatchFlag;
   add_batch_flags(sub, *o, {F::kModel, F::kConfig},
                   {{F::kConfig, "HF config.json overriding the preset (chosen by its model_type unless --model is given)"}});

@@ -1,13 +1,11 @@
 #include "pcpkv/flag_checks.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <fstream>
 #include <limits>
 #include <sstream>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "pcpkv/core/error.h"
@@ -26,26 +24,6 @@ void check_block_size_flag(int64_t block_size) {
 }
 
 namespace {
-
-template <class T>
-CLI::Validator decimal_fits() {
-  return CLI::Validator(
-      [](std::string& v) -> std::string {
-        const bool negative = !v.empty() && v[0] == '-';
-        auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
-        const bool decimal =
-            v.size() > (negative ? 1u : 0u) && std::all_of(v.begin() + (negative ? 1 : 0), v.end(), is_digit);
-        if (!decimal) return "";  // other spellings (0x10, 1e3) are CLI11's to accept or refuse
-        T parsed{};
-        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
-        if (ec != std::errc() || end != v.data() + v.size()) {
-          return fmt::format("{} is out of range [{}, {}]", clip(v), std::numeric_limits<T>::min(),
-                             std::numeric_limits<T>::max());
-        }
-        return "";
-      },
-      "");
-}
 
 // First number of a one-line file ("max" and missing files give nothing).
 bool read_number(const std::string& path, long double* out) {
@@ -67,9 +45,6 @@ std::string cgroup_v2_dir() {
 }
 
 }  // namespace
-
-CLI::Validator decimal_fits_int64() { return decimal_fits<int64_t>(); }
-CLI::Validator decimal_fits_uint64() { return decimal_fits<uint64_t>(); }
 
 void check_run_count(const char* flag, int64_t value, int64_t min) {
   PCPKV_CHECK(value >= min && value <= kMaxRunCount, "{}: must be in [{}, {}], got {}", flag, min, kMaxRunCount, value);

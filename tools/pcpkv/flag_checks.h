@@ -7,22 +7,11 @@
 
 #include "pcpkv/core/layout.h"
 
-namespace CLI {
-class Validator;
-}
-
 namespace pcpkv::cli {
 
 // --block-size: a power of two (SPEC section 3, paged caches) whose indexer-K cache block (B * 132 bytes:
 // data then scales) stays 16-byte aligned, so B >= 4. Every layer kind lays out the indexer-K cache.
 void check_block_size_flag(int64_t block_size);
-
-/// CLI11 converts an out-of-range decimal ("-1" for a uint64, 99999999999999999999 for an int64) by
-/// wrapping or clamping it without a word; these validators refuse it, naming the value as typed
-/// ("--seed: -1 is out of range [0, 18446744073709551615]", exit 2). Other spellings (0x10, 1e3) are
-/// left to CLI11. Attach with ->check(decimal_fits_uint64()).
-CLI::Validator decimal_fits_int64();
-CLI::Validator decimal_fits_uint64();
 
 /// Most timed or repeated runs a count flag (--repeats, --iters, --warmup) asks for: a median needs tens, and a
 /// typo such as --repeats 2000000000 would otherwise run for days before printing anything.

@@ -20,6 +20,7 @@
 #include "launch_cmds.h"
 #include "pcpkv/commands.h"
 #include "pcpkv/error_line.h"
+#include "pcpkv/number_flags.h"
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
 
@@ -30,39 +31,6 @@ std::string command_names(CLI::App& app) {
   std::string s;
   for (const CLI::App* sub : app.get_subcommands({})) s += (s.empty() ? "" : ", ") + sub->get_name();
   return s;
-}
-
-// The message for an integer option's argument that is not plain decimal ("" when it is): [+-]?digits with no
-// leading zero. CLI11 reads integers with strtoll base 0, so `--tokens 064` would be 52 (octal) and `--pcp 0x8` 8,
-// and it skips leading spaces (' 64' would pass, '64 ' not).
-std::string non_decimal_integer(const std::string& v) {
-  const size_t sign = !v.empty() && (v[0] == '-' || v[0] == '+') ? 1 : 0;
-  const size_t digits = v.size() - sign;
-  const bool decimal = digits > 0 && std::all_of(v.begin() + static_cast<std::ptrdiff_t>(sign), v.end(),
-                                                 [](char c) { return c >= '0' && c <= '9'; });
-  if (decimal && (digits == 1 || v[sign] != '0')) return "";
-  const std::string q = pcpkv::cli::escape_control(pcpkv::clip(v));
-  if (decimal)
-    return fmt::format("'{}' has a leading zero; integers are decimal (it would have been read as octal)", q);
-  return fmt::format("'{}' is not a decimal integer (digits with an optional sign; no hex, spaces or exponent)", q);
-}
-
-// CLI11 converts an empty argument of a numeric option to 0 without a word (`run --tokens ""` would publish an empty
-// prefill and pass, `--memory-limit-gb ""` drop the limit): every option that takes a number refuses it,
-// and every integer option refuses spellings other than plain decimal.
-void check_number_spellings(CLI::App& app) {
-  for (CLI::Option* o : app.get_options()) {
-    const std::string type = o->get_type_name();
-    const bool integer = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0;
-    const bool number = integer || type.rfind("FLOAT", 0) == 0;
-    if (number && o->get_expected_min() > 0)
-      o->check(CLI::Validator(
-          [](std::string& v) { return v.empty() ? std::string("an empty value is not a number, got ''") : std::string(); },
-          ""));
-    if (integer && o->get_expected_min() > 0)
-      o->check(CLI::Validator([](std::string& v) { return v.empty() ? std::string() : non_decimal_integer(v); }, ""));
-  }
-  for (CLI::App* sub : app.get_subcommands({})) check_number_spellings(*sub);
 }
 
 // A CLI11 parse error in the bounds the README states: every value quoted cut to kMaxQuotedChars, and the
@@ -115,6 +83,14 @@ int run_app(CLI::App& app, int argc, char** argv) {
       return 2;
     }
   }
+  // A rank program's rank with peers names a parse error on every rank (exit 2) instead of leaving them at the
+  // rendezvous; elsewhere it is printed here.
+  auto parse_error = [&](const std::string& message) {
+    const std::optional<int> code = argc >= 2 ? pcpkv::cli::carry_parse_error(argv[1], message) : std::nullopt;
+    if (!code) pcpkv::cli::print_error(message);
+    pcpkv::cli::print_stderr("Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
+    return code.value_or(2);
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -132,13 +108,13 @@ int run_app(CLI::App& app, int argc, char** argv) {
         fmt::format("{}{}", e.what(), argc < 2 ? fmt::format("; commands: {}", command_names(app)) : ""));
     pcpkv::cli::print_stderr("Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
     return 2;
+  } catch (const pcpkv::cli::IntegerOutOfRange& e) {
+    return parse_error(pcpkv::cli::out_of_range_message(e.option, e.value));
   } catch (const CLI::ParseError& e) {
-    const std::string message = bounded_parse_error(e.what());
-    // A rank program's rank with peers names it on every rank (exit 2) instead of leaving them at the rendezvous.
-    std::optional<int> code = argc >= 2 ? pcpkv::cli::carry_parse_error(argv[1], message) : std::nullopt;
-    if (!code) pcpkv::cli::print_error(message);
-    pcpkv::cli::print_stderr("Run 'pcpkv --help' or 'pcpkv <command> --help' for usage.\n");
-    return code.value_or(2);
+    // CLI11's "Could not convert: --pcp = 4294967296" is an integer past its field's width: named as the rest.
+    const std::string range =
+        dynamic_cast<const CLI::ConversionError*>(&e) ? pcpkv::cli::conversion_error_message(app) : "";
+    return parse_error(range.empty() ? bounded_parse_error(e.what()) : range);
   } catch (const pcpkv::Error& e) {
     pcpkv::cli::print_error(e.what());
     if (pcpkv::read_env("PCPKV_DEBUG") && !e.where().empty())
@@ -172,13 +148,16 @@ int main_body(int argc, char** argv) {
       "pcpkv: publish PCP KV-cache rows of sparse-MLA models (DeepSeek-V3.2, GLM-5) into every rank's "
       "cache replica, and verify them byte for byte"};
   app.require_subcommand(1);
+  // A flag given twice takes its last value in every command (scripts append overrides); subcommands copy these
+  // defaults when they are added.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   pcpkv::cli::add_run_command(app);
   pcpkv::cli::add_bench_command(app);
   pcpkv::cli::add_info_command(app);
   pcpkv::cli::add_launch_command(app);
   pcpkv::cli::add_attention_command(app);
   pcpkv::cli::add_serving_command(app);
-  check_number_spellings(app);
+  pcpkv::cli::check_number_flags(app);
   int code = run_app(app, argc, argv);
   // A report that never reached stdout (disk full, closed pipe) must not pass for success.
   errno = 0;
