@@ -41,9 +41,10 @@ PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_de
     TORCH_CHECK_VALUE(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
                       "make_plan: ", name, " = ", v, " is out of the int32 range of a plan");
   // Here, before the plan: a block_size of 1 or 2 made a plan whose caches the cache table refused later, naming
-  // neither make_plan nor block_size (the library's plan does not know of the indexer-K cache's alignment).
+  // neither make_plan nor block_size (the library's plan does not know of the indexer-K cache's alignment). Named as
+  // the plan's own refusals name it (the Python argument, then the CLI's flag).
   if (const auto why = pcpkv::block_size_problem(block_size))
-    TORCH_CHECK_VALUE(false, "make_plan: block_size = ", block_size, " ", *why);
+    TORCH_CHECK_VALUE(false, "make_plan: block_size (--block-size) = ", block_size, " ", *why);
   pcpkv::PlanConfig cfg;
   cfg.pcp_world = static_cast<int32_t>(pcp_world);
   cfg.block_size = static_cast<int32_t>(block_size);

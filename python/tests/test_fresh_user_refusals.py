@@ -152,12 +152,14 @@ def test_fence_state_local_takes_the_pads_own_barrier_count():
 def test_block_size_below_four_is_refused_at_the_first_entry(block_size):
     # Were taken, then refused by the cache table: "make_cache_targets: target 0: indexer cache: block_stride = 264 B
     # must be a multiple of 16". The rule is the CLI's --block-size one (pcpkv::block_size_problem).
-    rule = f"block_size = {block_size} must be a power of two >= 4"
-    for call, who in ((lambda: pk.make_plan(2, [pk.Request(8)], block_size=block_size), "make_plan: "),
-                      (lambda: pk.allocate_mla_cache(4, block_size, "fp8_ds_mla"), "allocate_mla_cache: "),
-                      (lambda: pk.allocate_indexer_cache(4, block_size), "allocate_indexer_cache: "),
-                      (lambda: SymmetricCaches._check(1, 4, block_size, "fp8_ds_mla", None, True, 1, 0), "")):
-        with pytest.raises(ValueError, match=re.escape(who + rule)):
+    rule = f"= {block_size} must be a power of two >= 4"
+    for call, named in ((lambda: pk.make_plan(2, [pk.Request(8)], block_size=block_size),
+                         "make_plan: block_size (--block-size) "),  # as the plan's own refusals name it
+                        (lambda: pk.allocate_mla_cache(4, block_size, "fp8_ds_mla"), "allocate_mla_cache: block_size "),
+                        (lambda: pk.allocate_indexer_cache(4, block_size), "allocate_indexer_cache: block_size "),
+                        (lambda: SymmetricCaches._check(1, 4, block_size, "fp8_ds_mla", None, True, 1, 0),
+                         "block_size ")):
+        with pytest.raises(ValueError, match=re.escape(named + rule)):
             call()
     assert torch.ops.pcpkv.block_size_problem(block_size).startswith("must be a power of two >= 4")
     assert torch.ops.pcpkv.block_size_problem(4) == ""
@@ -165,7 +167,7 @@ def test_block_size_below_four_is_refused_at_the_first_entry(block_size):
 
 @pytest.mark.parametrize("block_size", [48, 0, -4])
 def test_block_size_that_is_not_a_power_of_two_names_make_plan(block_size):
-    with pytest.raises(ValueError, match=re.escape(f"block_size = {block_size}")):
+    with pytest.raises(ValueError, match=re.escape(f"block_size (--block-size) = {block_size} must be a power of two")):
         pk.make_plan(2, [pk.Request(8)], block_size=block_size)
     with pytest.raises(ValueError, match=re.escape(f"block_size = {block_size}")):
         pk.allocate_indexer_cache(4, block_size) if block_size > 0 else pk.layout.check_block_size(block_size)
