@@ -36,6 +36,20 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarTy
   check_dense(t, name, {n}, dtype, device);
 }
 
+void check_token_rows(const char* op, const char* kv_name, const at::Tensor& kv, const at::Tensor& k_pe,
+                      const char* ref, int64_t T) {
+  if (!kv.defined() || kv.dim() != 2 || !k_pe.defined() || k_pe.dim() != 2) return;
+  const int64_t a = kv.size(0), b = k_pe.size(0);
+  if (a == b) return;  // agreeing with each other: `ref` is the odd one, which the op's own check of it names
+  if (a != T && b != T)
+    TORCH_CHECK_VALUE(false, op, ": ", kv_name, " and k_pe have ", a, " and ", b, " rows, expected ", T,
+                      " (the local tokens: ", ref, " has ", T, ")");
+  const bool kv_odd = a != T;
+  TORCH_CHECK_VALUE(false, op, ": ", kv_odd ? kv_name : "k_pe", " has ", kv_odd ? a : b, " rows, expected ", T,
+                    " (the local tokens: ", ref, " has ", T, "); ", kv_odd ? "k_pe" : kv_name, " has ",
+                    kv_odd ? b : a);
+}
+
 const int64_t* indexer_slots(const std::optional<at::Tensor>& t, const char* op, const char* no_indexer, int64_t n,
                              const c10::Device& device) {
   if (!has(t)) return nullptr;

@@ -48,6 +48,13 @@ void check_dense(const at::Tensor& t, const char* name, at::IntArrayRef sizes, a
                  const c10::Device& device);
 /// A 1-d contiguous tensor of n elements of `dtype` on `device`.
 void check_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype, const c10::Device& device);
+/// The rows of an op's two MLA inputs (kv or kv_c, and k_pe) against the number of local tokens T, which `ref`
+/// (positions or slot_mapping, a 1-d tensor) counts: a mismatch names both tensors with their row counts, T and
+/// `ref`, blaming the one(s) whose rows differ from T (not k_pe when kv is the odd one). When the two agree with each
+/// other, `ref` is the odd one and the op's check of it names it; tensors that are not 2-d are left to the ops' shape
+/// checks.
+void check_token_rows(const char* op, const char* kv_name, const at::Tensor& kv, const at::Tensor& k_pe,
+                      const char* ref, int64_t T);
 /// The indexer rows' own slots (docs/spec.md 4.2) of `op` (dispatch, combine, insert): int64 [n] on device, or null
 /// when not given (slot_mapping then addresses both caches). `no_indexer`: null on an indexer layer, else why the op
 /// has no indexer row (the refusal's end, e.g. "has_indexer=False").

@@ -24,6 +24,9 @@ namespace pcpkv_torch {
 
 pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
   const c10::Device dev = a.kv.device();
+  // positions counts the local tokens: kv and k_pe are measured against it, so a short kv is not blamed on k_pe.
+  if (a.positions.defined() && a.positions.dim() == 1)
+    check_token_rows("dispatch", "kv", a.kv, a.k_pe, "positions", a.positions.size(0));
   const int64_t T = a.kv.defined() && a.kv.dim() == 2 ? a.kv.size(0) : -1;
   TORCH_CHECK_VALUE(T >= 0, "dispatch: kv: expected bfloat16 [num_tokens, 512], got ", describe(a.kv));
   pcpkv::DispatchParams p;
@@ -113,7 +116,8 @@ pcpkv::DispatchParams make_dispatch_params(const DispatchArgs& a) {
   p.topk_fill_mode = a.topk_fill_mode == "full" ? pcpkv::TopkFill::kFull
                      : a.topk_fill_mode == "tail" ? pcpkv::TopkFill::kTail
                                                   : pcpkv::TopkFill::kNone;
-  TORCH_CHECK_VALUE(p.topk_fill_mode != pcpkv::TopkFill::kTail || (a.topk_indexer_rows >= 0 && a.topk_indexer_rows <= T),
+  TORCH_CHECK_VALUE(p.topk_fill_mode != pcpkv::TopkFill::kTail ||
+                        (a.topk_indexer_rows >= 0 && a.topk_indexer_rows <= T),
                     "dispatch: topk_indexer_rows = ", a.topk_indexer_rows, " must be in [0, num_tokens = ", T,
                     "] for topk_fill_mode 'tail'");
   p.topk_indexer_rows = a.topk_indexer_rows;

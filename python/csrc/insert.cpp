@@ -48,6 +48,9 @@ pcpkv::InsertParams make_insert_params(const InsertArgs& a) {
   p.fmt = make_format(a.kv_format, a.ds_mla_scale, a.k_scale, has(a.index_k));
   p.target = target_of(a.mla_cache, a.index_cache, p.fmt, "insert");
   const c10::Device dev = a.mla_cache.device();
+  // slot_mapping counts the local tokens: kv_c and k_pe are measured against it, so a short kv_c is not blamed on k_pe.
+  if (a.slot_mapping.defined() && a.slot_mapping.dim() == 1)
+    check_token_rows("insert", "kv_c", a.kv_c, a.k_pe, "slot_mapping", a.slot_mapping.size(0));
   const int64_t T = a.kv_c.dim() == 2 ? a.kv_c.size(0) : -1;
   check_dense(a.kv_c, "insert: kv_c", {T, 512}, at::kBFloat16, dev);
   check_dense(a.k_pe, "insert: k_pe", {T, 64}, at::kBFloat16, dev);

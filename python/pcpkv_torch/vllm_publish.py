@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from operator import attrgetter, is_
 import socket
 import weakref
 from typing import Optional, Sequence
@@ -79,20 +80,51 @@ VLLM_SOURCES = (
     ("vllm/models/deepseek_v32/common/kernels.py", "c73a65140a2101ea93979278cd326ee77d0b7bfb"),
 )
 
-#: The ops' C++ entries (the OpOverloads' Python frames skipped), for the fast path of publish().
-_DISPATCH = torch.ops.pcpkv.dispatch.default._op
-_FENCE = torch.ops.pcpkv.fence.default._op
+#: The ops' C++ entries (the OpOverloads' Python frames skipped): publish() passes them what the wrappers of ops.py
+#: would, and what those wrappers check holds by construction (a CacheFormat, the fill mode "full", float32
+#: weights, staging rows within the workspace). While torch.compile traces, the OpOverloads (traceable) instead.
+_OPS = tuple(getattr(torch.ops.pcpkv, n).default._op for n in ("dispatch", "fence", "combine", "insert"))
+_TRACED = tuple(getattr(torch.ops.pcpkv, n).default for n in ("dispatch", "fence", "combine", "insert"))
 
 
-class _Fast:
-    """One layer's memo for publish()'s fast path (see _remember)."""
+class _Layer:
+    """What a layer's call checked and converted once for its weights and tables (held: q_rms_norm_w,
+    kv_rms_norm_w, k_rope_cos_sin_cache, and on a layer with an indexer its LayerNorm weight, bias and table), for
+    its later calls with the same tensors at the same stamp: q_lora_rank, the float32 weights and table. The memo
+    keeps its tensors alive, so an identity test cannot be fooled by a freed tensor's id or address reused by
+    another; _stamp sees what can change in a live tensor (set when the memo is stored, not while tracing)."""
 
-    __slots__ = ("held", "versions", "q_lora", "topk_rows", "has_indexer", "weights", "rope", "dispatch_tail",
-                 "dispatch_cfg", "fence")
+    __slots__ = ("held", "stamp", "q_lora", "kv_w", "q_w", "ln_w", "ln_b", "rope")
 
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
+    def __init__(self, held, q_lora, kv_w, q_w, ln_w, ln_b, rope):
+        self.held, self.stamp, self.q_lora = held, None, q_lora
+        self.kv_w, self.q_w, self.ln_w, self.ln_b, self.rope = kv_w, q_w, ln_w, ln_b, rope
+
+
+def _stamp(ts) -> list:
+    """What can change in a live held tensor that its checks and float32 copy read: the version counter (in-place
+    writes, resize_, set_, as_strided_), data_ptr and dtype (`t.data = x` changes them with no version bump).
+    data_ptr stands for the device too (host and CUDA addresses share one virtual address space). Not stamped, for
+    the per-call cost: the shape of a `t.data = t.view(...)` at the same address and dtype (the same bytes, so the
+    same float32 values; a new tensor of another shape is another object and is checked). An inference-mode tensor
+    has no version counter (-1 here): its in-place writes are not seen (its values taken as fixed, as weights)."""
+    return [(_version(t), t.data_ptr(), t.dtype) for t in ts]
+
+
+class _Ops:
+    """One layer's op arguments that only the publisher's configuration sets (made once, at init): the format's
+    fields, the replicas' cache table (direct) or the staging destinations (per buffer), the fence's arguments."""
+
+    __slots__ = ("fmt", "dispatch_to", "written", "fence", "combine_src", "mla", "index")
+
+
+#: Argument names for _check_call's messages.
+_EPS = ("q_rms_eps", "kv_rms_eps", "index_k_layer_norm_eps")
+_INDEXER = ("index_k", "index_k_layer_norm_w", "index_k_layer_norm_bias", "index_k_rope_cos_sin_cache",
+            "topk_indices_buffer")
+_ON_DEVICE = ("positions", "q_c", "kv_c", "k_pe", "index_k", "q_rms_norm_w", "kv_rms_norm_w", "index_k_layer_norm_w",
+              "index_k_layer_norm_bias", "topk_indices_buffer", "slot_mapping", "q_c_out", "indexer_slot_mapping")
+_PER_CALL_ON_DEVICE = tuple(n for n in _ON_DEVICE if not n.endswith(("_w", "_bias")))
 
 
 def _desc(t) -> str:
@@ -101,13 +133,13 @@ def _desc(t) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}"
 
 
-def _version(t: torch.Tensor):
-    """t's version counter; None for an inference-mode tensor, which has none (converted once: a weight or table
+def _version(t: torch.Tensor) -> int:
+    """t's version counter; -1 for an inference-mode tensor, which has none (converted once: a weight or table
     changed in place under inference mode is not seen)."""
     try:
         return t._version
     except RuntimeError:
-        return None
+        return -1
 
 
 def _is_int(v) -> bool:
@@ -166,7 +198,7 @@ class VllmPcpPublisher:
                     f" ({self.transport_reason})" if self.transport_reason else "")
         self._tables: dict = {}   # memo: cos/sin tables and weights as float32, the index table's agreement
         self._staging_calls = 0   # staging publications so far: the buffer of the next one is its parity
-        self._fast: dict = {}     # layer -> _Fast: what publish() checked and converted once (check=False, direct)
+        self._layers: dict = {}   # layer -> _Layer: its weights and tables as checked and converted (publish)
         if self.transport in ("direct", "staging"):
             staging = None
             if self.transport == "staging":
@@ -177,6 +209,7 @@ class VllmPcpPublisher:
                     staging.append(s.share_memory_() if self.device.type == "cpu" else s)
             self.caches = EngineCaches(self._mla, self._index, self.fmts, staging=staging, group=group,
                                        timeout_s=timeout_s)
+        self._ops = [self._layer_ops(i) for i in range(len(self.fmts))]
 
     # ---- setup ------------------------------------------------------------------------------------------------
 
@@ -235,7 +268,11 @@ class VllmPcpPublisher:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"kv_caches[0] is on {device}: expected cpu or cuda tensors")
         self._mla, self._index, self.fmts, self.device = mla, index, fmts, device
+        index = device.index  # on_device(t): whether t is on the caches' device (a cheaper test than t.device's)
+        self._on_device = attrgetter("is_cpu") if device.type == "cpu" else \
+            (lambda t: t.is_cuda and t.get_device() == index)
         self.max_num_tokens, self.check = max_num_tokens, check
+        self._sync_fence = check and device.type == "cuda"
         self._fence_timeout_us = max(1, int(fence_timeout_s * 1e6))
         return [("transport", transport), ("kv_cache_dtype", kv_cache_dtype), ("ds_mla_scale", ds_mla_scale),
                 ("mla_k_scale", float(mla_k_scale)), ("max_num_tokens", max_num_tokens), ("check", check),
@@ -300,32 +337,32 @@ class VllmPcpPublisher:
         the argument (on every rank with check=True) before anything is written."""
         if self._closed:
             raise RuntimeError(f"{_WHERE}: publish() used after close()")
-        # (own indexer slots, docs/spec.md 4.2, take the full path: the fast path's dispatch has one mapping)
-        memo = self._fast.get(layer_idx) if type(layer_idx) is int and indexer_slot_mapping is None else None
-        if memo is not None and self._fast_ok(memo, positions, q_c, q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w,
-                                              kv_rms_eps, k_pe, k_rope_cos_sin_cache, index_k, index_k_layer_norm_w,
-                                              index_k_layer_norm_bias, index_k_layer_norm_eps,
-                                              index_k_rope_cos_sin_cache, topk_indices_buffer, slot_mapping,
-                                              num_decode_tokens, index_rope_interleave, q_c_out) \
-                and not torch.compiler.is_compiling():
-            return self._publish_fast(memo, positions, q_c, q_rms_eps, kv_c, kv_rms_eps, k_pe, index_k,
-                                      index_k_layer_norm_eps, topk_indices_buffer, slot_mapping, num_decode_tokens,
-                                      index_rope_interleave, q_c_out)
-        args = dict(positions=positions, q_c=q_c, kv_c=kv_c, k_pe=k_pe, index_k=index_k, q_rms_norm_w=q_rms_norm_w,
-                    kv_rms_norm_w=kv_rms_norm_w,
-                    index_k_layer_norm_w=index_k_layer_norm_w, index_k_layer_norm_bias=index_k_layer_norm_bias,
-                    index_k_rope_cos_sin_cache=index_k_rope_cos_sin_cache, k_rope_cos_sin_cache=k_rope_cos_sin_cache,
-                    topk_indices_buffer=topk_indices_buffer, slot_mapping=slot_mapping, q_c_out=q_c_out,
-                    indexer_slot_mapping=indexer_slot_mapping)
-        why = self._check_call(layer_idx, num_decode_tokens, index_rope_interleave,
-                               (q_rms_eps, kv_rms_eps, index_k_layer_norm_eps), args)
-        rope = None
-        if not why:  # the cos/sin tables: converted (memo) and the index table compared, before the verdicts
+        compiling = torch.compiler.is_compiling()
+        # A layer's weights and tables are the same tensors call after call (vLLM's parameters and buffers): their
+        # checks and float32 copies are made once per layer and stamp (_Layer); the rest is checked every call.
+        held = (q_rms_norm_w, kv_rms_norm_w, k_rope_cos_sin_cache, index_k_layer_norm_w, index_k_layer_norm_bias,
+                index_k_rope_cos_sin_cache)
+        m = self._layers.get(layer_idx) if type(layer_idx) is int and not compiling else None
+        if m is not None:  # held: the memo's tensors at its stamp (see _Layer, _stamp)
             try:
-                rope = self._rope(k_rope_cos_sin_cache,
-                                  index_k_rope_cos_sin_cache if self.fmts[layer_idx].has_indexer else None)
+                for t, mine, (version, ptr, dtype) in zip(held, m.held, m.stamp):
+                    if t is not mine or t._version != version or t.data_ptr() != ptr or t.dtype is not dtype:
+                        m = None
+                        break
+            except RuntimeError:  # an inference-mode tensor has no version counter
+                if not (all(map(is_, held, m.held)) and _stamp(m.held) == m.stamp):
+                    m = None
+        why = self._check_call(m, layer_idx, num_decode_tokens, index_rope_interleave,
+                               (q_rms_eps, kv_rms_eps, index_k_layer_norm_eps), positions, q_c, kv_c, k_pe, index_k,
+                               topk_indices_buffer, slot_mapping, q_c_out, indexer_slot_mapping, held)
+        if not why and m is None:  # the cos/sin tables: converted and the index table compared, before the verdicts
+            try:
+                m = self._convert(self.fmts[layer_idx].has_indexer, q_c, held)
             except ValueError as e:
                 why = str(e)
+            if not why and not compiling:
+                m.stamp = _stamp(m.held)
+                self._layers[layer_idx] = m
         T = positions.shape[0] if not why else 0
         if self.check:
             what = f"{_WHERE}.publish (layer {layer_idx})"
@@ -334,171 +371,107 @@ class VllmPcpPublisher:
                 index_k_layer_norm_eps, indexer_slot_mapping))
         elif why:
             raise ValueError(f"{_WHERE}.publish (layer {layer_idx}) on rank {self.rank}: {why}")
-        fmt = self.fmts[layer_idx]
-        W = self.world
-        # Rank-major [W, T]; the decode copies of ranks > 0 never write (vLLM writes rank 0's).
-        gathered = slot_mapping[:W * T].view(W, T)
-        if num_decode_tokens > 0 and W > 1:
-            gathered = gathered.clone()
-            gathered[1:, :num_decode_tokens] = -1
-        # The indexer rows' own slots (spec 4.2), in the same form; None (or slot_mapping itself): one slot for both.
-        islots = None
-        if fmt.has_indexer and indexer_slot_mapping is not None and indexer_slot_mapping is not slot_mapping:
-            islots = indexer_slot_mapping[:W * T].view(W, T)
-            if num_decode_tokens > 0 and W > 1:
-                islots = islots.clone()
-                islots[1:, :num_decode_tokens] = -1
-        kw_slots = {} if islots is None else {"islots": islots}
+        ops = self._ops[layer_idx]
+        has = ops.fmt[3]
         if q_c_out is None:
             q_c_out = torch.empty((T, q_c.shape[1]), dtype=torch.bfloat16, device=q_c.device)
-        kv_w32 = self._f32(kv_rms_norm_w)  # the norm weights as float32 once, as the tables
-        kw = dict(fmt=fmt, q_c=q_c, q_norm_w=self._f32(q_rms_norm_w), q_c_out=q_c_out,
-                  index_k=index_k if fmt.has_indexer else None,
-                  index_ln_w=self._f32(index_k_layer_norm_w) if fmt.has_indexer else None,
-                  index_ln_b=self._f32(index_k_layer_norm_bias) if fmt.has_indexer else None,
-                  topk_fill=topk_indices_buffer[:T] if fmt.has_indexer else None,
-                  q_eps=float(q_rms_eps), kv_eps=float(kv_rms_eps), index_eps=float(index_k_layer_norm_eps),
-                  mla_rope_interleaved=True, index_rope_interleaved=index_rope_interleave)
-        k_pe = k_pe.reshape(T, 64) if k_pe.dim() == 3 else k_pe
-        if not self.check and self.transport == "direct" and not torch.compiler.is_compiling():
-            self._remember(layer_idx, fmt, q_c, q_rms_norm_w, kv_rms_norm_w, k_rope_cos_sin_cache,
-                           index_k_layer_norm_w, index_k_layer_norm_bias, index_k_rope_cos_sin_cache,
-                           topk_indices_buffer, kw, kv_w32, rope)
+        if k_pe.dim() == 3:
+            k_pe = k_pe.reshape(T, 64)
+        # The indexer rows' own slots (spec 4.2); None (or slot_mapping itself): one slot for both.
+        own = has and indexer_slot_mapping is not None and indexer_slot_mapping is not slot_mapping
+        # the dispatch op's arguments, less the slots, destinations and outputs that the transport picks
+        inputs = (kv_c, k_pe, positions, m.kv_w, m.rope, q_c, m.q_w, index_k if has else None, m.ln_w, m.ln_b)
+        scalars = (*ops.fmt, q_rms_eps, kv_rms_eps, index_k_layer_norm_eps, True, index_rope_interleave, False,
+                   "full", 0)
+        topk = topk_indices_buffer[:T] if has else None
+        dispatch_op, fence_op, combine_op, insert_op = _TRACED if compiling else _OPS
+        nd = num_decode_tokens
         if self.transport == "direct":
-            self._direct(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
+            slots, islots = self._slots(slot_mapping, T, nd, self.rank), None
+            if own:
+                islots = self._slots(indexer_slot_mapping, T, nd, self.rank)
+            dispatch_op(*inputs, slots, *ops.dispatch_to, None, None, q_c_out, None, None, None, topk, ops.written,
+                        *scalars, islots)
+            fence_op(*ops.fence)
+            if self._sync_fence:
+                self._fence_check()
         elif self.transport == "staging":
-            self._staging(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
+            # Alternate buffers per call (every rank makes the same calls): a rank past this fence may write the
+            # next publication's rows while a peer still combines these; by layer parity an odd layer count would
+            # reuse a buffer from the last layer of a step to the first of the next.
+            buf, self._staging_calls = self._staging_calls % 2, self._staging_calls + 1
+            dests = ops.dispatch_to[buf]
+            dispatch_op(*inputs, None, None, None, dests.table, dests.host, q_c_out, None, None, None, topk,
+                        dests.tensors, *scalars, None)
+            fence_op(*ops.fence)
+            if self._sync_fence:
+                self._fence_check()
+            src = ops.combine_src[buf]
+            rows = self._slots(slot_mapping, T, nd, None, src.shape[1])
+            irows = self._slots(indexer_slot_mapping, T, nd, None, src.shape[1]) if own else None
+            combine_op(src, rows, ops.mla, ops.index, *ops.fmt, irows)
         else:
-            self._collect(layer_idx, fmt, kv_c, k_pe, positions, kv_w32, rope, gathered, kw, **kw_slots)
+            dev = positions.device
+            outs = [torch.empty((T, n), dtype=torch.bfloat16, device=dev) for n in ((512, 64, 128) if has else
+                                                                                     (512, 64))]
+            dispatch_op(*inputs, None, None, None, None, None, q_c_out, outs[0], outs[1],
+                        outs[2] if has else None, topk, [], *scalars, None)
+            rows = [self._all_gather(t) for t in outs]  # rank-major [W * T, ...]
+            insert_op(rows[0], rows[1], rows[2] if has else None, self._slots(slot_mapping, T, nd), ops.mla,
+                      ops.index, *ops.fmt[:3], self._slots(indexer_slot_mapping, T, nd) if own else None)
         return q_c_out
 
-    # ---- the per-layer fast path (check=False, direct): issue 35 item 4 ----------------------------------------
-    # A layer's weights, tables and top-k buffer are the same tensors call after call (vLLM's parameters and
-    # persistent buffers): once one call has passed every check with them, a later call with the same tensors at the
-    # same versions checks only what changes per call (the activations, positions, slot mapping and scalars; each
-    # test implies _check_call's) and reuses their float32 copies and the fence and cache tables. Anything else
-    # takes the full path, whose checks name the argument. The ops are called without their Python wrappers (what
-    # the wrappers check is fixed here: the format, the fill mode, float32 weights).
+    def _convert(self, has_indexer, q_c, held) -> _Layer:
+        """A layer's memo for checked tensors: the weights and cos/sin table as float32 (each converted once per
+        tensor, shared between layers), the index table compared with the MLA one (ValueError if it differs)."""
+        q_w, kv_w, k_table, ln_w, ln_b, index_table = held
+        f32 = self._f32
+        rope = self._rope(k_table, index_table if has_indexer else None)
+        if not has_indexer:
+            return _Layer(held[:3], q_c.shape[1], f32(kv_w), f32(q_w), None, None, rope)
+        return _Layer(held, q_c.shape[1], f32(kv_w), f32(q_w), f32(ln_w), f32(ln_b), rope)
 
-    def _remember(self, layer, fmt, q_c, q_w, kv_w, k_table, ln_w, ln_b, index_table, topk, kw, kv_w32, rope):
-        ec = self.caches
+    def _layer_ops(self, layer) -> _Ops:
+        fmt, ec, o = self.fmts[layer], self.caches, _Ops()
+        o.fmt = (fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale, fmt.has_indexer)
+        o.mla, o.index = self._mla[layer], self._index[layer]
+        o.dispatch_to = o.written = o.fence = o.combine_src = None
+        if ec is None:  # collect
+            return o
         state = ec.fence_state
-        held = (q_w, kv_w, k_table, ln_w, ln_b, index_table, topk)
-        tgt = ec.targets[layer]
-        self._fast[layer] = _Fast(
-            held=held, versions=tuple(_version(t) if t is not None else None for t in held),
-            q_lora=q_c.shape[1], topk_rows=topk.shape[0] if topk is not None else 0, has_indexer=fmt.has_indexer,
-            weights=(kv_w32, kw["q_norm_w"], kw["index_ln_w"], kw["index_ln_b"]), rope=rope,
-            dispatch_tail=(tgt.table, tgt.host, None, None),
-            dispatch_cfg=(list(tgt.tensors), fmt.kv_format, fmt.ds_mla_scale, fmt.k_scale, fmt.has_indexer),
-            fence=(state.pad_table, state.epochs, state.claim, state.error, state.first_rank, state.world,
-                   state.num_barriers, 0, self._fence_timeout_us,
-                   list(ec.mla[layer]) + list(ec.index[layer] or []) + list(state.pads)))
+        if self.transport == "direct":
+            tgt = ec.targets[layer]
+            o.dispatch_to, o.written = (tgt.table, tgt.host), list(tgt.tensors)
+            written = ec.mla[layer] + (ec.index[layer] or [])
+        else:  # staging: the workspace of the format's row size, its two buffers' destinations
+            ws, o.dispatch_to = ec.staging_for(fmt, 1)
+            o.combine_src = [ws[self.rank][buf, 0] for buf in (0, 1)]
+            written = ws
+        o.fence = (state.pad_table, state.epochs, state.claim, state.error, state.first_rank, state.world,
+                   state.num_barriers, 0, self._fence_timeout_us, list(written) + list(state.pads))
+        return o
 
-    def _fast_ok(self, m, pos, q_c, q_w, q_eps, kv_c, kv_w, kv_eps, k_pe, k_table, index_k, ln_w, ln_b, index_eps,
-                 index_table, topk, sm, nd, interleave, q_c_out) -> bool:
-        """Whether this call may take the fast path: the layer's held tensors unchanged, and every per-call check of
-        _check_call passes (stricter is fine: the full path then decides)."""
-        held = m.held
-        if not (q_w is held[0] and kv_w is held[1] and k_table is held[2] and ln_w is held[3] and ln_b is held[4]
-                and index_table is held[5] and topk is held[6]):
-            return False
-        v = m.versions
-        try:
-            now = (q_w._version, kv_w._version, k_table._version)
-            if m.has_indexer:
-                now += (ln_w._version, ln_b._version, index_table._version)
-        except RuntimeError:  # an inference-mode tensor has no version counter (None, as _f32's memo reads it)
-            now = tuple(map(_version, held[:6] if m.has_indexer else held[:3]))
-        if now != (v[:6] if m.has_indexer else v[:3]):
-            return False
-        Tensor, bf16 = torch.Tensor, torch.bfloat16
-        if not (isinstance(pos, Tensor) and pos.dtype is torch.int64 and pos.dim() == 1):
-            return False
-        T = pos.shape[0]
-        if not (T <= self.max_num_tokens and type(nd) is int and 0 <= nd <= T and type(interleave) is bool and
-                type(q_eps) is float and 0 <= q_eps < 1 and type(kv_eps) is float and 0 <= kv_eps < 1 and
-                type(index_eps) is float and 0 <= index_eps < 1):
-            return False
-        if not (isinstance(q_c, Tensor) and q_c.dtype is bf16 and q_c.dim() == 2 and q_c.shape[0] == T and
-                q_c.shape[1] == m.q_lora and isinstance(kv_c, Tensor) and kv_c.dtype is bf16 and
-                kv_c.shape == (T, 512) and isinstance(k_pe, Tensor) and k_pe.dtype is bf16 and
-                k_pe.shape == (T, 64) and isinstance(sm, Tensor) and sm.dtype is torch.int64 and sm.dim() == 1 and
-                sm.shape[0] >= self.world * T):
-            return False
-        if m.has_indexer:
-            if not (isinstance(index_k, Tensor) and index_k.dtype is bf16 and index_k.shape == (T, 128) and
-                    T <= m.topk_rows):
-                return False
-            on = (pos, q_c, kv_c, k_pe, sm, index_k)
-        elif index_k is not None:
-            return False
-        else:
-            on = (pos, q_c, kv_c, k_pe, sm)
-        if q_c_out is not None:
-            if not isinstance(q_c_out, Tensor):
-                return False
-            on += (q_c_out,)
-        if self.device.type == "cpu":
-            return all(t.is_cpu for t in on)
-        index = self.device.index
-        return all(t.is_cuda and t.get_device() == index for t in on)
-
-    def _publish_fast(self, m, pos, q_c, q_eps, kv_c, kv_eps, k_pe, index_k, index_eps, topk, sm, nd, interleave,
-                      q_c_out):
-        T, rank = pos.shape[0], self.rank
-        mine = sm[rank * T:(rank + 1) * T]
-        if nd > 0 and rank > 0:  # the decode copies of ranks > 0 never write (vLLM writes rank 0's)
-            mine = mine.clone()
-            mine[:nd] = -1
-        if q_c_out is None:
-            q_c_out = torch.empty((T, m.q_lora), dtype=torch.bfloat16, device=q_c.device)
-        kv_w, q_w, ln_w, ln_b = m.weights
-        written, kv_format, scale_rule, k_scale, has_indexer = m.dispatch_cfg
-        _DISPATCH(kv_c, k_pe, pos, kv_w, m.rope, q_c, q_w, index_k if has_indexer else None, ln_w, ln_b, mine,
-                  *m.dispatch_tail, q_c_out, None, None, None, topk[:T] if has_indexer else None, written, kv_format,
-                  scale_rule, k_scale, has_indexer, q_eps, kv_eps, index_eps, True, interleave, False, "full", 0)
-        _FENCE(*m.fence)
-        return q_c_out
-
-    def _direct(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw, islots=None):
-        ec = self.caches
-        dispatch(kv_c, k_pe, positions, kv_w, rope, slot_mapping=gathered[self.rank], targets=ec.targets[layer],
-                 indexer_slot_mapping=None if islots is None else islots[self.rank], **kw)
-        fence(ec.fence_state, 0, timeout_us=self._fence_timeout_us, written=ec.mla[layer] + (ec.index[layer] or []))
-        self._fence_check()
-
-    def _staging(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw, islots=None):
-        ec, W, T = self.caches, self.world, gathered.shape[1]
-        ws, dests = ec.staging_for(fmt, max(T, 1))
-        # Alternate buffers per call (every rank makes the same calls): a rank past this fence may write the next
-        # publication's rows while a peer still combines these; by layer parity an odd layer count would reuse a
-        # buffer from the last layer of a step to the first of the next.
-        buf, self._staging_calls = self._staging_calls % 2, self._staging_calls + 1
-        dispatch(kv_c, k_pe, positions, kv_w, rope, row_dests=dests[buf], **kw)
-        fence(ec.fence_state, 0, timeout_us=self._fence_timeout_us, written=ws)
-        self._fence_check()
-        cap = ws[0].shape[3]
-        rows, irows = gathered, islots
-        if cap != T:  # a workspace sized for max_num_tokens: the rows past T of every rank are skipped
-            rows = torch.full((W, cap), -1, dtype=torch.int64, device=gathered.device)
-            rows[:, :T] = gathered
-            if islots is not None:
-                irows = torch.full((W, cap), -1, dtype=torch.int64, device=gathered.device)
-                irows[:, :T] = islots
-        combine(ws[self.rank][buf, 0], rows.reshape(-1), self._mla[layer], self._index[layer], fmt=fmt,
-                indexer_slot_mapping=None if irows is None else irows.reshape(-1))
-
-    def _collect(self, layer, fmt, kv_c, k_pe, positions, kv_w, rope, gathered, kw, islots=None):
-        T, dev = positions.shape[0], positions.device
-        kv_out = torch.empty((T, 512), dtype=torch.bfloat16, device=dev)
-        pe_out = torch.empty((T, 64), dtype=torch.bfloat16, device=dev)
-        ix_out = torch.empty((T, 128), dtype=torch.bfloat16, device=dev) if fmt.has_indexer else None
-        dispatch(kv_c, k_pe, positions, kv_w, rope, kv_c_out=kv_out, k_pe_out=pe_out, index_k_out=ix_out, **kw)
-        rows = [self._all_gather(t) for t in (kv_out, pe_out, ix_out) if t is not None]  # rank-major [W * T, ...]
-        insert(rows[0], rows[1], rows[2] if fmt.has_indexer else None, gathered.reshape(-1).contiguous(),
-               self._mla[layer], self._index[layer], fmt=fmt,
-               indexer_slot_mapping=None if islots is None else islots.reshape(-1).contiguous())
+    def _slots(self, sm, T, nd, rank=None, cap=None):
+        """The slots that write, from sm's first W * T entries (rank-major), the decode copies of ranks > 0 at -1
+        (vLLM writes rank 0's): rank `rank`'s [T], or every rank's flat [W * T]; with cap, [W * cap] (a staging
+        workspace's rows per rank: its rows past T skipped)."""
+        W = self.world
+        if rank is not None:
+            mine = sm[rank * T:(rank + 1) * T]
+            if nd > 0 and rank > 0:
+                mine = mine.clone()
+                mine[:nd] = -1
+            return mine
+        g = sm[:W * T].view(W, T)
+        if cap is not None and cap != T:
+            rows = torch.full((W, cap), -1, dtype=torch.int64, device=sm.device)
+            rows[:, :T] = g
+            g = rows
+        elif nd > 0 and W > 1:
+            g = g.clone()
+        if nd > 0 and W > 1:
+            g[1:, :nd] = -1
+        return g.reshape(-1).contiguous()
 
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -511,33 +484,32 @@ class VllmPcpPublisher:
         return torch.cat(outs).to(t.device)
 
     def _fence_check(self):
-        """check=True on CUDA: wait for the fence and raise its timeout (naming the missing rank) here."""
-        if self.check and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.caches.fence_state.check()
+        """check=True on CUDA (_sync_fence): wait for the fence and raise its timeout (naming the missing rank)."""
+        torch.cuda.synchronize(self.device)
+        self.caches.fence_state.check()
 
     def _f32(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """t as contiguous float32 (exact for bf16 weights and tables), converted once per tensor and version (a
+        """t as contiguous float32 (exact for bf16 weights and tables), converted once per tensor and stamp (a
         weak reference: a new tensor at a freed one's id never hits)."""
         if t is None or (t.dtype is torch.float32 and t.is_contiguous()):
             return t
         key = ("t", id(t))
         hit = self._tables.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == _version(t):
+        if hit is not None and hit[0]() is t and hit[1] == _stamp((t,)):
             return hit[2]
         f = t.to(torch.float32).contiguous()
-        self._tables[key] = (weakref.ref(t), _version(t), f)
+        self._tables[key] = (weakref.ref(t), _stamp((t,)), f)
         return f
 
     def _rope(self, k_table: torch.Tensor, index_table: Optional[torch.Tensor]) -> torch.Tensor:
-        """k_table as contiguous float32 (exact for vLLM's tables), converted once per tensor and version; an index
+        """k_table as contiguous float32 (exact for vLLM's tables), converted once per tensor and stamp; an index
         table must hold the same values (compared once per pair; a host sync on CUDA the first time)."""
         converted = self._f32
         table = converted(k_table)
         if index_table is not None and index_table is not k_table:
             key = ("same", id(k_table), id(index_table))
             hit = self._tables.get(key)
-            stamp = (_version(k_table), _version(index_table))
+            stamp = _stamp((k_table, index_table))
             if hit is None or hit[0]() is not k_table or hit[1]() is not index_table or hit[2] != stamp:
                 if index_table.shape != k_table.shape or not torch.equal(converted(index_table), table):
                     raise ValueError(f"index_k_rope_cos_sin_cache must hold the same values as "
@@ -547,69 +519,87 @@ class VllmPcpPublisher:
                 self._tables[key] = (weakref.ref(k_table), weakref.ref(index_table), stamp)
         return table
 
-    def _check_call(self, layer_idx, num_decode_tokens, interleave, eps, a) -> str:
-        """'' when this rank's call is good, else why (naming the argument and value). Local, no device sync."""
-        L, W = len(self.fmts), self.world
-        if not _is_int(layer_idx) or not 0 <= layer_idx < L:
-            return f"layer_idx = {layer_idx!r} must be an integer in [0, {L})"
-        fmt = self.fmts[layer_idx]
-        pos = a["positions"]
-        if not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.dtype != torch.int64:
+    def _check_call(self, m, layer_idx, num_decode_tokens, interleave, eps, pos, q_c, kv_c, k_pe, index_k, topk, sm,
+                    q_c_out, ism, held) -> str:
+        """'' when this rank's call is good, else why (naming the argument and value). Local, no device sync.
+        m: the layer's _Layer when held (the weights and tables) are its tensors at its stamp: their own checks
+        passed with them and would pass again, so they are skipped; every check that reads another argument (or
+        T, or q_c's width) runs on every call."""
+        Tensor, bf16, i64 = torch.Tensor, torch.bfloat16, torch.int64
+        W = self.world
+        if m is None:  # a memo exists only at a valid layer_idx
+            L = len(self.fmts)
+            if not _is_int(layer_idx) or not 0 <= layer_idx < L:
+                return f"layer_idx = {layer_idx!r} must be an integer in [0, {L})"
+        has = self.fmts[layer_idx].has_indexer
+        q_w, kv_w, k_table, ln_w, ln_b, index_table = held
+        if not isinstance(pos, Tensor) or pos.dim() != 1 or pos.dtype is not i64:
             return f"positions: expected int64 [T], got {_desc(pos)}"
         T = pos.shape[0]
         if T > self.max_num_tokens:
             return f"positions: T = {T} local tokens is more than max_num_tokens = {self.max_num_tokens}"
-        if not _is_int(num_decode_tokens) or not 0 <= num_decode_tokens <= T:
-            return f"num_decode_tokens = {num_decode_tokens!r} must be an integer in [0, T = {T}]"
-        if not isinstance(interleave, bool):
+        nd = num_decode_tokens
+        if (type(nd) is not int and not _is_int(nd)) or not 0 <= nd <= T:
+            return f"num_decode_tokens = {nd!r} must be an integer in [0, T = {T}]"
+        if interleave is not True and interleave is not False:
             return f"index_rope_interleave = {interleave!r} must be True or False"
-        for name, v in zip(("q_rms_eps", "kv_rms_eps", "index_k_layer_norm_eps"), eps):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-                return f"{name} = {v!r} must be a float in [0, 1)"
-        shapes = dict(q_c=None, kv_c=(T, 512), k_pe=(T, 64))
-        for name, shape in shapes.items():
-            t = a[name]
-            if name == "k_pe" and isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1:
-                t = t.reshape(T, 64) if t.shape[0] == T and t.shape[2] == 64 else t
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[0] != T or \
-                    (shape is not None and tuple(t.shape) != shape):
-                return f"{name}: expected bf16 [T = {T}, {shape[1] if shape else 'q_lora_rank'}], got {_desc(t)}"
-        weights = [("q_rms_norm_w", a["q_c"].shape[1]), ("kv_rms_norm_w", 512)]
-        if fmt.has_indexer:
-            weights += [("index_k_layer_norm_w", 128), ("index_k_layer_norm_bias", 128)]
-        for name, n in weights:  # converted to float32 below (once): an integer weight would convert silently
-            t = a[name]
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != (n,):
-                return f"{name}: expected a floating-point [{n}] weight, got {_desc(t)}"
-        sm = a["slot_mapping"]
-        if not isinstance(sm, torch.Tensor) or sm.dim() != 1 or sm.dtype != torch.int64 or sm.shape[0] < W * T:
+        a, b, c = eps
+        if not (type(a) is float and type(b) is float and type(c) is float and 0 <= a < 1 and 0 <= b < 1 and
+                0 <= c < 1):  # (floats in range, the common case, in one test; else the first bad one named)
+            for name, v in zip(_EPS, eps):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                    return f"{name} = {v!r} must be a float in [0, 1)"
+        if not isinstance(q_c, Tensor) or q_c.dtype is not bf16 or q_c.dim() != 2 or q_c.shape[0] != T:
+            return f"q_c: expected bf16 [T = {T}, q_lora_rank], got {_desc(q_c)}"
+        if not isinstance(kv_c, Tensor) or kv_c.dtype is not bf16 or kv_c.shape != (T, 512):
+            return f"kv_c: expected bf16 [T = {T}, 512], got {_desc(kv_c)}"
+        if not isinstance(k_pe, Tensor) or k_pe.dtype is not bf16 or (k_pe.shape != (T, 64) and
+                                                                      k_pe.shape != (T, 1, 64)):
+            t = k_pe.reshape(T, 64) if isinstance(k_pe, Tensor) and k_pe.shape == (T, 1, 64) else k_pe
+            return f"k_pe: expected bf16 [T = {T}, 64], got {_desc(t)}"
+        if m is None or q_c.shape[1] != m.q_lora:
+            weights = [("q_rms_norm_w", q_w, q_c.shape[1]), ("kv_rms_norm_w", kv_w, 512)]
+            if has:
+                weights += [("index_k_layer_norm_w", ln_w, 128), ("index_k_layer_norm_bias", ln_b, 128)]
+            for name, t, n in weights:  # converted to float32 (once): an integer weight would convert silently
+                if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (n,):
+                    return f"{name}: expected a floating-point [{n}] weight, got {_desc(t)}"
+        if not isinstance(sm, Tensor) or sm.dim() != 1 or sm.dtype is not i64 or sm.shape[0] < W * T:
             return (f"slot_mapping: expected int64 [>= W * T = {W} * {T}] (vLLM's gathered, rank-major layer slot "
                     f"mapping), got {_desc(sm)}")
-        ism = a["indexer_slot_mapping"]
-        if ism is not None and (not isinstance(ism, torch.Tensor) or ism.dim() != 1 or ism.dtype != torch.int64 or
+        if ism is not None and (not isinstance(ism, Tensor) or ism.dim() != 1 or ism.dtype is not i64 or
                                 ism.shape[0] < W * T):
             return (f"indexer_slot_mapping: expected None or int64 [>= W * T = {W} * {T}] (the indexer rows' own "
                     f"slots, gathered and rank-major as slot_mapping), got {_desc(ism)}")
-        tbl = a["k_rope_cos_sin_cache"]
-        if not isinstance(tbl, torch.Tensor) or tbl.dim() != 2 or tbl.shape[1] != 64 or not tbl.is_floating_point():
-            return f"k_rope_cos_sin_cache: expected a float [max_position, 64] table, got {_desc(tbl)}"
-        if fmt.has_indexer:
-            for name in ("index_k", "index_k_layer_norm_w", "index_k_layer_norm_bias", "index_k_rope_cos_sin_cache",
-                         "topk_indices_buffer"):
-                if a[name] is None:
-                    return f"{name} is None, but layer {layer_idx} has an indexer cache (indexer_k_caches[{layer_idx}])"
-            ik, tk = a["index_k"], a["topk_indices_buffer"]
-            if not isinstance(ik, torch.Tensor) or ik.dtype != torch.bfloat16 or tuple(ik.shape) != (T, 128):
-                return f"index_k: expected bf16 [T = {T}, 128], got {_desc(ik)}"
-            if not isinstance(tk, torch.Tensor) or tk.dtype != torch.int32 or tk.dim() != 2 or tk.shape[0] < T:
-                return f"topk_indices_buffer: expected int32 [>= T = {T}, topk], got {_desc(tk)}"
-        elif a["index_k"] is not None:
+        if m is None and (not isinstance(k_table, Tensor) or k_table.dim() != 2 or k_table.shape[1] != 64 or
+                          not k_table.is_floating_point()):
+            return f"k_rope_cos_sin_cache: expected a float [max_position, 64] table, got {_desc(k_table)}"
+        if has:
+            if m is None or index_k is None or topk is None:
+                for name, v in zip(_INDEXER, (index_k, ln_w, ln_b, index_table, topk)):
+                    if v is None:
+                        return f"{name} is None, but layer {layer_idx} has an indexer cache (indexer_k_caches[" \
+                               f"{layer_idx}])"
+            if not isinstance(index_k, Tensor) or index_k.dtype is not bf16 or index_k.shape != (T, 128):
+                return f"index_k: expected bf16 [T = {T}, 128], got {_desc(index_k)}"
+            if not isinstance(topk, Tensor) or topk.dtype is not torch.int32 or topk.dim() != 2 or topk.shape[0] < T:
+                return f"topk_indices_buffer: expected int32 [>= T = {T}, topk], got {_desc(topk)}"
+        elif index_k is not None:
             return (f"index_k is given, but layer {layer_idx} has no indexer cache (indexer_k_caches[{layer_idx}] "
                     "is None)")
-        for name, t in a.items():
-            if isinstance(t, torch.Tensor) and name != "k_rope_cos_sin_cache" and \
-                    name != "index_k_rope_cos_sin_cache" and t.device != self.device:
-                return f"{name} is on {t.device}, the caches on {self.device}"
+        # every tensor but the cos/sin tables on the caches' device (held ones: their stamp's data_ptr)
+        on = self._on_device
+        if m is not None and has:
+            # (every one a tensor here but q_c_out and ism: the common case in one pass, the loop names the first)
+            if all(map(on, (pos, q_c, kv_c, k_pe, index_k, topk, sm))) and \
+                    (q_c_out is None or not isinstance(q_c_out, Tensor) or on(q_c_out)) and (ism is None or on(ism)):
+                return ""
+            names, ts = _PER_CALL_ON_DEVICE, (pos, q_c, kv_c, k_pe, index_k, topk, sm, q_c_out, ism)
+        else:
+            names, ts = _ON_DEVICE, (pos, q_c, kv_c, k_pe, index_k, q_w, kv_w, ln_w, ln_b, topk, sm, q_c_out, ism)
+        for i, t in enumerate(ts):
+            if t is not None and isinstance(t, Tensor) and not on(t):
+                return f"{names[i]} is on {t.device}, the caches on {self.device}"
         return ""
 
     def _step_fields(self, layer_idx, T, num_decode_tokens, slot_mapping, interleave, q_eps, kv_eps, index_eps,
@@ -631,7 +621,7 @@ class VllmPcpPublisher:
         """Releases every peer mapping (local; the peers need not be alive). Later publish() raises."""
         if self.caches is not None:
             self.caches.close()
-        self._tables, self._fast, self._closed = {}, {}, True
+        self._tables, self._layers, self._ops, self._closed = {}, {}, [], True
 
     def __enter__(self):
         return self

@@ -103,7 +103,7 @@ def test_bad_mode_names_raise_value_error():
     # A step the plan refuses leaves the block tables as they were: it reserved the blocks and marked the tokens
     # cached, so the same request's next step was refused ("context_len = 0, but 3 tokens ... are cached").
     blocks = BlockTables(8, 16)
-    with pytest.raises(ValueError, match="pcp_world = 0"):
+    with pytest.raises(ValueError, match=r"pcp_world \(--pcp\) = 0"):
         StepBatch(0, [StepRequest("a", torch.arange(3))], blocks)
     assert (blocks.tables, blocks.lengths, blocks.num_free) == ({}, {}, 7)
     assert StepBatch(2, [StepRequest("a", torch.arange(3))], blocks).num_tokens == 3

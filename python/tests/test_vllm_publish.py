@@ -193,9 +193,9 @@ def _references(world, kv_cache_dtype):
 
 def _run(rank, world, kv_cache_dtype, device, transports, decode_copies=-1, check=True):
     """Every transport through the publisher over this rank's engine caches, three steps each; returns per
-    (transport, step, layer) what matched. check=False: the per-call checks off, and each layer's weights, tables
+    (transport, step, layer) what matched. check=False: the per-call exchange off, and each layer's weights, tables
     and top-k buffer the same tensors in every step (as vLLM's parameters and persistent buffers), so publish()
-    takes its fast path after a layer's first call; ("fast calls", transport) counts them."""
+    checks and converts them once per layer; ("conversions", transport) counts those."""
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
@@ -206,17 +206,17 @@ def _run(rank, world, kv_cache_dtype, device, transports, decode_copies=-1, chec
     import torch.distributed as dist
     from pcpkv_torch.vllm import VllmPcpPublisher
 
-    fast = [0]
-    real_fast = VllmPcpPublisher._publish_fast
+    converted = [0]
+    real_convert = VllmPcpPublisher._convert
 
     def counted(self, *a):
-        fast[0] += 1
-        return real_fast(self, *a)
+        converted[0] += 1
+        return real_convert(self, *a)
 
-    VllmPcpPublisher._publish_fast = counted
+    VllmPcpPublisher._convert = counted
     held = {}  # check=False: layer -> (Inputs, its tables and top-k buffer on the device), kept across steps
     for transport in transports:
-        fast[0] = 0
+        converted[0] = 0
         pub = VllmPcpPublisher(mla, idx, kv_cache_dtype=kv_cache_dtype, max_num_tokens=48, transport=transport,
                                mla_k_scale=0.5, check=check, timeout_s=60.0)
         res[(transport, "chosen")] = pub.transport
@@ -254,7 +254,7 @@ def _run(rank, world, kv_cache_dtype, device, transports, decode_copies=-1, chec
             dist.barrier()
         pub.close()
         if not check:
-            res[("fast calls", transport)] = fast[0]
+            res[("conversions", transport)] = converted[0]
     return res
 
 
@@ -308,15 +308,17 @@ def test_every_transport_matches_vllms_collect_path_cpu(kv_cache_dtype, decode_c
 
 
 @pytest.mark.parametrize("kv_cache_dtype,decode_copies", [("fp8_ds_mla", -1), ("auto", "slot")])
-def test_direct_without_per_call_checks_matches_vllms_collect_path_cpu(kv_cache_dtype, decode_copies):
-    # check=False with the same weights, tables and top-k buffer every step: publish()'s fast path (the per-call
-    # checks of what changes, the memo of what does not, the ops without their wrappers; issue 35 item 4) writes
-    # the same bytes, q_c_out and top-k fill as the checked path
-    out = run_ranks(_run, W, kv_cache_dtype, "cpu", ("direct",), decode_copies, False, timeout=300)
+def test_without_per_call_checks_every_transport_matches_vllms_collect_path_cpu(kv_cache_dtype, decode_copies):
+    # check=False with the same weights, tables and top-k buffer every step: publish() checks and converts them
+    # once per layer (its memo; issue 35 item 4) and writes the same bytes, q_c_out and top-k fill as the checked
+    # path, whose tensors are new every step
+    transports = ("direct", "staging", "collect")
+    out = run_ranks(_run, W, kv_cache_dtype, "cpu", transports, decode_copies, False, timeout=300)
     for r in range(W):
         assert out[r][0] == "ok", out[r][1]
-        assert out[r][1].pop(("fast calls", "direct")) == len(LAYERS) * (len(STEPS) - 1), out[r][1]
-    _check(out, ("direct",))
+        for transport in transports:
+            assert out[r][1].pop(("conversions", transport)) == len(LAYERS), out[r][1]
+    _check(out, transports)
 
 
 def test_the_step_builder_follows_vllms_pcp_manager():
@@ -343,13 +345,13 @@ def _staging_one_layer(rank, world):
     from pcpkv_torch import vllm_publish
     from pcpkv_torch.vllm import VllmPcpPublisher
 
-    if rank == 1:
-        real = vllm_publish.combine
+    if rank == 1:  # the combine op, as publish() calls it (vllm_publish._OPS: dispatch, fence, combine, insert)
+        real = vllm_publish._OPS
 
-        def slow(*a, **k):
+        def slow(*a):
             time.sleep(0.5)
-            return real(*a, **k)
-        vllm_publish.combine = slow
+            return real[2](*a)
+        vllm_publish._OPS = real[:2] + (slow,) + real[3:]
     refs = _references(world, "fp8_ds_mla")
     mla, idx = _engine_caches("fp8_ds_mla", "cpu", True)
     pub = VllmPcpPublisher(mla[:1], idx[:1], kv_cache_dtype="fp8_ds_mla", max_num_tokens=48, transport="staging",

@@ -70,9 +70,10 @@ int64_t PcpPlan::num_written_slots() const {
 }
 
 PcpPlan make_plan(const PlanConfig& c) {
-  PCPKV_CHECK(c.pcp_world >= 1, "--pcp: pcp_world = {} must be >= 1", c.pcp_world);
-  PCPKV_CHECK(c.pcp_world <= 1024, "--pcp: pcp_world = {} is larger than 1024", c.pcp_world);
-  PCPKV_CHECK(is_pow2(c.block_size), "--block-size: {} must be a power of two", c.block_size);
+  // Named as PlanConfig's field (pcpkv_torch.make_plan's argument) and the CLI's flag: both kinds of caller get here.
+  PCPKV_CHECK(c.pcp_world >= 1, "pcp_world (--pcp) = {} must be >= 1", c.pcp_world);
+  PCPKV_CHECK(c.pcp_world <= 1024, "pcp_world (--pcp) = {} is larger than 1024", c.pcp_world);
+  PCPKV_CHECK(is_pow2(c.block_size), "block_size (--block-size) = {} must be a power of two", c.block_size);
   PCPKV_CHECK(!c.requests.empty(), "plan: the batch has no requests");
   PCPKV_CHECK(c.extra_blocks >= 0, "plan: extra_blocks = {} must be >= 0", c.extra_blocks);
   // Block ids are int32 (vLLM block tables) and positions int64: refuse sizes that overflow either.
@@ -299,7 +300,8 @@ void validate_plan(const PcpPlan& p) {
   PCPKV_CHECK(static_cast<int64_t>(p.ranks.size()) == p.pcp_world, "plan: {} rank plans for pcp_world = {}",
               p.ranks.size(), p.pcp_world);
   const int64_t N = p.num_global_tokens();
-  PCPKV_CHECK(static_cast<int64_t>(p.global_positions.size()) == N && static_cast<int64_t>(p.global_request.size()) == N,
+  PCPKV_CHECK(static_cast<int64_t>(p.global_positions.size()) == N &&
+                  static_cast<int64_t>(p.global_request.size()) == N,
               "plan: global tensors disagree in length ({} slots, {} positions, {} request ids)", N,
               p.global_positions.size(), p.global_request.size());
   const int64_t null_slots = p.reserve_null_block ? p.block_size : 0;
@@ -331,8 +333,8 @@ void validate_plan(const PcpPlan& p) {
       PCPKV_CHECK(s == -1 || s == p.global_slots[static_cast<size_t>(g)],
                   "plan: rank {} row {} slot {} != global slot {}", r, i, s, p.global_slots[static_cast<size_t>(g)]);
       PCPKV_CHECK(p.gathered_slot_mapping[static_cast<size_t>(r) * M + i] == s,
-                  "plan: gathered_slot_mapping[{}] = {} != rank {} slot_mapping[{}] = {}", static_cast<size_t>(r) * M + i,
-                  p.gathered_slot_mapping[static_cast<size_t>(r) * M + i], r, i, s);
+                  "plan: gathered_slot_mapping[{}] = {} != rank {} slot_mapping[{}] = {}",
+                  static_cast<size_t>(r) * M + i, p.gathered_slot_mapping[static_cast<size_t>(r) * M + i], r, i, s);
     }
   }
   // A decode's row has a slot only on its owner (empty decode_owner: a plan built by hand, owners unchecked).

@@ -37,7 +37,7 @@ TEST_P(LaunchCpu, ThirteenTokensPerRankEveryTransportByteIdentical) {
   EXPECT_NE(r.output.find(fmt::format("(max 13 per rank)")), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank 0]   verdict: PASS"), std::string::npos) << r.output;
 }
-INSTANTIATE_TEST_SUITE_P(Procs, LaunchCpu, ::testing::Values(2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Procs, LaunchCpu, ::testing::Values(2, 4, 8), ::testing::PrintToStringParamName());
 
 TEST(LaunchCpuMisc, UnevenRanksSharedLayerStaticFp8) {
   const auto r = run_program({"launch", "--nproc", "3", "--", "mp-publish", "--backend", "cpu", "--model",

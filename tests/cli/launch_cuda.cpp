@@ -56,7 +56,7 @@ TEST_P(LaunchCudaOneGpu, ThirteenTokensPerRankByteIdenticalWithGraphReplays) {
   EXPECT_EQ(count_occurrences(r.output, "epochs advanced every replay: PASS"), 3) << r.output;
   EXPECT_NE(r.output.find("(max 13 per rank)"), std::string::npos) << r.output;
 }
-INSTANTIATE_TEST_SUITE_P(Procs, LaunchCudaOneGpu, ::testing::Values(2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Procs, LaunchCudaOneGpu, ::testing::Values(2, 4, 8), ::testing::PrintToStringParamName());
 
 // Plan modes (SPEC section 4.1) and --transport auto (5.1) with CUDA ranks on one GPU: every rank reaches every
 // replica (one device), so auto picks direct and says why; vLLM's local order and round-robin decodes (rank 2
@@ -225,7 +225,7 @@ TEST_P(BenchFenceSharedGpu, FinishesWithinItsTimeBudgetAndSaysWhy) {
   // The budget bounds the measurement; process start-up, CUDA contexts and the probe come on top.
   EXPECT_LT(r.seconds, 45.0) << r.output;
 }
-INSTANTIATE_TEST_SUITE_P(Procs, BenchFenceSharedGpu, ::testing::Values(2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Procs, BenchFenceSharedGpu, ::testing::Values(2, 4, 8), ::testing::PrintToStringParamName());
 
 }  // namespace
 }  // namespace pcpkv

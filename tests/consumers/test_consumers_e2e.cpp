@@ -58,7 +58,7 @@ TEST_P(ConsumersE2e, PcpEqualsOneRankByteForByte) {
   EXPECT_EQ(r.num_context_rows, 29 + 20 + 45);
 }
 
-INSTANTIATE_TEST_SUITE_P(Pcp, ConsumersE2e, ::testing::Values(1, 2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Pcp, ConsumersE2e, ::testing::Values(1, 2, 4, 8), ::testing::PrintToStringParamName());
 
 TEST(ConsumersE2eFormats, EveryFormatAndTransport) {
   const ModelConfig model = preset("deepseek-v3.2");

@@ -136,9 +136,13 @@ std::string plan_error(const PlanConfig& c) {
 
 TEST(Plan, BadConfigsNameFieldAndValue) {
   PlanConfig c = mixed(0, 10, 0);
-  EXPECT_NE(plan_error(c).find("pcp_world = 0"), std::string::npos);
+  // Named as both callers know them: PlanConfig's field (pcpkv_torch.make_plan's argument) and the CLI's flag.
+  EXPECT_NE(plan_error(c).find("pcp_world (--pcp) = 0 must be >= 1"), std::string::npos) << plan_error(c);
+  c = mixed(2000, 10, 0);
+  EXPECT_NE(plan_error(c).find("pcp_world (--pcp) = 2000 is larger than 1024"), std::string::npos) << plan_error(c);
   c = mixed(2, 10, 0, 48);
-  EXPECT_NE(plan_error(c).find("--block-size: 48"), std::string::npos);
+  EXPECT_NE(plan_error(c).find("block_size (--block-size) = 48 must be a power of two"), std::string::npos)
+      << plan_error(c);
   c = mixed(2, 10, 0);
   c.requests.push_back({RequestKind::kDecode, 2, 5});
   EXPECT_NE(plan_error(c).find("num_new_tokens = 1, got 2"), std::string::npos);

@@ -81,7 +81,7 @@ TEST_P(ReplicaCheckAcross, EveryRankGetsTheSameVerdict) {
         << first;
   }
 }
-INSTANTIATE_TEST_SUITE_P(Worlds, ReplicaCheckAcross, ::testing::Values(1, 2, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, ReplicaCheckAcross, ::testing::Values(1, 2, 4), ::testing::PrintToStringParamName());
 
 TEST(ReplicaCheckAcrossMisc, DifferentSlotCountsAreRefused) {
   const auto out = run_ranks(2, [](const BootstrapConfig& c) {

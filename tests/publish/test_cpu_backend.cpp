@@ -13,6 +13,7 @@
 #include "pcpkv/publish/checks.h"
 #include "support/bytes.h"
 #include "support/error_of.h"
+#include "support/param_names.h"
 #include "support/publish_case.h"
 
 namespace pcpkv {
@@ -98,7 +99,7 @@ TEST_P(CpuBackendPcp, ReplicasIdenticalGuardsIntactAndEqualToSingleRank) {
       << "collect quantizes from bf16 and should differ from the fused path somewhere";
 }
 
-INSTANTIATE_TEST_SUITE_P(Pcp, CpuBackendPcp, ::testing::Values(1, 2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Pcp, CpuBackendPcp, ::testing::Values(1, 2, 4, 8), ::testing::PrintToStringParamName());
 
 struct FormatCase {
   KvFormat kv;
@@ -154,7 +155,11 @@ INSTANTIATE_TEST_SUITE_P(Formats, CpuBackendFormats,
                                            FormatCase{KvFormat::kFp8, DsMlaScale::kPow2, true, 0.004f},
                                            FormatCase{KvFormat::kBf16, DsMlaScale::kPow2, true, 1.0f},
                                            FormatCase{KvFormat::kFp8DsMla, DsMlaScale::kPow2, false, 1.0f},
-                                           FormatCase{KvFormat::kFp8, DsMlaScale::kPow2, false, 0.02f}));
+                                           FormatCase{KvFormat::kFp8, DsMlaScale::kPow2, false, 0.02f}),
+                         [](const ::testing::TestParamInfo<FormatCase>& info) {
+                           const FormatCase& c = info.param;
+                           return test::format_case_name(c.kv, c.scale, c.indexer, c.k_scale);
+                         });
 
 PublishResult run_and_check(const CaseSpec& spec, Transport t) {
   auto c = make_case(spec);

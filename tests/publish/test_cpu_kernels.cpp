@@ -18,6 +18,7 @@
 #include "support/bytes.h"
 #include "support/error_of.h"
 #include "support/guard.h"
+#include "support/param_names.h"
 #include "support/random_bf16.h"
 
 namespace pcpkv {
@@ -359,7 +360,11 @@ INSTANTIATE_TEST_SUITE_P(Formats, CpuDispatchFormats,
                                            FmtCase{KvFormat::kFp8, DsMlaScale::kPow2, true, 0.0123f},
                                            FmtCase{KvFormat::kBf16, DsMlaScale::kPow2, true, 1.0f},
                                            FmtCase{KvFormat::kFp8DsMla, DsMlaScale::kPow2, false, 1.0f},
-                                           FmtCase{KvFormat::kBf16, DsMlaScale::kPow2, false, 1.0f}));
+                                           FmtCase{KvFormat::kBf16, DsMlaScale::kPow2, false, 1.0f}),
+                         [](const ::testing::TestParamInfo<FmtCase>& info) {
+                           const FmtCase& c = info.param;
+                           return test::format_case_name(c.kv, c.scale, c.indexer, c.k_scale);
+                         });
 
 TEST(CpuKernels, HadamardMatchesTokenMath) {
   Batch b(4, make_fmt(KvFormat::kFp8DsMla), 31);

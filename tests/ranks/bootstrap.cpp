@@ -73,7 +73,7 @@ TEST_P(BootstrapWorld, CollectivesDataAndDescriptors) {
   const auto out = run_ranks(GetParam(), collectives_body);
   EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
 }
-INSTANTIATE_TEST_SUITE_P(Worlds, BootstrapWorld, ::testing::Values(1, 2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Worlds, BootstrapWorld, ::testing::Values(1, 2, 4, 8), ::testing::PrintToStringParamName());
 
 TEST(Bootstrap, WrongTokenIsRefusedAndNamed) {
   // Rank 1 belongs to another job. It is refused with a clear message; rank 0 keeps waiting for the right

@@ -58,7 +58,7 @@ TEST_P(ShmWorld, EveryRankMapsEveryPeer) {
   const auto out = run_ranks(GetParam(), readwrite_body);
   EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
 }
-INSTANTIATE_TEST_SUITE_P(Worlds, ShmWorld, ::testing::Values(1, 2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Worlds, ShmWorld, ::testing::Values(1, 2, 4, 8), ::testing::PrintToStringParamName());
 
 TEST(Shm, TeardownLeaksNoDescriptorOrMapping) {
   const auto out = run_ranks(4, [](const BootstrapConfig& c) {

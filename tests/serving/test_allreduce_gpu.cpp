@@ -135,7 +135,7 @@ TEST_P(AllReduceGpuProcesses, SharingOneGpuEqualTheOracle) {
   const auto out = run_ranks(GetParam(), gpu_body, 60.0, 240.0);
   EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
 }
-INSTANTIATE_TEST_SUITE_P(Worlds, AllReduceGpuProcesses, ::testing::Values(2, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, AllReduceGpuProcesses, ::testing::Values(2, 4), ::testing::PrintToStringParamName());
 
 #else
 

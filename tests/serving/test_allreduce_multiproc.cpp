@@ -83,7 +83,8 @@ TEST_P(AllReduceProcesses, EqualTheOracleByteForByte) {
   const auto out = run_ranks(GetParam(), allreduce_body, 30.0, 90.0);
   EXPECT_TRUE(test::all_ok(out)) << test::describe(out);
 }
-INSTANTIATE_TEST_SUITE_P(Worlds, AllReduceProcesses, ::testing::Values(1, 2, 3, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Worlds, AllReduceProcesses, ::testing::Values(1, 2, 3, 4, 8),
+                         ::testing::PrintToStringParamName());
 
 TEST(AllReduceProcesses, MissingRankIsNamedByEveryWaiter) {
   const auto out = run_ranks(

@@ -35,19 +35,19 @@ class FenceTimeout : public Error {
   int missing_rank_;
 };
 
-namespace detail {
-[[noreturn]] inline void fail(const char* file, int line, std::string message) {
+/// Throws pcpkv::Error(message) with where() = "file:line". Public because PCPKV_CHECK and PCPKV_FAIL expand to
+/// a call of it in every file that uses them; call it directly only where a check needs its own file and line.
+[[noreturn]] inline void raise_error(const char* file, int line, std::string message) {
   throw Error(std::move(message), fmt::format("{}:{}", file, line));
 }
-}  // namespace detail
 
 }  // namespace pcpkv
 
 /// Throws pcpkv::Error with a fmt-formatted message when cond is false.
 /// Usage: PCPKV_CHECK(pcp >= 1, "--pcp: must be >= 1, got {}", pcp);
-#define PCPKV_CHECK(cond, ...)                                                  \
-  do {                                                                          \
-    if (!(cond)) ::pcpkv::detail::fail(__FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
+#define PCPKV_CHECK(cond, ...)                                                       \
+  do {                                                                               \
+    if (!(cond)) ::pcpkv::raise_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
   } while (0)
 
-#define PCPKV_FAIL(...) ::pcpkv::detail::fail(__FILE__, __LINE__, fmt::format(__VA_ARGS__))
+#define PCPKV_FAIL(...) ::pcpkv::raise_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__))
