@@ -45,7 +45,7 @@ def block_size_problem(block_size: int) -> str | None:
     later, by the cache table, without the argument's name. The text starts with "must be"; callers name the value."""
     if not -2**63 <= block_size < 2**63:
         return "must be an int64 power of two >= 4"
-    return torch.ops.pcpkv.block_size_problem(block_size) or None
+    return torch.ops.pcpkv.block_size_problem(int(block_size)) or None  # int: a numpy integer is not an op int
 
 
 def check_block_size(block_size, who: str = "") -> None:
