@@ -1,5 +1,6 @@
 // python/csrc/plan.cpp: torch.ops.pcpkv.make_plan (schema: registry.cpp; docstring: pcpkv_torch/plan.py), host-only:
-// pcpkv::make_plan (pcpkv/core/plan.h) as tensors, one row per rank.
+// pcpkv::make_plan (pcpkv/core/plan.h) as tensors, one row per rank; and torch.ops.pcpkv.block_size_problem, the
+// CLI's --block-size rule (pcpkv/core/block_size.h) for the Python entries that take a block_size.
 #include <ATen/Functions.h>
 #include <torch/library.h>
 
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "pcpkv/core/block_size.h"
 #include "pcpkv/core/plan.h"
 
 namespace pcpkv_torch {
@@ -38,6 +40,11 @@ PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_de
   for (const auto& [name, v] : {std::pair<const char*, int64_t>{"pcp_world", pcp_world}, {"block_size", block_size}})
     TORCH_CHECK_VALUE(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
                       "make_plan: ", name, " = ", v, " is out of the int32 range of a plan");
+  // Here, before the plan: a block_size of 1 or 2 made a plan whose caches the cache table refused later, naming
+  // neither make_plan nor block_size (the library's plan does not know of the indexer-K cache's alignment). Named as
+  // the plan's own refusals name it (the Python argument, then the CLI's flag).
+  if (const auto why = pcpkv::block_size_problem(block_size))
+    TORCH_CHECK_VALUE(false, "make_plan: block_size (--block-size) = ", block_size, " ", *why);
   pcpkv::PlanConfig cfg;
   cfg.pcp_world = static_cast<int32_t>(pcp_world);
   cfg.block_size = static_cast<int32_t>(block_size);
@@ -90,8 +97,15 @@ PlanTuple make_plan(int64_t pcp_world, int64_t block_size, at::IntArrayRef is_de
           to_tensor(plan.decode_owner)};
 }
 
+/// pcpkv::block_size_problem's text, or "" when block_size can be a paged cache's (pcpkv_torch.layout.check_block_size
+/// names the caller's argument).
+std::string block_size_problem(int64_t block_size) { return pcpkv::block_size_problem(block_size).value_or(""); }
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(pcpkv, CompositeImplicitAutograd, m) { m.impl("make_plan", &make_plan); }
+TORCH_LIBRARY_IMPL(pcpkv, CompositeImplicitAutograd, m) {
+  m.impl("make_plan", &make_plan);
+  m.impl("block_size_problem", &block_size_problem);
+}
 
 }  // namespace pcpkv_torch

@@ -27,6 +27,7 @@ TORCH_LIBRARY(pcpkv, m) {
         "Tensor slot_mapping, Tensor global_index, Tensor rank_counts, Tensor gathered_slot_mapping, "
         "Tensor global_positions, Tensor global_slots, Tensor global_request, Tensor block_tables, int num_blocks, "
         "Tensor decode_owner)");
+  m.def("block_size_problem(int block_size) -> str");
   m.def("choose_transport(str[] hosts, Tensor peer_access, bool nccl_available) -> (str transport, str reason)");
   m.def("make_cache_targets(Tensor mla_ptrs, Tensor index_ptrs, int num_blocks, int block_size, int row_stride, "
         "int block_stride, int index_block_stride, str kv_format, bool has_indexer, int index_num_blocks=-1) "

@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .layout import check_block_size
 from .model_spec import MLA_ROW_BYTES, CacheFormat, check_cache_format
 from .rank_agreement import agree_on, share_verdicts, torch_gather
 from .tables import CacheTargets, FenceState, RowDests, check_num_barriers
@@ -311,8 +312,7 @@ class SymmetricCaches:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} = {v!r} must be an integer >= {lo}")
         check_num_barriers(num_barriers, "")
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size = {block_size} must be a power of two")
+        check_block_size(block_size)
         if not isinstance(kv_format, str) or kv_format not in MLA_ROW_BYTES:
             raise ValueError(f"kv_format = {kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
         if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:

@@ -38,6 +38,25 @@ def _check_ints(fill=None, **counts) -> None:
         raise ValueError(f"fill = {fill!r} must be a byte value (an integer in [0, 255]) or None")
 
 
+def block_size_problem(block_size: int) -> str | None:
+    """Why an integer block_size cannot be a paged cache's, or None: the CLI's --block-size rule
+    (pcpkv::block_size_problem of pcpkv/core/block_size.h, through torch.ops.pcpkv.block_size_problem): a power of two
+    >= 4, whose indexer-K cache block (block_size * 132 bytes) is a multiple of 16. 1 and 2 were taken and refused
+    later, by the cache table, without the argument's name. The text starts with "must be"; callers name the value."""
+    if not -2**63 <= block_size < 2**63:
+        return "must be an int64 power of two >= 4"
+    return torch.ops.pcpkv.block_size_problem(int(block_size)) or None  # int: a numpy integer is not an op int
+
+
+def check_block_size(block_size, who: str = "") -> None:
+    """Raises ValueError naming `block_size` and its value (after `who`, e.g. "allocate_mla_cache: ") unless it is an
+    integer (not a bool) for which block_size_problem() is None."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise ValueError(f"{who}block_size = {block_size!r} must be an integer")
+    if why := block_size_problem(block_size):
+        raise ValueError(f"{who}block_size = {block_size} {why}")
+
+
 def _padded(shape_inner: int, num_blocks: int, block_size: int, row_stride: int, block_stride: int, device,
             fill) -> torch.Tensor:
     flat = torch.empty(max(num_blocks * block_stride, 1), dtype=torch.uint8, device=device)
@@ -52,13 +71,12 @@ def allocate_mla_cache(num_blocks: int, block_size: int, kv_format: str, device=
     row_bytes + row_pad and block stride block_size * row stride + block_pad (bytes).
 
     fill: byte to initialize every byte with (None: uninitialized). Raises ValueError on an unknown format,
-    a block_size that is not a power of two, pads that break 4-byte alignment of the fp32 scales, a count that is
-    not an integer >= 0 or a fill that is not a byte value."""
+    a block_size that is not a power of two >= 4 (check_block_size, the CLI's --block-size rule), pads that break
+    4-byte alignment of the fp32 scales, a count that is not an integer >= 0 or a fill that is not a byte value."""
     _check_ints(fill, num_blocks=num_blocks, block_size=block_size, row_pad=row_pad, block_pad=block_pad)
     if kv_format not in MLA_ROW_BYTES:
         raise ValueError(f"kv_format = {kv_format!r}; expected one of {sorted(MLA_ROW_BYTES)}")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size = {block_size} must be a power of two")
+    check_block_size(block_size, "allocate_mla_cache: ")
     if row_pad % 4 or block_pad % 4 or row_pad < 0 or block_pad < 0:
         raise ValueError(f"row_pad = {row_pad}, block_pad = {block_pad} must be non-negative multiples of 4")
     row = MLA_ROW_BYTES[kv_format]
@@ -69,10 +87,10 @@ def allocate_mla_cache(num_blocks: int, block_size: int, kv_format: str, device=
 def allocate_indexer_cache(num_blocks: int, block_size: int, device=None, *, block_pad: int = 0,
                            fill: int | None = None) -> torch.Tensor:
     """Indexer-K cache (vLLM DeepseekV32IndexerCache): uint8 [num_blocks, block_size, 132] with block stride
-    block_size * 132 + block_pad bytes. Raises ValueError on a bad block_size, block_pad, num_blocks or fill."""
+    block_size * 132 + block_pad bytes. Raises ValueError on a bad block_size (check_block_size), block_pad, num_blocks
+    or fill."""
     _check_ints(fill, num_blocks=num_blocks, block_size=block_size, block_pad=block_pad)
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size = {block_size} must be a power of two")
+    check_block_size(block_size, "allocate_indexer_cache: ")
     if block_pad % 4 or block_pad < 0:
         raise ValueError(f"block_pad = {block_pad} must be a non-negative multiple of 4")
     return _padded(132, num_blocks, block_size, 132, block_size * 132 + block_pad, device, fill)
@@ -133,25 +151,42 @@ def indexer_cache_view(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return data, scales
 
 
+def _slots(slots, num_slots: int, device, who: str):
+    """slots as an int64 [N] tensor on `device` (None stays None: every slot). ValueError naming `who`'s slots for a
+    float, complex or bool tensor (slot 1.7 read as 1), one of more than one dimension, or an entry outside
+    [0, num_slots) (index_select's IndexError named neither; checked on the host, so not while torch.compile traces)."""
+    if slots is None:
+        return None
+    slots = torch.as_tensor(slots, device=device)
+    if slots.numel() and (slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool):  # 1.7: slot 1
+        raise ValueError(f"{who}: slots: expected integer slot indices, got {slots.dtype}")
+    if slots.dim() > 1:
+        raise ValueError(f"{who}: slots: expected a 1-d sequence of slots, got shape {list(slots.shape)}")
+    slots = slots.reshape(-1).to(torch.long)
+    if slots.numel() and not torch.compiler.is_compiling():
+        bad = ((slots < 0) | (slots >= num_slots)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"{who}: slots[{i}] = {int(slots[i])} is out of range [0, {num_slots}) (the cache's "
+                             "num_blocks * block_size)")
+    return slots
+
+
 def _select(x: torch.Tensor, slots) -> torch.Tensor:
     flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    if slots is None:
-        return flat
-    slots = torch.as_tensor(slots, device=x.device)
-    if slots.numel() and (slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool):  # 1.7: slot 1
-        raise ValueError(f"slots: expected integer slot indices, got {slots.dtype}")
-    slots = slots.to(torch.long)
-    return flat.index_select(0, slots)
+    return flat if slots is None else flat.index_select(0, slots)
 
 
 def dequantize_mla(cache: torch.Tensor, kv_format: str, k_scale: float = 1.0, slots=None):
     """Decoded (kv_c fp32 [N, 512], k_pe fp32 [N, 64]) of an MLA cache, N = len(slots) (or every slot,
     num_blocks * block_size, when slots is None). The values are exactly pcpkv's decode (pcpkv/publish/checks.h
     decode_slot): bf16 -> fp32; fp8: e4m3 * k_scale; fp8_ds_mla: e4m3 * tile scale, k_pe bf16. Raises ValueError
-    for an fp8 k_scale that pcpkv's writers refuse (nan, 0, ...: every value came back nan or 0)."""
+    for an fp8 k_scale that pcpkv's writers refuse (nan, 0, ...: every value came back nan or 0), and naming the entry
+    for slots that are not integers or lie outside [0, num_blocks * block_size)."""
     if kv_format == "fp8" and (why := scale_problem(k_scale)):
         raise ValueError(f"dequantize_mla: k_scale = {k_scale!r} {why}")
     v = mla_cache_view(cache, kv_format)
+    slots = _slots(slots, cache.shape[0] * cache.shape[1], cache.device, "dequantize_mla")
     kv_c = _select(v["kv_c"], slots).float()
     k_pe = _select(v["k_pe"], slots).float()
     if kv_format == "fp8":
@@ -163,6 +198,8 @@ def dequantize_mla(cache: torch.Tensor, kv_format: str, k_scale: float = 1.0, sl
 
 
 def dequantize_indexer(cache: torch.Tensor, slots=None) -> torch.Tensor:
-    """Decoded indexer K fp32 [N, 128] = e4m3 * the slot's UE8M0 scale (N as in dequantize_mla)."""
+    """Decoded indexer K fp32 [N, 128] = e4m3 * the slot's UE8M0 scale (N and the slots' checks as in
+    dequantize_mla)."""
     data, scales = indexer_cache_view(cache)
+    slots = _slots(slots, cache.shape[0] * cache.shape[1], cache.device, "dequantize_indexer")
     return _select(data, slots).float() * _select(scales, slots).unsqueeze(-1)

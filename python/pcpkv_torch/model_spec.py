@@ -85,6 +85,19 @@ class CacheFormat:
         return transport_row_bytes(self.kv_format, self.has_indexer)
 
 
+def written_fields(fmt: CacheFormat) -> dict:
+    """The fields of fmt that decide the cache bytes a publication writes: kv_format and has_indexer, the tile-scale
+    rule of fp8_ds_mla and the static scale of fp8 (no other format reads them). Two formats of equal written_fields
+    write the same bytes: the rule by which an op compares the format it is given with the one its caches were laid
+    out for (tables.check_targets)."""
+    out = dict(kv_format=fmt.kv_format, has_indexer=fmt.has_indexer)
+    if fmt.kv_format == "fp8_ds_mla":
+        out["ds_mla_scale"] = fmt.ds_mla_scale
+    if fmt.kv_format == "fp8":
+        out["k_scale"] = fmt.k_scale
+    return out
+
+
 def check_cache_format(fmt, where: str) -> None:
     """ValueError naming `where` and the value when fmt is not a CacheFormat (a format name such as "fp8", or None,
     raised AttributeError in the op that read fmt.kv_format)."""

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from .model_spec import CacheFormat, RopeSpec, check_cache_format
-from .tables import CacheTargets, FenceState, RowDests
+from .tables import CacheTargets, FenceState, RowDests, check_targets
 
 __all__ = ["rope_table", "dispatch", "combine", "insert", "fence", "validate_slots", "cuda_dispatch_impl"]
 
@@ -54,6 +54,18 @@ def _f32(w: Optional[Tensor], name: str) -> Optional[Tensor]:
         got = f"{w.dtype} {list(w.shape)} on {w.device}" if isinstance(w, Tensor) else type(w).__name__
         raise ValueError(f"dispatch: {name}: expected a floating-point weight (float32, bfloat16, ...), got {got}")
     return w.to(torch.float32).contiguous()
+
+
+def _check_scalars(who: str, reals: dict, flags: dict) -> None:
+    """ValueError naming the argument and value for a float argument that is not a real number (a bool is not one) or
+    a flag that is not a bool: the op's schema raised a RuntimeError ("Expected a value of type 'float' for argument
+    'q_eps' but instead found type 'str'"), or took 1 for True."""
+    for name, v in reals.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(f"{who}: {name} = {v!r} must be a float")
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{who}: {name} = {v!r} must be True or False")
 
 
 def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rope_cos_sin: Tensor, *,
@@ -101,11 +113,22 @@ def dispatch(kv: Tensor, k_pe: Tensor, positions: Tensor, kv_norm_w: Tensor, rop
     k_pe_out, index_k_out, topk_fill) sharing memory with an input, a table or another output, a tensor of
     written + targets.tensors + row_dests.tensors (named written[i] in that order) sharing memory with an input
     or a table (they may repeat each other), a missing indexer input, a bad format, a table whose geometry
-    cannot hold fmt's rows, row_dests slots of another row size or too few rows, or device tables that do not
-    match their host copies; on CPU also for a slot out of range or repeated, or a position outside the
-    table."""
+    cannot hold fmt's rows, targets that are not a CacheTargets or were built for another format (check_targets: fp8
+    rows into fp8_ds_mla caches, raw tile scales into pow2 ones), row_dests that are not a RowDests or whose slots hold
+    another row size or too few rows, an eps that is not a float or a rope / hadamard flag that is not a bool, or
+    device tables that do not match their host copies; on CPU also for a slot out of range or repeated, or a position
+    outside the table. A slot in block 0 is written like any other: the ops do not know whether the engine reserves a
+    null block (a plan with reserve_null_block=False uses it); validate_slots(..., null_block_size=block_size) refuses
+    it."""
     num_tokens = kv.shape[0] if isinstance(kv, Tensor) and kv.dim() >= 1 else 0
     check_cache_format(fmt, "dispatch")
+    check_targets(targets, fmt, "dispatch")
+    if row_dests is not None and not isinstance(row_dests, RowDests):
+        raise ValueError("dispatch: row_dests must be a RowDests (RowDests.from_staging or from_pointers) or None, "
+                         f"got {type(row_dests).__name__}")
+    _check_scalars("dispatch", dict(q_eps=q_eps, kv_eps=kv_eps, index_eps=index_eps),
+                   dict(mla_rope_interleaved=mla_rope_interleaved, index_rope_interleaved=index_rope_interleaved,
+                        index_hadamard=index_hadamard))
     if topk_fill_mode not in ("full", "tail", "none"):
         raise ValueError(f"dispatch: topk_fill_mode = {topk_fill_mode!r} must be 'full', 'tail' or 'none'")
     if topk_fill_mode == "tail":
@@ -187,7 +210,13 @@ def validate_slots(slot_mapping: Tensor, num_slots: int, name: str = "slot_mappi
     """Host check (synchronizes when slot_mapping is on a GPU; not inside a graph capture): every entry -1 or
     in [0, num_slots), none repeated, none in the null block [0, null_block_size). Raises ValueError naming
     the first bad entry, and for a slot_mapping that is not an int64 [T] tensor (the ops' dtype: float slots 0.5, 1.5
-    passed the range checks)."""
+    passed the range checks), and naming num_slots / null_block_size unless they are integers with
+    0 <= null_block_size <= num_slots (num_slots = -1 blamed the first slot)."""
+    for arg, v in (("num_slots", num_slots), ("null_block_size", null_block_size)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"validate_slots: {arg} = {v!r} must be an integer >= 0")
+    if null_block_size > num_slots:
+        raise ValueError(f"validate_slots: null_block_size = {null_block_size} exceeds num_slots = {num_slots}")
     if not isinstance(slot_mapping, Tensor) or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
         got = (f"{slot_mapping.dtype} {list(slot_mapping.shape)}" if isinstance(slot_mapping, Tensor)
                else type(slot_mapping).__name__)

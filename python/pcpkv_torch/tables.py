@@ -13,9 +13,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .model_spec import CacheFormat, check_cache_format
+from .model_spec import CacheFormat, check_cache_format, written_fields
 
-__all__ = ["CacheTargets", "RowDests", "FenceState", "allocate_fence_pads", "peer_pointers", "pointer_table"]
+__all__ = ["CacheTargets", "RowDests", "FenceState", "allocate_fence_pads", "check_targets", "peer_pointers",
+           "pointer_table"]
 
 
 def pointer_table(ptrs: Iterable[int], device=None) -> torch.Tensor:
@@ -128,12 +129,17 @@ def _pointers(ptrs, name: str) -> list[int]:
 class CacheTargets:
     """Cache replicas a dispatch writes final rows into ("direct"): a table of pcpkv::CacheTarget records,
     host copy `host` (CPU uint8 [D, 72]) and device copy `table`. All replicas share one geometry.
-    `tensors` are the local tensors behind the pointers (declared as mutated to torch.compile)."""
+    `tensors` are the local tensors behind the pointers (declared as mutated to torch.compile). `fmt`: the
+    CacheFormat the caches were laid out for (from_caches / from_pointers record theirs; None: unknown, a table built
+    by hand): a dispatch refuses another format's rows (check_targets), which the records cannot tell apart (an fp8
+    row fits a 656-byte fp8_ds_mla slot; pow2 and raw tile scales are the same size)."""
 
-    def __init__(self, host: torch.Tensor, table: torch.Tensor, tensors: Sequence[torch.Tensor] = ()):
+    def __init__(self, host: torch.Tensor, table: torch.Tensor, tensors: Sequence[torch.Tensor] = (),
+                 fmt: CacheFormat | None = None):
         self.host = host
         self.table = table
         self.tensors = list(tensors)
+        self.fmt = fmt
 
     def __len__(self):
         return self.host.shape[0]
@@ -183,7 +189,7 @@ class CacheTargets:
         host = torch.ops.pcpkv.make_cache_targets(
             pointer_table(mla_ptrs), pointer_table(idx_ptrs), mla[0], mla[1], mla[2], mla[3], idx_stride,
             fmt.kv_format, fmt.has_indexer, nb)
-        return CacheTargets(host, host.to(device), tensors)
+        return CacheTargets(host, host.to(device), tensors, fmt)
 
     @staticmethod
     def from_caches(mla_caches: Sequence[torch.Tensor], index_caches: Sequence[torch.Tensor] | None,
@@ -222,6 +228,28 @@ class CacheTargets:
         return CacheTargets.from_pointers(
             [c.data_ptr() for c in mla_caches], [c.data_ptr() for c in idx] if idx else None, like_mla=mla_caches[0],
             like_index=idx[0] if idx else None, fmt=fmt, tensors=mla_caches + (idx or []))
+
+
+def check_targets(targets, fmt: CacheFormat, who: str) -> None:
+    """The one check of the tables an op writes final cache rows through against the format it writes (dispatch, and
+    so VllmPcpPublisher's direct path, EngineCaches' and SymmetricCaches' targets): ValueError naming `targets`
+    unless it is None or a CacheTargets, and naming `fmt` and the targets' format when they write different bytes
+    (written_fields: an fp8 row written into fp8_ds_mla caches, raw tile scales into pow2 ones), before anything is
+    written. A CacheTargets of unknown format (fmt None) is checked by the op's geometry only."""
+    if targets is None:
+        return
+    if not isinstance(targets, CacheTargets):
+        raise ValueError(f"{who}: targets must be a CacheTargets (CacheTargets.from_caches or from_pointers) or None, "
+                         f"got {_describe(targets)}")
+    if targets.fmt is None:
+        return
+    mine, theirs = written_fields(fmt), written_fields(targets.fmt)
+    if mine != theirs:
+        # another kv_format: its scale fields are not comparable, the format names say it
+        keys = mine if mine["kv_format"] == theirs["kv_format"] else ("kv_format", "has_indexer")
+        diff = ", ".join(f"{k} {mine[k]!r} vs {theirs[k]!r}" for k in keys if mine[k] != theirs[k])
+        raise ValueError(f"{who}: fmt = {fmt} does not write the format targets were built for, {targets.fmt} "
+                         f"({diff}); pass the targets' format, or targets built for fmt")
 
 
 class RowDests:
@@ -304,6 +332,8 @@ class RowDests:
 # A fence barrier is reused once its epoch has passed, so an engine needs one per layer it keeps in flight (a
 # model's layer count at most); the cap turns a mistyped count into a named refusal, not a huge pad allocation.
 MAX_FENCE_BARRIERS = 4096
+#: The most ranks a fence spans (FenceState's bound).
+MAX_FENCE_WORLD = 1024
 
 
 def check_num_barriers(num_barriers, who: str) -> None:
@@ -313,9 +343,19 @@ def check_num_barriers(num_barriers, who: str) -> None:
         raise ValueError(f"{who}num_barriers = {num_barriers!r} must be an integer in [1, {MAX_FENCE_BARRIERS}]")
 
 
+def check_world(world, who: str) -> None:
+    """Raises ValueError naming `world` unless it is an integer in [1, MAX_FENCE_WORLD]."""
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_FENCE_WORLD:
+        raise ValueError(f"{who}world = {world!r} must be an integer in [1, {MAX_FENCE_WORLD}]")
+
+
 def allocate_fence_pads(world: int, num_barriers: int = 1, device=None) -> list[torch.Tensor]:
     """One zeroed signal pad per rank, int64 [num_barriers, 2, world] (the SPEC section 5 pad of uint64),
-    for W logical ranks of one process. Ranks in separate processes put their pad in symmetric memory."""
+    for W logical ranks of one process. Ranks in separate processes put their pad in symmetric memory.
+    Raises ValueError naming the argument unless world is an integer in [1, 1024] and num_barriers one in [1, 4096]
+    (FenceState's bounds: 5000 barriers and world 0 were allocated, then refused by FenceState without their name)."""
+    check_world(world, "allocate_fence_pads: ")
+    check_num_barriers(num_barriers, "allocate_fence_pads: ")
     return [torch.zeros((num_barriers, 2, world), dtype=torch.int64, device=device) for _ in range(world)]
 
 
@@ -337,11 +377,10 @@ class FenceState:
         signal would land in another rank's slots), or a pad tensor that is not a contiguous int64
         [num_barriers, 2, world] on the fence's device type."""
         check_num_barriers(num_barriers, "FenceState: ")
-        for name, v, lo in (("world", world, 1), ("first_rank", first_rank, 0), ("num_local_ranks", num_local_ranks, 1)):
+        check_world(world, "FenceState: ")
+        for name, v, lo in (("first_rank", first_rank, 0), ("num_local_ranks", num_local_ranks, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"FenceState: {name} = {v!r} must be an integer >= {lo}")
-        if world > 1024:
-            raise ValueError(f"FenceState: world = {world} must be at most 1024")
         if first_rank + num_local_ranks > world:
             raise ValueError(f"FenceState: ranks [{first_rank}, {first_rank + num_local_ranks}) are not inside "
                              f"[0, world = {world})")
@@ -371,15 +410,19 @@ class FenceState:
         self.error = torch.zeros(32, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     @staticmethod
-    def local(pads: Sequence[torch.Tensor], num_barriers: int = 1) -> "FenceState":
+    def local(pads: Sequence[torch.Tensor], num_barriers: int | None = None) -> "FenceState":
         """All W ranks hosted by this process (one fence call serves them all), over allocate_fence_pads().
-        Raises ValueError when pads is empty or a pad is not int64 [num_barriers, 2, W] (see __init__)."""
+        num_barriers: None (the default) takes the pads' own (pads[0].shape[0]; it was 1, and pads of 5 barriers were
+        refused as "expected [num_barriers=1, ...]"). Raises ValueError when pads is empty or a pad is not int64
+        [num_barriers, 2, W] (see __init__)."""
         if isinstance(pads, torch.Tensor) or not pads:
             raise ValueError("FenceState.local: pads must be a non-empty list of pads (allocate_fence_pads), got "
                              f"{_describe(pads) if isinstance(pads, torch.Tensor) else pads!r}")
         for i, p in enumerate(pads):
             if not isinstance(p, torch.Tensor):
                 raise ValueError(f"FenceState: pads[{i}] is a {type(p).__name__}, not a tensor")
+        if num_barriers is None:
+            num_barriers = pads[0].shape[0] if pads[0].dim() == 3 else 1  # another shape: __init__ names the pad
         return FenceState([p.data_ptr() for p in pads], world=len(pads), num_barriers=num_barriers, first_rank=0,
                           num_local_ranks=len(pads), device=pads[0].device, pads=pads)
 

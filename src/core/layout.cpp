@@ -3,6 +3,8 @@
 
 #include <cfloat>
 
+#include "pcpkv/core/block_size.h"
+
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 
@@ -39,6 +41,14 @@ std::optional<std::string> scale_problem(double scale) {
   return std::string(
       "must be a finite, positive, normal float32 (in [2^-126, 3.4e38]; 0, negatives, subnormals such as 1e-45, "
       "nan and inf are refused)");
+}
+
+std::optional<std::string> block_size_problem(int64_t block_size) {
+  if (block_size > 0 && (block_size & (block_size - 1)) == 0 && (block_size * kIndexerSlotBytes) % 16 == 0)
+    return std::nullopt;
+  return std::string(
+      "must be a power of two >= 4 (slot = block_id * block_size + offset; an indexer-K cache block holds "
+      "block_size * 132 bytes, which must be a multiple of 16)");
 }
 
 MlaCacheGeometry dense_mla_geometry(KvFormat f, int64_t num_blocks, int32_t block_size) {

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "pcpkv/core/block_size.h"
 #include "pcpkv/core/error.h"
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/core/layout.h"
@@ -15,12 +16,7 @@
 namespace pcpkv::cli {
 
 void check_block_size_flag(int64_t block_size) {
-  PCPKV_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
-              "--block-size: must be a power of two, got {}", block_size);
-  PCPKV_CHECK((block_size * kIndexerSlotBytes) % 16 == 0,
-              "--block-size: {} is too small: an indexer-K cache block of B slots holds B * 132 bytes, which must "
-              "be a multiple of 16 (B >= 4)",
-              block_size);
+  if (const auto why = block_size_problem(block_size)) PCPKV_FAIL("--block-size: {} {}", block_size, *why);
 }
 
 namespace {

@@ -9,8 +9,7 @@
 
 namespace pcpkv::cli {
 
-// --block-size: a power of two (SPEC section 3, paged caches) whose indexer-K cache block (B * 132 bytes:
-// data then scales) stays 16-byte aligned, so B >= 4. Every layer kind lays out the indexer-K cache.
+// --block-size: pcpkv::block_size_problem (pcpkv/core/block_size.h), the rule pcpkv_torch's entries share.
 void check_block_size_flag(int64_t block_size);
 
 /// Most timed or repeated runs a count flag (--repeats, --iters, --warmup) asks for: a median needs tens, and a

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..layout import block_size_problem
 from ..models import TRANSPORTS, PcpModel, StepRequest, build_hf_model, small_config
 from ..models.hf import hf_reference_forward
 from ..models.attention import PcpRuntime
@@ -48,8 +49,8 @@ def make_config(args):
 
 def check_shared_args(p, args):
     """The checks of the flags prefill and prefill_dist share (p.error: exit 2 naming the flag and value)."""
-    if args.block_size < 4 or args.block_size & (args.block_size - 1):
-        p.error(f"--block-size = {args.block_size} must be a power of two >= 4")
+    if why := block_size_problem(args.block_size):
+        p.error(f"--block-size = {args.block_size} {why}")
     if args.topk is not None and not 1 <= args.topk <= 8192:
         p.error(f"--topk = {args.topk} must be in [1, 8192]")
     if not 0 <= args.seed < (1 << 64) - 1:  # the token ids use seed + 1, a torch generator seed

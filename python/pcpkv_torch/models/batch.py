@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..layout import check_block_size
 from ..plan import Request, check_plan_modes, make_plan
 
 __all__ = ["BlockTables", "StepRequest", "StepBatch"]
@@ -24,11 +25,7 @@ class BlockTables:
     Raises ValueError when a request needs more blocks than are free."""
 
     def __init__(self, num_blocks: int, block_size: int, *, seed: int = 0):
-        # >= 4: an indexer block (block_size x 132 B) must be 16-byte aligned (as the CLI's --block-size); 1 and 2
-        # were refused later, in the cache table, without this argument's name.
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4 or (
-                block_size & (block_size - 1)):
-            raise ValueError(f"block_size = {block_size!r} must be a power of two >= 4")
+        check_block_size(block_size)  # the CLI's --block-size rule: 1 and 2 were refused later, unnamed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
             raise ValueError(f"seed = {seed!r} must be an int in [0, 2^64)")
         # an int: 2.5 was a TypeError from torch.randperm (issue 31's break test)
