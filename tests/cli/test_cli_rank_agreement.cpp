@@ -177,7 +177,9 @@ TEST_P(BadArgumentOnOneRank, EveryRankNamesItWithinSeconds) {
 INSTANTIATE_TEST_SUITE_P(
     Commands, BadArgumentOnOneRank,
     ::testing::Values(BadFlag{{"mp-publish", "--backend", "cpu", "--tokens", "256"}, {"--block-size", "48"},
-                              "mp-publish", "--block-size: must be a power of two, got 48"},
+                              "mp-publish",
+                              "--block-size: 48 must be a power of two >= 4 (slot = block_id * block_size + offset; "
+                              "an indexer-K cache block holds block_size * 132 bytes, which must be a multiple of 16)"},
                       BadFlag{{"bench-fence", "--backend", "cpu", "--iters", "3"}, {"--layers", "0"}, "bench-fence",
                               "--layers: must be >= 1, got 0"}),
     [](const ::testing::TestParamInfo<BadFlag>& i) { return std::string(i.param.cmd[0] == 'm' ? "mp_publish"
