@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "pcpkv/core/error.h"
+#include "core/fnv1a.h"
 #include "ranks/bootstrap_impl.h"
 #include "ranks/bootstrap_socket.h"
 
@@ -191,8 +192,7 @@ std::string first_difference(const std::vector<std::pair<std::string, std::strin
 
 void Bootstrap::agree_on(const std::string& what, const std::vector<std::pair<std::string, std::string>>& fields) {
   const std::vector<uint8_t> mine = pack_fields(fields);
-  uint64_t digest = 1469598103934665603ull;  // FNV-1a 64: a check between cooperating ranks, not a defence
-  for (uint8_t b : mine) digest = (digest ^ b) * 1099511628211ull;
+  uint64_t digest = fnv1a(mine.data(), mine.size());
   std::vector<uint64_t> digests(static_cast<size_t>(world_size()));
   all_gather(&digest, sizeof(digest), digests.data());
   if (std::all_of(digests.begin(), digests.end(), [&](uint64_t d) { return d == digests[0]; })) return;

@@ -18,6 +18,7 @@
 
 #include "pcpkv/core/env.h"
 #include "pcpkv/core/error.h"
+#include "core/fnv1a.h"
 #include "pcpkv/core/input_limits.h"
 #include "pcpkv/ranks/bootstrap.h"
 
@@ -73,8 +74,7 @@ void check_local(const BootstrapConfig& c, const char* rank, const char* world, 
 std::pair<uint64_t, std::string> command_line() {
   std::ifstream f("/proc/self/cmdline", std::ios::binary);
   const std::string raw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char ch : raw) h = (h ^ ch) * 1099511628211ull;
+  const uint64_t h = fnv1a(raw.data(), raw.size());
   std::string text = raw;
   std::replace(text.begin(), text.end(), '\0', ' ');
   while (!text.empty() && text.back() == ' ') text.pop_back();

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -14,6 +15,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "core/fnv1a.h"
 #include "error_line.h"
 #include "launch_cmds.h"
 #include "pcpkv/core/env.h"
@@ -39,10 +41,8 @@ std::unique_ptr<Bootstrap> connect_world() {
 std::string file_fingerprint(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return fmt::format("unreadable: {}", std::strerror(errno));
-  uint64_t h = 1469598103934665603ull;
-  uint64_t n = 0;
-  for (char c; f.get(c); ++n) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return fmt::format("FNV-64 {:016x} of {} bytes", h, n);
+  const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  return fmt::format("FNV-64 {:016x} of {} bytes", fnv1a(bytes.data(), bytes.size()), bytes.size());
 }
 
 RankPublisherFactory rank_publisher_factory(const std::string& backend, std::string* resolved) {

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "pcpkv/core/error.h"
+#include "core/fnv1a.h"
 #include "pcpkv/publish/checks.h"
 #include "pcpkv/publish/replica_hash.h"
 
@@ -253,15 +254,11 @@ Check check_fence_epochs(const std::vector<uint64_t>& e0, const std::vector<uint
 }
 
 uint64_t replicas_fingerprint(const PublishResult& r) {
-  auto fnv1a = [](const std::vector<uint8_t>& v, uint64_t h) {
-    for (uint8_t b : v) h = (h ^ b) * 1099511628211ull;
-    return h;
-  };
   uint64_t h = 0;
   for (size_t q = 0; q < r.mla_alloc.size(); ++q) {
     // Seeded per rank from the previous hash, so a rank's bytes moved to another rank change it.
-    h = fnv1a(r.mla_alloc[q], h ^ 0x9e37u);
-    if (q < r.index_alloc.size()) h = fnv1a(r.index_alloc[q], h);
+    h = fnv1a(r.mla_alloc[q].data(), r.mla_alloc[q].size(), h ^ 0x9e37u);
+    if (q < r.index_alloc.size()) h = fnv1a(r.index_alloc[q].data(), r.index_alloc[q].size(), h);
   }
   return h;
 }
