@@ -8,7 +8,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <thread>
 
 #include "support/cli_runner.h"
@@ -94,19 +93,13 @@ TEST(LaunchCpuMisc, LeakCheckPasses) {
 TEST(LaunchCpuMisc, TorchrunStyleVariables) {
   // Two processes started by hand the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
   test::TempDir dir;
-  std::mt19937 rng(std::random_device{}());
-  const std::string port = std::to_string(20000 + rng() % 40000);
+  const std::string port = test::random_port();
   std::vector<test::CliResult> out(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r)
     threads.emplace_back([&, r] {
-      auto env = clean_env();
-      env.push_back({"RANK", std::to_string(r)});
-      env.push_back({"WORLD_SIZE", "2"});
+      auto env = test::torchrun_env(r, 2, port, dir.path);
       env.push_back({"LOCAL_RANK", std::to_string(r)});
-      env.push_back({"MASTER_ADDR", "127.0.0.1"});
-      env.push_back({"MASTER_PORT", port});
-      env.push_back({"PCPKV_BOOTSTRAP_DIR", dir.path});
       out[r] = run_program({"mp-publish", "--backend", "cpu", "--tokens", "20", "--transport", "staging"}, 120, env);
     });
   for (auto& t : threads) t.join();
@@ -230,15 +223,9 @@ TEST(LaunchCpuMisc, BadUsage) {
 // message naming both jobs; job B's rank 0 is refused at once because the port is in use.
 TEST(LaunchCpuMisc, TwoTorchrunJobsOnOnePortNeverMeet) {
   test::TempDir dir;
-  std::mt19937 rng(std::random_device{}());
-  const std::string port = std::to_string(20000 + rng() % 40000);
+  const std::string port = test::random_port();
   auto start = [&](int rank, const char* seed) {
-    auto env = clean_env();
-    env.push_back({"RANK", std::to_string(rank)});
-    env.push_back({"WORLD_SIZE", "2"});
-    env.push_back({"MASTER_ADDR", "127.0.0.1"});
-    env.push_back({"MASTER_PORT", port});
-    env.push_back({"PCPKV_BOOTSTRAP_DIR", dir.path});
+    auto env = test::torchrun_env(rank, 2, port, dir.path);
     env.push_back({"PCPKV_BOOTSTRAP_TIMEOUT_S", "20"});
     return run_program({"mp-publish", "--backend", "cpu", "--tokens", "20", "--transport", "direct", "--seed", seed},
                        120, env);

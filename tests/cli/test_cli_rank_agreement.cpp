@@ -7,7 +7,6 @@
 // refused this job's rank started with another command line names it within seconds (it waited 60 s).
 #include <gtest/gtest.h>
 
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,26 +22,16 @@ using test::clean_env;
 using test::describe;
 using test::run_program;
 
-std::string random_port() {
-  std::mt19937 rng(std::random_device{}());
-  return std::to_string(20000 + rng() % 40000);
-}
-
 // Two torchrun-style ranks of one job (PCPKV_JOB_ID: one job token whatever the flags), rank r with extra[r].
 std::vector<test::CliResult> two_ranks(const std::vector<std::string>& base, const std::vector<std::string> extra[2],
                                        bool job_id = true) {
   test::TempDir dir;
-  const std::string port = random_port();
+  const std::string port = test::random_port();
   std::vector<test::CliResult> out(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r)
     threads.emplace_back([&, r] {
-      auto env = clean_env();
-      env.push_back({"RANK", std::to_string(r)});
-      env.push_back({"WORLD_SIZE", "2"});
-      env.push_back({"MASTER_ADDR", "127.0.0.1"});
-      env.push_back({"MASTER_PORT", port});
-      env.push_back({"PCPKV_BOOTSTRAP_DIR", dir.path});
+      auto env = test::torchrun_env(r, 2, port, dir.path);
       env.push_back({"PCPKV_BOOTSTRAP_TIMEOUT_S", "60"});
       if (job_id) env.push_back({"PCPKV_JOB_ID", "agree-" + port});
       std::vector<std::string> args = base;

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -97,6 +98,25 @@ inline std::vector<std::pair<std::string, std::string>> clean_env() {
           {"PCPKV_BOOTSTRAP", ""}, {"PCPKV_JOB_TOKEN", ""}, {"RANK", ""},      {"WORLD_SIZE", ""},
           {"LOCAL_RANK", ""},  {"MASTER_ADDR", ""},      {"MASTER_PORT", ""},   {"PCPKV_DEVICE", ""},
           {"LOCAL_WORLD_SIZE", ""}, {"TORCHELASTIC_RUN_ID", ""}, {"PCPKV_JOB_ID", ""}};
+}
+
+// A MASTER_PORT for a torchrun-style test job: random in [20000, 60000), so tests run side by side rarely meet.
+inline std::string random_port() {
+  std::mt19937 rng(std::random_device{}());
+  return std::to_string(20000 + rng() % 40000);
+}
+
+// clean_env() plus what torchrun gives rank `rank` of `world` on this host (RANK, WORLD_SIZE, MASTER_ADDR and
+// MASTER_PORT), with the bootstrap's socket folder `dir` (a test's own, so no other job's socket is seen).
+inline std::vector<std::pair<std::string, std::string>> torchrun_env(int rank, int world, const std::string& port,
+                                                                     const std::string& dir) {
+  auto env = clean_env();
+  env.push_back({"RANK", std::to_string(rank)});
+  env.push_back({"WORLD_SIZE", std::to_string(world)});
+  env.push_back({"MASTER_ADDR", "127.0.0.1"});
+  env.push_back({"MASTER_PORT", port});
+  env.push_back({"PCPKV_BOOTSTRAP_DIR", dir});
+  return env;
 }
 
 }  // namespace pcpkv::test
